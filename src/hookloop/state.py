@@ -1,0 +1,325 @@
+"""What callbacks see (``TrainState``), what they may ask (``Control``), and the
+one object that carries both to every handler (``CallbackContext``).
+
+State is read, Control is asked, the loop decides: a callback never changes the
+loop's counters; it files a request on ``ctx.control`` and the loop acts on it
+at a documented point (see :class:`Control`).
+"""
+
+from __future__ import annotations
+
+import threading
+from operator import attrgetter
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from hookloop.trainer import Trainer
+
+
+def _read_only(field: str, doc: str) -> property:
+    def refuse(self: object, value: object) -> None:
+        raise AttributeError(
+            f"TrainState.{field} is read-only to callbacks; the loop owns its counters. "
+            "Ask the loop through ctx.control (request_stop, request_save, ...) instead."
+        )
+
+    return property(attrgetter("_" + field), refuse, doc=doc)
+
+
+class TrainState:
+    """Progress counters of a run. The loop writes them; callbacks read them.
+
+    ``step`` counts optimizer steps begun: during every event of the N-th step
+    (``on_train_step_start`` … ``on_train_step_end``) it equals N, and after the
+    step it is the number of steps completed. Skipped steps count too.
+    """
+
+    __slots__ = (
+        "_epoch",
+        "_epoch_step",
+        "_flops",
+        "_last_eval",
+        "_local_rank",
+        "_max_steps",
+        "_micro_step",
+        "_num_epochs",
+        "_rank",
+        "_samples",
+        "_skipped_steps",
+        "_step",
+        "_steps_per_epoch",
+        "_stop_reason",
+        "_tokens",
+        "_world_size",
+    )
+
+    step = _read_only("step", "Optimizer steps begun (== completed, between steps).")
+    epoch = _read_only("epoch", "Epoch in progress, 0-based.")
+    epoch_step = _read_only("epoch_step", "Optimizer steps begun in the current epoch.")
+    micro_step = _read_only("micro_step", "Micro-batch index inside the step, 0-based.")
+    samples = _read_only("samples", "Training samples consumed (all ranks).")
+    tokens = _read_only("tokens", "Training tokens consumed, when the batch reports them.")
+    flops = _read_only("flops", "Estimated training FLOPs so far (0 without an estimate).")
+    max_steps = _read_only("max_steps", "Step budget, or None when bounded by epochs only.")
+    num_epochs = _read_only("num_epochs", "Epoch budget, or None when bounded by steps only.")
+    steps_per_epoch = _read_only("steps_per_epoch", "Optimizer steps per epoch, if known.")
+    skipped_steps = _read_only("skipped_steps", "Steps whose optimizer update was skipped.")
+    rank = _read_only("rank", "Global rank of this process (0 without distributed).")
+    local_rank = _read_only("local_rank", "Rank on this node.")
+    world_size = _read_only("world_size", "Number of processes.")
+    stop_reason = _read_only("stop_reason", "Why training ended, once it has.")
+    last_eval = _read_only("last_eval", "Metrics of the latest evaluation (a dict).")
+
+    def __init__(self) -> None:
+        self._step = 0
+        self._epoch = 0
+        self._epoch_step = 0
+        self._micro_step = 0
+        self._samples = 0
+        self._tokens = 0
+        self._flops = 0.0
+        self._max_steps: int | None = None
+        self._num_epochs: int | None = None
+        self._steps_per_epoch: int | None = None
+        self._skipped_steps = 0
+        self._rank = 0
+        self._local_rank = 0
+        self._world_size = 1
+        self._stop_reason: str | None = None
+        self._last_eval: dict[str, float] = {}
+
+    @property
+    def is_rank_zero(self) -> bool:
+        return self._rank == 0
+
+    #: Counters that a checkpoint restores (rank and world size come from the launcher).
+    _RESUMABLE = (
+        "step",
+        "epoch",
+        "epoch_step",
+        "samples",
+        "tokens",
+        "flops",
+        "skipped_steps",
+        "last_eval",
+    )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, "_" + k) for k in self._RESUMABLE}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in self._RESUMABLE:
+            if key in state:
+                setattr(self, "_" + key, state[key])
+
+    def __repr__(self) -> str:
+        return (
+            f"TrainState(step={self._step}, epoch={self._epoch}, samples={self._samples}, "
+            f"max_steps={self._max_steps}, rank={self._rank}/{self._world_size})"
+        )
+
+
+class Control:
+    """Requests from callbacks (or the control server's thread) to the loop.
+
+    Where the loop acts on each request:
+
+    - ``skip_step()``: just before ``optimizer.step()`` of the current step
+      (so it may be called up to ``on_before_optimizer_step``); the step then
+      counts as skipped.
+    - ``request_log()``, ``request_evaluate()``, ``request_save()``,
+      ``request_stop()``, ``request_abort()``: at the end of the current step,
+      after ``on_train_step_end``, in that order (log, evaluate, save, stop).
+      A stop saves a checkpoint when checkpointing is configured; an abort ends
+      at once and saves nothing. Requests filed outside a step wait for the next.
+
+    Requests are thread-safe: another thread may file them at any time.
+    """
+
+    __slots__ = ("_abort", "_evaluate", "_lock", "_log", "_pending", "_save", "_skip", "_stop")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending = False  # one cheap read per step tells the loop whether to look
+        self._skip = False
+        self._log = False
+        self._evaluate = False
+        self._save = False
+        self._stop: str | None = None
+        self._abort: str | None = None
+
+    # -- asking ------------------------------------------------------------
+    def request_stop(self, reason: str = "stop requested") -> None:
+        """Finish the current step, save (if checkpointing is on), and end training."""
+        with self._lock:
+            self._stop = self._stop or str(reason)
+            self._pending = True
+
+    def request_abort(self, reason: str = "abort requested") -> None:
+        """End training after the current step without saving anything."""
+        with self._lock:
+            self._abort = self._abort or str(reason)
+            self._pending = True
+
+    def request_save(self) -> None:
+        """Write a checkpoint at the end of the current step."""
+        with self._lock:
+            self._save = True
+            self._pending = True
+
+    def request_evaluate(self) -> None:
+        """Run an evaluation at the end of the current step."""
+        with self._lock:
+            self._evaluate = True
+            self._pending = True
+
+    def request_log(self) -> None:
+        """Fire the logging events at the end of the current step, even if not due."""
+        with self._lock:
+            self._log = True
+            self._pending = True
+
+    def skip_step(self) -> None:
+        """Do not apply this step's optimizer update (gradients are discarded)."""
+        self._skip = True
+
+    # -- reading (for callbacks that coordinate) ---------------------------
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop is not None or self._abort is not None
+
+    @property
+    def abort_requested(self) -> bool:
+        return self._abort is not None
+
+    # -- draining (the loop's side) ----------------------------------------
+    def take(self) -> Requests:
+        """Return and clear every pending request (called by the loop)."""
+        with self._lock:
+            taken = Requests(self._log, self._evaluate, self._save, self._stop, self._abort)
+            self._log = self._evaluate = self._save = False
+            self._stop = self._abort = None
+            self._pending = False
+        return taken
+
+    def take_skip(self) -> bool:
+        skip, self._skip = self._skip, False
+        return skip
+
+
+class Requests:
+    """A snapshot of the requests drained at one step boundary."""
+
+    __slots__ = ("abort", "evaluate", "log", "save", "stop")
+
+    def __init__(
+        self, log: bool, evaluate: bool, save: bool, stop: str | None, abort: str | None
+    ) -> None:
+        self.log = log
+        self.evaluate = evaluate
+        self.save = save
+        self.stop = stop
+        self.abort = abort
+
+    def merge(self, other: Requests) -> Requests:
+        return Requests(
+            self.log or other.log,
+            self.evaluate or other.evaluate,
+            self.save or other.save,
+            self.stop or other.stop,
+            self.abort or other.abort,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Requests(log={self.log}, evaluate={self.evaluate}, save={self.save}, "
+            f"stop={self.stop!r}, abort={self.abort!r})"
+        )
+
+
+class CallbackContext:
+    """The one object every handler receives.
+
+    Always set: ``trainer``, ``state``, ``control``, ``model``, ``optimizer``,
+    ``scheduler``, ``config``, ``user_state``. Per-event fields are set only
+    during the events that define them (``hookloop.events.EVENT_FIELDS``) and
+    are ``None`` at every other time, so nothing stale leaks between events:
+
+    - ``batch``: the micro-batch (``on_micro_step_*``, ``on_eval_step_*``, ``on_test_step_*``)
+    - ``outputs``, ``loss``: the model output and that micro-batch's loss tensor (``*_step_end``)
+    - ``loss_dict``: reduced losses of the step, 0-dim tensors (optimizer and step-end events)
+    - ``grad_norm``: total gradient norm as a tensor, if it was computed
+    - ``skipped_iter``: whether the step's update was skipped
+    - ``logs``: the mutable dict of numbers for this log event (``on_before_log``, ``on_log``)
+    - ``metrics`` (alias ``total_loss_dict``): evaluation results (``on_eval_end``, ``on_test_end``)
+    - ``checkpoint_path``: the directory saved or loaded (``on_checkpoint_*``)
+    - ``exception``: the exception being raised (``on_exception``)
+    """
+
+    __slots__ = (
+        "batch",
+        "checkpoint_path",
+        "config",
+        "control",
+        "exception",
+        "grad_norm",
+        "logs",
+        "loss",
+        "loss_dict",
+        "metrics",
+        "model",
+        "optimizer",
+        "outputs",
+        "scheduler",
+        "skipped_iter",
+        "state",
+        "trainer",
+        "user_state",
+    )
+
+    def __init__(
+        self,
+        *,
+        trainer: Trainer | None = None,
+        state: TrainState | None = None,
+        control: Control | None = None,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        config: Any = None,
+        user_state: dict[str, Any] | None = None,
+    ) -> None:
+        self.trainer = trainer
+        self.state = state if state is not None else TrainState()
+        self.control = control if control is not None else Control()
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.config = config
+        self.user_state = user_state if user_state is not None else {}
+        self.batch: Any = None
+        self.outputs: Any = None
+        self.loss: torch.Tensor | None = None
+        self.loss_dict: dict[str, torch.Tensor] | None = None
+        self.grad_norm: torch.Tensor | None = None
+        self.skipped_iter: bool | None = None
+        self.logs: dict[str, Any] | None = None
+        self.metrics: dict[str, float] | None = None
+        self.checkpoint_path: Any = None
+        self.exception: BaseException | None = None
+
+    def clear_event_fields(self) -> None:
+        """Reset every per-event field to None."""
+        self.batch = self.outputs = self.loss = self.loss_dict = self.grad_norm = None
+        self.skipped_iter = self.logs = self.metrics = self.checkpoint_path = None
+        self.exception = None
+
+    @property
+    def total_loss_dict(self) -> dict[str, float] | None:
+        """Seed-000 name for ``metrics``."""
+        return self.metrics
+
+    def __repr__(self) -> str:
+        return f"CallbackContext(state={self.state!r})"
