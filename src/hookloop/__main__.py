@@ -1,0 +1,5 @@
+import sys
+
+from hookloop.cli import main
+
+sys.exit(main())

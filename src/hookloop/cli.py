@@ -1,0 +1,143 @@
+"""The ``hookloop`` command.
+
+hookloop train [--recipe NAME] [--config FILE] [--out DIR] [--resume auto|PATH] [KEY=VALUE ...]
+hookloop recipes
+hookloop config [--recipe NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from hookloop.config import Config, apply_overrides, describe, load_yaml
+from hookloop.recipes import default_config, get_recipe, recipe_names
+from hookloop.trainer import ExitCode
+
+
+class UsageError(Exception):
+    """A bad command line or config: reported in one line, exit code 2."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return ExitCode.USAGE
+    try:
+        return args.run(args)
+    except (UsageError, ValueError) as err:
+        print(f"hookloop {args.command}: error: {err}", file=sys.stderr)
+        return ExitCode.USAGE
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hookloop", description="Train PyTorch models with a readable, hookable loop."
+    )
+    sub = parser.add_subparsers(dest="command")
+
+    train = sub.add_parser("train", help="train a recipe (default: gpt-stdlib)")
+    train.add_argument("--recipe", help="recipe name (see `hookloop recipes`)")
+    train.add_argument("--config", help="YAML file with config values")
+    train.add_argument("--out", help="run directory (default: runs/<recipe>-<time>)")
+    train.add_argument("--resume", help="'auto' (newest valid checkpoint in --out) or a path")
+    train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. train.max_steps=50")
+    train.set_defaults(run=_train)
+
+    recipes = sub.add_parser("recipes", help="list the available recipes")
+    recipes.set_defaults(run=_recipes)
+
+    config = sub.add_parser("config", help="print every config key with its value and doc")
+    config.add_argument("--recipe", help="recipe whose defaults to show")
+    config.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    config.set_defaults(run=_config)
+    return parser
+
+
+def resolve_config(recipe: str | None, config_file: str | None, overrides: list[str]) -> Config:
+    """Recipe defaults, then the YAML file, then the command-line overrides."""
+    name = recipe
+    if name is None and config_file:
+        data = (
+            yaml.safe_load(Path(config_file).read_text()) if Path(config_file).is_file() else None
+        )
+        if isinstance(data, dict) and isinstance(data.get("recipe"), str):
+            name = data["recipe"]
+    for item in overrides:
+        if item.startswith("recipe="):
+            name = item.split("=", 1)[1]
+    cfg = default_config(name or Config().recipe)
+    if config_file:
+        load_yaml(config_file, cfg)
+    apply_overrides(cfg, [o for o in overrides if not o.startswith("recipe=")])
+    return cfg.validate()
+
+
+def _run_dir(out: str | None, recipe: str, resume: str | None) -> Path:
+    if out is None:
+        if resume == "auto":
+            raise UsageError("--resume auto needs --out DIR (the run directory to resume)")
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path = Path("runs") / f"{recipe}-{stamp}"
+        suffix = 1
+        while path.exists():
+            suffix += 1
+            path = Path("runs") / f"{recipe}-{stamp}-{suffix}"
+        return path
+    path = Path(out)
+    if resume is None and (path / "config.yaml").exists():
+        raise UsageError(
+            f"{path} already holds a run; continue it with `--resume auto`, "
+            "or choose another --out directory (nothing there is overwritten)"
+        )
+    return path
+
+
+def _train(args: argparse.Namespace) -> int:
+    from hookloop.callbacks import JsonLogger, ProgressBar
+    from hookloop.entry import build_trainer
+
+    cfg = resolve_config(args.recipe, args.config, args.overrides)
+    run_dir = _run_dir(args.out, cfg.recipe, args.resume)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not (run_dir / "config.yaml").exists():  # a resumed run keeps the original file
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    callbacks = []
+    if cfg.logging.progress:
+        callbacks.append(ProgressBar())
+    if cfg.logging.json:
+        callbacks.append(JsonLogger(run_dir / "metrics.jsonl"))
+    print(f"hookloop: recipe {cfg.recipe}, run directory {run_dir}", file=sys.stderr)
+    trainer = build_trainer(cfg, callbacks=callbacks, out_dir=run_dir, resume=args.resume)
+    result = trainer.train()
+    summary = ", ".join(f"{k} {v:.4f}" for k, v in result.metrics.items())
+    print(
+        f"hookloop: {result.stop_reason} at step {result.step}"
+        + (f"; {summary}" if summary else "")
+        + f"; outputs in {run_dir}",
+        file=sys.stderr,
+    )
+    return result.exit_code
+
+
+def _recipes(args: argparse.Namespace) -> int:
+    for name in recipe_names():
+        print(f"{name:<18} {get_recipe(name).description}")
+    return ExitCode.OK
+
+
+def _config(args: argparse.Namespace) -> int:
+    cfg = resolve_config(args.recipe, None, args.overrides)
+    for key, value, doc in describe(cfg):
+        print(f"{key:<32} {value!s:<14} {doc}")
+    return ExitCode.OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,404 @@
+"""Configuration: nested dataclasses, loaded from YAML plus dotted overrides.
+
+A run's whole configuration is one :class:`Config`. Each section is a
+dataclass whose fields carry a one-line doc (``hookloop config`` prints them).
+Recipes supply their own ``model`` and ``data`` sections by subclassing
+:class:`ModelConfig` / :class:`DataConfig`.
+
+>>> cfg = Config()
+>>> apply_overrides(cfg, ["train.max_steps=20", "optimizer.lr=0.01"])
+>>> cfg.train.max_steps, cfg.optimizer.lr
+(20, 0.01)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+def opt(default: Any, doc: str) -> Any:
+    """A dataclass field with a default and a one-line doc."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass
+class ModelConfig:
+    """Model hyper-parameters; recipes subclass this with their own fields."""
+
+
+@dataclass
+class DataConfig:
+    """Data loading; recipes may subclass this to add source-specific fields."""
+
+    batch_size: int = opt(32, "Micro-batch size per process.")
+    eval_batch_size: int | None = opt(None, "Evaluation batch size (default: batch_size).")
+    shuffle: bool = opt(True, "Shuffle training data each epoch (reproducibly, by seed).")
+    num_workers: int = opt(0, "DataLoader worker processes.")
+
+    def validate(self) -> None:
+        _positive(self, "batch_size", "data")
+        if self.eval_batch_size is not None:
+            _positive(self, "eval_batch_size", "data")
+        _non_negative(self, "num_workers", "data")
+
+
+@dataclass
+class OptimizerConfig:
+    name: Literal["adamw", "adam", "sgd"] = opt("adamw", "Optimizer.")
+    lr: float = opt(1e-3, "Peak learning rate.")
+    weight_decay: float = opt(0.0, "Decoupled weight decay (adamw) or L2 (adam, sgd).")
+    betas: tuple[float, float] = opt((0.9, 0.999), "Adam betas.")
+    eps: float = opt(1e-8, "Adam epsilon.")
+    momentum: float = opt(0.0, "SGD momentum.")
+
+    def validate(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"optimizer.lr must be > 0, got {self.lr!r}")
+        if self.weight_decay < 0:
+            raise ValueError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay!r}")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optimizer.betas must each lie in [0, 1), got {self.betas!r}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"optimizer.momentum must lie in [0, 1), got {self.momentum!r}")
+
+
+@dataclass
+class SchedulerConfig:
+    name: Literal["constant", "cosine", "linear"] = opt("constant", "Learning-rate schedule.")
+    warmup_steps: int = opt(0, "Linear warm-up steps from 0 to the peak rate.")
+    min_lr_ratio: float = opt(0.1, "Final rate as a fraction of the peak (cosine, linear).")
+
+    def validate(self) -> None:
+        _non_negative(self, "warmup_steps", "scheduler")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(
+                f"scheduler.min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio!r}"
+            )
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int | None = opt(None, "Stop after this many optimizer steps.")
+    max_epochs: int | None = opt(None, "Stop after this many epochs (1 if neither is set).")
+    grad_accum: int = opt(1, "Micro-batches accumulated per optimizer step.")
+    clip_grad_norm: float | None = opt(1.0, "Clip the total gradient norm to this; null: off.")
+    precision: Literal["fp32", "bf16", "fp16"] = opt("fp32", "Autocast precision.")
+    device: str = opt("auto", "'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1'.")
+    log_every: int = opt(10, "Fire the logging events every N steps (0: never).")
+    eval_every: int | None = opt(None, "Evaluate every N steps (null: not by steps).")
+    eval_at_epoch_end: bool = opt(True, "Evaluate at the end of each epoch.")
+    eval_max_batches: int | None = opt(None, "Cap on evaluation batches (null: all).")
+    skip_nonfinite: bool = opt(True, "Skip the optimizer step when loss or grad is NaN/Inf.")
+    max_skipped_steps: int | None = opt(
+        None, "Raise once this many steps have been skipped (null: no limit)."
+    )
+    exit_interval: int | None = opt(None, "Save and exit when step is a multiple of N.")
+    exit_duration_minutes: float | None = opt(None, "Save and exit after this much wall time.")
+    iterations_to_skip: list[int] = opt([], "Steps whose data is consumed without computing.")
+    handle_signals: bool = opt(True, "On SIGTERM/SIGINT finish the step, save, exit.")
+    deterministic: bool = opt(False, "torch.use_deterministic_algorithms(True).")
+
+    def validate(self) -> None:
+        for name in (
+            "max_steps",
+            "max_epochs",
+            "eval_every",
+            "eval_max_batches",
+            "exit_interval",
+            "max_skipped_steps",
+        ):
+            if getattr(self, name) is not None:
+                _positive(self, name, "train")
+        _positive(self, "grad_accum", "train")
+        _non_negative(self, "log_every", "train")
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ValueError(
+                f"train.clip_grad_norm must be > 0 or null, got {self.clip_grad_norm!r}"
+            )
+        if self.exit_duration_minutes is not None and not self.exit_duration_minutes > 0:
+            raise ValueError(
+                "train.exit_duration_minutes must be > 0 or null, "
+                f"got {self.exit_duration_minutes!r}"
+            )
+        if any(s < 1 for s in self.iterations_to_skip):
+            raise ValueError(
+                f"train.iterations_to_skip holds step numbers >= 1, got {self.iterations_to_skip}"
+            )
+        dev = self.device
+        if dev not in ("auto", "cpu", "cuda", "mps") and not dev.startswith("cuda:"):
+            raise ValueError(
+                f"train.device must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps', got {dev!r}"
+            )
+
+
+@dataclass
+class CheckpointConfig:
+    every: int | None = opt(None, "Save every N steps (null: only at the end / on request).")
+    keep_last: int | None = opt(3, "Keep the newest K step checkpoints (null: keep all).")
+    save_on_end: bool = opt(True, "Save when training ends normally or is stopped.")
+    monitor: str | None = opt(None, "Metric for keeping the best checkpoint, e.g. eval_loss.")
+    mode: Literal["min", "max"] = opt("min", "Whether a lower or higher monitor is better.")
+    keep_best: int = opt(1, "How many best checkpoints to keep when monitor is set.")
+    strict_resume: bool = opt(False, "Error (not warn) on callback state mismatches at resume.")
+    pretrained: str | None = opt(None, "Weights to start from (finetune): a checkpoint or file.")
+
+    def validate(self) -> None:
+        if self.every is not None:
+            _positive(self, "every", "checkpoint")
+        if self.keep_last is not None:
+            _positive(self, "keep_last", "checkpoint")
+        _positive(self, "keep_best", "checkpoint")
+
+
+@dataclass
+class LoggingConfig:
+    progress: bool = opt(True, "Show a progress bar (plain lines when not on a terminal).")
+    json: bool = opt(True, "Write metrics.jsonl in the run directory.")
+
+    def validate(self) -> None:
+        pass
+
+
+@dataclass
+class Config:
+    """The whole run: recipe name, seed and one section per concern."""
+
+    recipe: str = opt("gpt-stdlib", "Recipe that builds model and data (hookloop recipes).")
+    seed: int = opt(0, "Seed for Python, NumPy and torch RNGs and the data order.")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self) -> Config:
+        """Check every section; raise ``ValueError`` naming the bad key and what is allowed."""
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if dataclasses.is_dataclass(section) and hasattr(section, "validate"):
+                section.validate()
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(dataclasses.asdict(self))
+
+
+# -- loading and overrides -------------------------------------------------
+
+
+def load_yaml(path: str | Path, base: Config) -> Config:
+    """Apply a YAML file's values onto ``base`` (which supplies recipe sections)."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"config file not found: {path}") from None
+    except yaml.YAMLError as err:
+        raise ValueError(f"config file {path} is not valid YAML: {err}") from None
+    if data is None:
+        return base
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping of sections, got {type(data)}")
+    update_from_dict(base, data)
+    return base
+
+
+def update_from_dict(obj: Any, data: dict[str, Any], prefix: str = "") -> None:
+    """Set fields of dataclass ``obj`` from a nested dict, checking names and types."""
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        current_field = _field(obj, str(key), dotted)
+        current = getattr(obj, current_field.name)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ValueError(f"{dotted} is a section; give it a mapping, got {value!r}")
+            update_from_dict(current, value, prefix=dotted + ".")
+        else:
+            hint = _type_hints(type(obj))[current_field.name]
+            setattr(obj, current_field.name, coerce(value, hint, dotted))
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """Apply ``section.key=value`` strings; values are parsed as YAML scalars."""
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like section.key=value")
+        dotted, raw = item.split("=", 1)
+        parts = dotted.strip().split(".")
+        target: Any = cfg
+        for i, part in enumerate(parts[:-1]):
+            f = _field(target, part, ".".join(parts[: i + 1]))
+            target = getattr(target, f.name)
+            if not dataclasses.is_dataclass(target):
+                raise ValueError(f"{'.'.join(parts[: i + 1])} is a value, not a section")
+        f = _field(target, parts[-1], dotted)
+        if dataclasses.is_dataclass(getattr(target, f.name)):
+            raise ValueError(f"{dotted} is a section; set one of its keys, e.g. {dotted}.<key>=…")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        hint = _type_hints(type(target))[f.name]
+        setattr(target, f.name, coerce(value, hint, dotted))
+    return cfg
+
+
+def describe(cfg: Config) -> list[tuple[str, Any, str]]:
+    """Every settable key as ``(dotted.key, current value, doc)``."""
+    rows: list[tuple[str, Any, str]] = []
+
+    def walk(obj: Any, prefix: str) -> None:
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, f"{prefix}{f.name}.")
+            else:
+                rows.append((prefix + f.name, value, f.metadata.get("doc", "")))
+
+    walk(cfg, "")
+    return rows
+
+
+def _field(obj: Any, key: str, dotted: str) -> dataclasses.Field:
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    if key in fields:
+        return fields[key]
+    section = dotted.rsplit(".", 1)[0] if "." in dotted else "the top level"
+    close = difflib.get_close_matches(key, list(fields), n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise ValueError(
+        f"unknown config key {dotted!r}.{hint} Valid keys in {section}: {', '.join(fields)}"
+    )
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _type_hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _type_name(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(hint))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(
+            "null" if a is type(None) else _type_name(a) for a in typing.get_args(hint)
+        )
+    if origin in (list, tuple):
+        args = [a for a in typing.get_args(hint) if a is not Ellipsis]
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
+    return getattr(hint, "__name__", str(hint))
+
+
+def coerce(value: Any, hint: Any, key: str) -> Any:
+    """Convert ``value`` to the type ``hint`` or raise naming ``key`` and the type."""
+    origin = typing.get_origin(hint)
+    bad = ValueError(f"{key} expects {_type_name(hint)}, got {value!r}")
+    if hint is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+            raise bad
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return coerce(value, arg, key)
+            except ValueError:
+                continue
+        raise bad
+    if origin is Literal:
+        if value in typing.get_args(hint):
+            return value
+        raise bad
+    if origin in (list, tuple):
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v.strip()]
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = [value]  # `key=2` means a one-element list
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        args = typing.get_args(hint)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise bad
+            return tuple(coerce(v, a, key) for v, a in zip(value, args, strict=True))
+        inner = args[0] if args else Any
+        items = [coerce(v, inner, key) for v in value]
+        return tuple(items) if origin is tuple else items
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise bad
+    if hint is int:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if hint is float:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if hint is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise bad
+    return value
+
+
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+def _positive(section: Any, name: str, where: str) -> None:
+    value = getattr(section, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where}.{name} must be an int >= 1, got {value!r}")
+
+
+def _non_negative(section: Any, name: str, where: str) -> None:
+    value = getattr(section, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{where}.{name} must be an int >= 0, got {value!r}")

@@ -1,0 +1,122 @@
+"""Entry points in the Megatron style: a config container and a forward step.
+
+``pretrain(config, forward_step)`` builds the model and data from the config's
+recipe, seeds every RNG, and runs the same :class:`~hookloop.Trainer` you can
+build by hand. ``finetune`` does the same from pretrained weights.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hookloop.callback import Callback
+from hookloop.config import Config
+from hookloop.manager import CallbackManager
+from hookloop.recipes import get_recipe
+from hookloop.trainer import Trainer, TrainResult
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (CPU and CUDA) RNGs."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def build_trainer(
+    config: Config,
+    forward_step: Any = None,
+    callbacks: CallbackManager | Iterable[Callback] | None = None,
+    *,
+    out_dir: str | Path | None = None,
+    resume: str | None = None,
+) -> Trainer:
+    """Seed, build the recipe's parts, and assemble a Trainer (without training)."""
+    if not isinstance(config, Config):
+        raise TypeError(f"config must be a hookloop Config, got {type(config).__name__}")
+    config.validate()
+    seed_everything(config.seed)
+    parts = get_recipe(config.recipe).build(config)
+    manager = callbacks if isinstance(callbacks, CallbackManager) else CallbackManager(callbacks)
+    if parts.callbacks:
+        manager.add(parts.callbacks)
+    return Trainer(
+        parts.model,
+        train_data=parts.train_data,
+        eval_data=parts.eval_data,
+        test_data=parts.test_data,
+        config=config,
+        callbacks=manager,
+        forward_step=forward_step or parts.forward_step,
+        loss_fn=None if (forward_step or parts.forward_step) else parts.loss_fn,
+        out_dir=None if out_dir is None else str(out_dir),
+        resume=resume,
+        flops_per_sample=parts.flops_per_sample,
+    )
+
+
+def pretrain(
+    config: Config,
+    forward_step: Any = None,
+    callbacks: CallbackManager | Iterable[Callback] | None = None,
+    *,
+    out_dir: str | Path | None = None,
+    resume: str | None = None,
+) -> TrainResult:
+    """Train the config's recipe from scratch; ``callbacks`` is a list or a manager."""
+    return build_trainer(config, forward_step, callbacks, out_dir=out_dir, resume=resume).train()
+
+
+def finetune(
+    config: Config,
+    forward_step: Any = None,
+    callbacks: CallbackManager | Iterable[Callback] | None = None,
+    *,
+    out_dir: str | Path | None = None,
+    resume: str | None = None,
+) -> TrainResult:
+    """Like ``pretrain``, starting from the weights at ``config.checkpoint.pretrained``.
+
+    Only the model weights are loaded (a fresh optimizer, schedule and data
+    order); to continue an interrupted run use ``resume`` instead.
+    """
+    if not config.checkpoint.pretrained:
+        raise ValueError(
+            "finetune() needs config.checkpoint.pretrained: a checkpoint directory or a "
+            ".safetensors file with the pretrained weights"
+        )
+    trainer = build_trainer(config, forward_step, callbacks, out_dir=out_dir, resume=resume)
+    if resume is None:
+        load_weights(trainer.model, config.checkpoint.pretrained)
+    return trainer.train()
+
+
+def load_weights(model: torch.nn.Module, path: str | Path) -> None:
+    """Load model weights from a ``.safetensors`` file or a checkpoint directory."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if path.is_dir():
+        candidates = [path / "model.safetensors", path / "latest" / "model.safetensors"]
+        latest = path / "latest"
+        if latest.is_file():
+            candidates.insert(0, path / latest.read_text().strip() / "model.safetensors")
+        found = next((c for c in candidates if c.is_file()), None)
+        if found is None:
+            raise FileNotFoundError(f"no model.safetensors in checkpoint directory {path}")
+        path = found
+    if not path.is_file():
+        raise FileNotFoundError(f"pretrained weights not found: {path}")
+    state = load_file(str(path))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"weights in {path} do not fit the model: missing {sorted(missing)}, "
+            f"unexpected {sorted(unexpected)}"
+        )

@@ -1,0 +1,234 @@
+"""The forward-step protocol and how losses are reduced over micro-batches.
+
+A forward step is ``forward_step(state, data_iterator, model) -> (output,
+loss_func)`` (``(data_iterator, model)`` also works). It takes the next
+micro-batch with ``next(data_iterator)``, runs the model, and returns the
+output plus a function that turns the output into a loss. ``loss_func(output)``
+may return one of three patterns:
+
+1. ``(loss, meta)``: ``loss`` is the micro-batch mean. The step's loss is the
+   mean over micro-batches; each ``meta`` value is averaged the same way.
+2. ``(loss_sum, num_tokens, meta)``: ``loss_sum`` is summed over tokens. The
+   step's loss is ``sum(loss_sum) / sum(num_tokens)`` over all micro-batches
+   (and data-parallel ranks), so long and short sequences weigh by their
+   tokens. A ``meta`` value that is a 2-element tensor ``[numerator,
+   denominator]`` is reduced as a ratio of sums; a scalar is token-weighted.
+3. Anything else: non-loss data, collected as-is by ``Trainer.predict()``.
+
+A bare scalar tensor is accepted as pattern 1 with empty meta.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+ForwardStep = Callable[..., tuple[Any, Callable[[Any], Any]]]
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+PATTERNS_HELP = (
+    "loss_func(output) must return (loss, meta_dict), (loss_sum, num_tokens, meta_dict), "
+    "or a scalar loss tensor"
+)
+
+
+def bind_forward_step(fn: ForwardStep) -> Callable[[Any, Iterator[Any], Any], Any]:
+    """Return ``call(state, data_iterator, model)`` for either supported signature.
+
+    The signature is inspected once, here, so the step never pays for it.
+    """
+    if not callable(fn):
+        raise TypeError(f"forward_step must be callable, got {type(fn).__name__}")
+    try:
+        params = [
+            p
+            for p in inspect.signature(fn).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+        ]
+    except (TypeError, ValueError):  # builtins without a signature: assume the full form
+        return fn
+    if len(params) >= 3:
+        return fn
+    if len(params) == 2:
+        return lambda state, data_iterator, model: fn(data_iterator, model)
+    raise TypeError(
+        "forward_step must take (state, data_iterator, model) or (data_iterator, model); "
+        f"{getattr(fn, '__qualname__', fn)} takes {len(params)} required positional arguments"
+    )
+
+
+def move_to(batch: Any, device: torch.device) -> Any:
+    """Move every tensor in a (nested) batch to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: move_to(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        moved = [move_to(v, device) for v in batch]
+        return type(batch)(moved) if not hasattr(batch, "_fields") else type(batch)(*moved)
+    return batch
+
+
+def batch_size_of(batch: Any) -> int:
+    """Samples in a batch: the leading dimension of its first tensor (1 if none)."""
+    while True:
+        if isinstance(batch, torch.Tensor):
+            return int(batch.shape[0]) if batch.dim() else 1
+        if isinstance(batch, dict) and batch:
+            batch = next(iter(batch.values()))
+        elif isinstance(batch, (list, tuple)) and batch:
+            batch = batch[0]
+        else:
+            return 1
+
+
+def extract_loss(output: Any) -> torch.Tensor:
+    """The loss from what a model returned: a scalar tensor, ``out["loss"]`` or ``out.loss``."""
+    if isinstance(output, torch.Tensor):
+        if output.dim() == 0 or output.numel() == 1:
+            return output.reshape(())
+    elif isinstance(output, dict) and "loss" in output:
+        return output["loss"]
+    elif getattr(output, "loss", None) is not None:
+        return output.loss
+    raise TypeError(
+        "could not find a loss in the model output "
+        f"({type(output).__name__}); without a loss_fn the model must return a scalar "
+        "tensor, a dict with 'loss', or an object with .loss. Pass loss_fn=… or a forward_step."
+    )
+
+
+def default_forward_step(loss_fn: LossFn | None, device: torch.device) -> ForwardStep:
+    """The forward step used when none is given.
+
+    - batch ``(inputs, targets)`` with ``loss_fn``: ``loss_fn(model(inputs), targets)``
+    - dict batch: ``model(**batch)`` returns the loss (or ``.loss`` / ``["loss"]``)
+    - tuple batch without ``loss_fn``: ``model(*batch)`` returns the loss
+    - anything else: ``model(batch)`` returns the loss
+    """
+    on_cpu = device.type == "cpu"
+
+    def forward_step(state: Any, data_iterator: Iterator[Any], model: Any) -> Any:
+        batch = next(data_iterator)
+        if not on_cpu:
+            batch = move_to(batch, device)
+        if loss_fn is not None:
+            if not (isinstance(batch, (list, tuple)) and len(batch) == 2):
+                raise TypeError(
+                    "with loss_fn the batch must be (inputs, targets), got "
+                    f"{type(batch).__name__}"
+                    + (f" of length {len(batch)}" if isinstance(batch, (list, tuple)) else "")
+                )
+            inputs, targets = batch
+            output = model(inputs)
+            return output, lambda out: (loss_fn(out, targets), {})
+        if isinstance(batch, dict):
+            output = model(**batch)
+        elif isinstance(batch, (list, tuple)):
+            output = model(*batch)
+        else:
+            output = model(batch)
+        return output, _loss_from_output
+
+    return forward_step
+
+
+def _loss_from_output(output: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+    return extract_loss(output), {}
+
+
+class LossReducer:
+    """Accumulates ``loss_func`` results over micro-batches (or eval batches).
+
+    Keeps everything as tensors: nothing here reads a value back to the host.
+    """
+
+    __slots__ = ("_count", "_den", "_meta", "_meta_w", "_num", "token_mode")
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.token_mode: bool | None = None
+        self._count = 0
+        self._num: Any = 0.0  # sum of losses (pattern 1) or loss sums (pattern 2)
+        self._den: Any = 0  # micro-batch count (pattern 1) or token count (pattern 2)
+        self._meta: dict[str, Any] = {}
+        self._meta_w: dict[str, Any] = {}
+
+    def add(self, result: Any) -> tuple[torch.Tensor, Any]:
+        """Record one micro-batch; return ``(loss for backward, tokens or None)``.
+
+        Pattern 1 returns the micro-batch mean (the caller divides by the number
+        of micro-batches); pattern 2 returns the token sum (the caller divides
+        the gradients by the total tokens once all micro-batches are in).
+        """
+        if isinstance(result, torch.Tensor):
+            result = (result, {})
+        if not isinstance(result, tuple) or len(result) not in (2, 3):
+            raise TypeError(f"{PATTERNS_HELP}; got {type(result).__name__}")
+        token_mode = len(result) == 3
+        if self.token_mode is None:
+            self.token_mode = token_mode
+        elif self.token_mode != token_mode:
+            raise TypeError("loss_func mixed the (loss, meta) and (loss, tokens, meta) patterns")
+        loss, meta = result[0], result[-1]
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"{PATTERNS_HELP}; the loss is a {type(loss).__name__}, not a tensor")
+        if loss.numel() != 1:
+            raise TypeError(
+                f"{PATTERNS_HELP}; the loss must be a scalar, got shape {tuple(loss.shape)} "
+                "(reduce it, e.g. .mean() or .sum())"
+            )
+        if not isinstance(meta, dict):
+            raise TypeError(f"{PATTERNS_HELP}; meta must be a dict, got {type(meta).__name__}")
+        detached = loss.detach()
+        self._count += 1
+        if token_mode:
+            tokens = result[1]
+            self._num = self._num + detached
+            self._den = self._den + tokens
+            weight = tokens
+        else:
+            tokens = None
+            self._num = self._num + detached
+            self._den += 1
+            weight = 1
+        for key, value in meta.items():
+            if isinstance(value, torch.Tensor):
+                value = value.detach()
+                if value.numel() == 2:  # [numerator, denominator]: ratio of sums
+                    self._meta[key] = self._meta.get(key, 0) + value[0]
+                    self._meta_w[key] = self._meta_w.get(key, 0) + value[1]
+                    continue
+            self._meta[key] = self._meta.get(key, 0) + value * weight
+            self._meta_w[key] = self._meta_w.get(key, 0) + weight
+        return loss, tokens
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    @property
+    def tokens(self) -> Any:
+        """Total tokens (pattern 2), else None."""
+        return self._den if self.token_mode else None
+
+    def result(self) -> dict[str, Any]:
+        """``{"loss": …, **meta}`` reduced over everything added (tensors stay tensors)."""
+        if self._count == 0:
+            return {}
+        out = {"loss": self._num / self._den}
+        for key, total in self._meta.items():
+            out[key] = total / self._meta_w[key]
+        return out
+
+
+def to_float(value: Any) -> float:
+    """A Python float from a tensor or number (this is where a device sync happens)."""
+    if isinstance(value, torch.Tensor):
+        return float(value.detach().float().item())
+    return float(value)

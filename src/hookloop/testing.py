@@ -1,0 +1,89 @@
+"""Test doubles for users testing their own callbacks: a tiny model, toy data,
+and a callback that records every event it sees.
+
+>>> from hookloop import Trainer, TrainConfig
+>>> rec = RecordingCallback()
+>>> trainer = Trainer(TinyModel(), train_data=ToyData(n=16), loss_fn=TinyModel.loss_fn,
+...                   config=TrainConfig(max_steps=2, log_every=0), callbacks=[rec])
+>>> _ = trainer.train()
+>>> [e for e, step, micro in rec.events][:3]
+['on_init_end', 'on_data_init_start', 'on_train_start']
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from hookloop.callback import Callback
+from hookloop.events import EVENT_NAMES
+from hookloop.state import CallbackContext
+
+
+class TinyModel(torch.nn.Module):
+    """Linear(4 → 8) → ReLU → Linear(8 → 1), deterministic for a given seed."""
+
+    def __init__(self, inputs: int = 4, hidden: int = 8, seed: int = 0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(inputs, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1)
+        )
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    @staticmethod
+    def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(outputs, targets)
+
+
+class ToyData(Dataset):
+    """``n`` samples of ``(x, y)`` with ``y = sum(x) / 2``: learnable in a few steps."""
+
+    def __init__(self, n: int = 64, inputs: int = 4, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, inputs, generator=g)
+        self.y = self.x.sum(dim=1, keepdim=True) / 2
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+class RecordingCallback(Callback):
+    """Records ``(event, step, micro_step)`` for every event (or only ``events``)."""
+
+    priority = 0
+
+    def __init__(self, events: list[str] | None = None) -> None:
+        self.only = set(events) if events is not None else None
+        self.events: list[tuple[str, int, int]] = []
+        self.contexts: list[dict[str, Any]] = []
+
+    def _record(self, event: str, ctx: CallbackContext) -> None:
+        if self.only is None or event in self.only:
+            self.events.append((event, ctx.state.step, ctx.state.micro_step))
+
+    def names(self) -> list[str]:
+        return [e for e, _, _ in self.events]
+
+
+def _make_recorder(event: str) -> Any:
+    def handler(self: RecordingCallback, ctx: CallbackContext) -> None:
+        self._record(event, ctx)
+
+    handler.__name__ = event
+    return handler
+
+
+for _event in EVENT_NAMES:
+    setattr(RecordingCallback, _event, _make_recorder(_event))
+del _event

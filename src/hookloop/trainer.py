@@ -1,0 +1,700 @@
+"""The training loop.
+
+Read it top to bottom: ``train()`` → ``_run_epoch()`` → ``_train_step()`` →
+``_step_boundary()``. The loop owns every decision (when to log, evaluate,
+save, stop); callbacks observe through ``ctx`` and ask through ``ctx.control``.
+Switch every callback off and the model still trains.
+
+Hot-path rules: events are fired only when someone handles them (the payload
+is not even built otherwise); loss, grad norm and finiteness stay tensors and
+are read back to the host only on log steps, except the single finiteness
+check that ``train.skip_nonfinite`` asks for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import itertools
+import signal
+import threading
+import time
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hookloop.callback import Callback
+from hookloop.config import Config, TrainConfig
+from hookloop.data import EpochSampler, is_map_style, make_loader
+from hookloop.distributed import agree_flags, rank_info
+from hookloop.manager import CallbackManager
+from hookloop.optim import build_optimizer, build_scheduler
+from hookloop.state import CallbackContext, Control, Requests, TrainState
+from hookloop.step import (
+    LossReducer,
+    batch_size_of,
+    bind_forward_step,
+    default_forward_step,
+    to_float,
+)
+
+
+class ExitCode(enum.IntEnum):
+    """Process exit codes of ``hookloop train`` (``TrainResult.exit_code``)."""
+
+    OK = 0  # finished, or stopped on request / exit_interval / exit_duration (after saving)
+    ERROR = 1  # an exception
+    USAGE = 2  # bad command line or config
+    ABORTED = 3  # ended by an abort request; nothing saved
+    SIGINT = 130  # 128 + SIGINT: interrupted, checkpoint saved
+    SIGTERM = 143  # 128 + SIGTERM: terminated (e.g. preempted), checkpoint saved
+
+
+@dataclass
+class TrainResult:
+    """What ``Trainer.train()`` returns."""
+
+    step: int
+    epoch: int
+    stop_reason: str
+    exit_code: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    logs: dict[str, float] = field(default_factory=dict)
+
+
+_NO_REQUESTS = Requests(False, False, False, None, None)
+
+
+class Trainer:
+    """Runs training, evaluation and testing for a model, firing events as it goes.
+
+    ``config`` may be a full :class:`~hookloop.config.Config` or just its
+    :class:`~hookloop.config.TrainConfig`. ``train_data`` may be a map-style
+    dataset (wrapped in a resumable, seeded loader), a DataLoader, or any
+    iterable of batches. Give ``forward_step(state, data_iterator, model)`` for
+    full control, or ``loss_fn(outputs, targets)`` for ``(inputs, targets)``
+    batches, or neither when the model returns its own loss.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        train_data: Iterable[Any] | None = None,
+        eval_data: Iterable[Any] | None = None,
+        test_data: Iterable[Any] | None = None,
+        config: Config | TrainConfig | None = None,
+        callbacks: CallbackManager | Callback | Iterable[Callback] | None = None,
+        forward_step: Any = None,
+        loss_fn: Any = None,
+        scheduler: Any = None,
+        out_dir: str | None = None,
+        resume: str | None = None,
+        flops_per_sample: float | None = None,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
+            )
+        if forward_step is not None and loss_fn is not None:
+            raise ValueError(
+                "give forward_step or loss_fn, not both (loss_fn is for the default step)"
+            )
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable(outputs, targets), got {loss_fn!r}")
+        self.config = _as_config(config).validate()
+        cfg = self.config.train
+        self.callbacks = _as_manager(callbacks)
+        self.callbacks.check_requirements()
+        self.device = _resolve_device(cfg.device)
+        self.model = model.to(self.device)
+        self.optimizer = optimizer or build_optimizer(self.config.optimizer, self.model)
+        self.out_dir = out_dir
+        self.resume = resume
+        self.flops_per_sample = flops_per_sample
+        self.state = TrainState()
+        st = self.state
+        st._rank, st._local_rank, st._world_size = rank_info()
+        self.control = Control()
+        self.train_loader = self._loader(train_data, train=True)
+        self.eval_loader = self._loader(eval_data, train=False)
+        self.test_loader = self._loader(test_data, train=False)
+        self._plan_budget()
+        self.scheduler = (
+            scheduler
+            if scheduler is not None
+            else build_scheduler(self.config.scheduler, self.optimizer, st.max_steps)
+        )
+        self._forward = bind_forward_step(
+            forward_step or default_forward_step(loss_fn, self.device)
+        )
+        self._precision_setup(cfg.precision)
+        self.ctx = CallbackContext(
+            trainer=self,
+            state=st,
+            control=self.control,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            config=self.config,
+            user_state=self.callbacks.user_state,
+        )
+        self._hooks = self.callbacks.index  # live event -> handlers; empty tuple = unhandled
+        self._reducer = LossReducer()
+        self._signal: int | None = None
+        self._last_logs: dict[str, float] = {}
+        self._log_losses: list[dict[str, Any]] = []  # per-step losses since the last log
+        self._log_grad_norm: torch.Tensor | None = None
+        self._finite_check = FiniteCheck(self.device)
+        self._last_eval_step = -1
+        self._loader_positioned = False  # set when a checkpoint restored the loader's own state
+        self.checkpoints: Any = None  # set by hookloop.checkpoint when out_dir is given
+        self._attach_checkpoints()
+        self._fire("on_init_end")
+
+    # -- set-up helpers ------------------------------------------------------
+    def _loader(self, data: Iterable[Any] | None, *, train: bool) -> Iterable[Any] | None:
+        if data is None:
+            return None
+        if is_map_style(data):
+            dc = self.config.data
+            return make_loader(
+                data,
+                batch_size=dc.batch_size if train else (dc.eval_batch_size or dc.batch_size),
+                shuffle=dc.shuffle and train,
+                seed=self.config.seed,
+                rank=self.state.rank,
+                world_size=self.state.world_size,
+                num_workers=dc.num_workers,
+                drop_last=train,
+            )
+        if not isinstance(data, Iterable):
+            raise TypeError(
+                f"{'train' if train else 'eval/test'} data must be a map-style Dataset, a "
+                f"DataLoader or an iterable of batches, got {type(data).__name__}"
+            )
+        return data
+
+    def _plan_budget(self) -> None:
+        cfg, st = self.config.train, self.state
+        try:
+            batches = len(self.train_loader) if self.train_loader is not None else None  # type: ignore[arg-type]
+        except TypeError:
+            batches = None
+        st._steps_per_epoch = batches // cfg.grad_accum if batches is not None else None
+        if st._steps_per_epoch == 0:
+            raise ValueError(
+                f"train data has {batches} batches per epoch, fewer than "
+                f"train.grad_accum={cfg.grad_accum}: no optimizer step fits in an epoch"
+            )
+        st._num_epochs = cfg.max_epochs or (None if cfg.max_steps else 1)
+        st._max_steps = cfg.max_steps
+        if st._max_steps is None and st._steps_per_epoch is not None:
+            st._max_steps = st._num_epochs * st._steps_per_epoch  # type: ignore[operator]
+
+    def _precision_setup(self, precision: str) -> None:
+        dev = self.device.type
+        self._autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        if precision == "bf16" and dev == "cuda" and not torch.cuda.is_bf16_supported():
+            raise ValueError("train.precision='bf16' but this GPU does not support bfloat16")
+        if precision == "fp16" and dev not in ("cuda", "cpu"):
+            raise ValueError(f"train.precision='fp16' needs a cuda or cpu device, got {dev}")
+        self.scaler = torch.amp.GradScaler(dev) if precision == "fp16" else None
+
+    def _attach_checkpoints(self) -> None:
+        if self.out_dir is not None or self.resume is not None:
+            from hookloop.checkpoint import CheckpointManager
+
+            self.checkpoints = CheckpointManager.for_trainer(self)
+
+    def _fire(self, event: str) -> None:
+        if self._hooks[event]:
+            self.callbacks.fire(event, self.ctx)
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self._autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self._autocast_dtype)
+
+    # -- training --------------------------------------------------------------
+    def train(self) -> TrainResult:
+        """Train until the step/epoch budget, a stop request, a signal or an exit condition."""
+        if self.train_loader is None:
+            raise ValueError("train() needs train_data; pass it to Trainer(train_data=...)")
+        cfg, st = self.config.train, self.state
+        if cfg.deterministic:
+            torch.use_deterministic_algorithms(True)
+        self._skip_steps = frozenset(cfg.iterations_to_skip)
+        st._stop_reason = None
+        self._start_time = time.monotonic()
+        restore_signals = self._install_signal_handlers() if cfg.handle_signals else None
+        try:
+            if self.checkpoints is not None and self.resume is not None:
+                self.checkpoints.resume(self.resume)  # fires on_checkpoint_load
+            self._fire("on_data_init_start")  # model, optimizer, checkpoint ready; no data read
+            self.model.train()
+            self._fire("on_train_start")
+            while st._stop_reason is None:
+                if st._num_epochs is not None and st._epoch >= st._num_epochs:
+                    st._stop_reason = "max_epochs"
+                    break
+                self._run_epoch()
+            if not _aborted(st._stop_reason) and self.checkpoints is not None:
+                self.checkpoints.save_final()
+            self._fire("on_train_end")
+        except BaseException as exc:
+            self.callbacks.fire_exception(self.ctx, exc)
+            self.ctx.clear_event_fields()  # nothing stale for a later evaluate() or test()
+            raise
+        finally:
+            if restore_signals:
+                restore_signals()
+        return TrainResult(
+            step=st._step,
+            epoch=st._epoch,
+            stop_reason=st._stop_reason or "finished",
+            exit_code=self._exit_code(),
+            metrics=dict(st._last_eval),
+            logs=dict(self._last_logs),
+        )
+
+    def _run_epoch(self) -> None:
+        """One pass over the training data (or the rest of it, after a resume)."""
+        cfg, st, k = self.config.train, self.state, self.config.train.grad_accum
+        micro_batches = self._epoch_batches()
+        if st._epoch_step == 0:
+            self._fire("on_epoch_start")
+        while True:
+            if st._max_steps is not None and st._step >= st._max_steps:
+                st._stop_reason = "max_steps" if cfg.max_steps else "max_epochs"
+                if st._epoch_step != st._steps_per_epoch:
+                    return  # budget spent mid-epoch: no epoch end, so a longer resume is exact
+                break
+            group = list(itertools.islice(micro_batches, k))
+            if len(group) < k:  # epoch exhausted; a partial accumulation group is dropped
+                break
+            self._train_step(group)
+            if self._step_boundary():
+                return  # stopped mid-epoch: no epoch-end events
+        if self.eval_loader is not None and cfg.eval_at_epoch_end and not self._evaluated_now():
+            self._evaluate_in_training()
+        self._fire("on_epoch_end")
+        st._epoch += 1
+        st._epoch_step = 0
+        self._epoch_boundary()
+
+    def _epoch_batches(self) -> Iterator[Any]:
+        """An iterator over this epoch's micro-batches, starting where a resume left off."""
+        st, loader = self.state, self.train_loader
+        sampler = getattr(loader, "sampler", None)
+        consumed = st._epoch_step * self.config.train.grad_accum
+        positioned, self._loader_positioned = self._loader_positioned, False
+        if isinstance(sampler, EpochSampler):
+            sampler.set_epoch(st._epoch, start=consumed * (loader.batch_size or 1))  # type: ignore[union-attr]
+            return iter(loader)  # type: ignore[arg-type]
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(st._epoch)  # type: ignore[union-attr]
+        batches = iter(loader)  # type: ignore[arg-type]
+        if consumed and not positioned:
+            warnings.warn(
+                f"hookloop resume: the train data ({type(loader).__name__}) cannot be positioned "
+                f"mid-epoch, so {consumed} already-trained batches are read and dropped; the "
+                "resume is exact only if the data comes in the same order every run. Pass a "
+                "map-style Dataset (hookloop shuffles it reproducibly) or a loader with "
+                "state_dict()/load_state_dict() (e.g. torchdata's StatefulDataLoader).",
+                stacklevel=2,
+            )
+            batches = itertools.islice(batches, consumed, None)
+        return batches
+
+    def _train_step(self, group: list[Any]) -> None:
+        """One optimizer step over ``len(group)`` accumulated micro-batches."""
+        st, hooks, ctx = self.state, self._hooks, self.ctx
+        st._step += 1
+        st._epoch_step += 1
+        self.control._skip = False  # a skip filed after last step's update does not carry over
+        st._samples += sum(map(batch_size_of, group)) * st._world_size
+        if st._step in self._skip_steps:
+            return  # iterations_to_skip: data consumed, nothing computed
+        if hooks["on_train_step_start"]:
+            self.callbacks.fire("on_train_step_start", ctx)
+        reducer = self._reducer
+        reducer.reset()
+        self._forward_backward(group)
+        grad_norm = self._prepare_gradients()
+        loss_dict = reducer.result()
+        ctx.loss_dict, ctx.grad_norm = loss_dict, grad_norm
+        if hooks["on_before_optimizer_step"]:
+            self.callbacks.fire("on_before_optimizer_step", ctx)
+        skipped = self._optimizer_step(loss_dict, grad_norm)
+        if not skipped:  # a skipped step's (non-finite) loss stays out of the logged average
+            self._track_loss(loss_dict, grad_norm)
+        ctx.skipped_iter = skipped
+        if hooks["on_after_optimizer_step"]:
+            self.callbacks.fire("on_after_optimizer_step", ctx)
+        if hooks["on_train_step_end"]:
+            self.callbacks.fire("on_train_step_end", ctx)
+        ctx.loss_dict = ctx.grad_norm = ctx.skipped_iter = None
+
+    def _forward_backward(self, group: list[Any]) -> None:
+        """Forward, loss and backward for each micro-batch, firing the micro-step events."""
+        st, hooks, ctx, reducer = self.state, self._hooks, self.ctx, self._reducer
+        k = len(group)
+        data = iter(group)
+        for i, batch in enumerate(group):
+            st._micro_step = i
+            if hooks["on_micro_step_start"]:
+                ctx.batch = batch
+                self.callbacks.fire("on_micro_step_start", ctx)
+            with self._autocast():
+                output, loss_func = self._forward(st, data, self.model)
+                loss, _ = reducer.add(loss_func(output))
+            # (loss, meta): average over micro-batches. (loss_sum, tokens, meta): the sum
+            # is kept and gradients are divided by the total token count afterwards.
+            scaled = loss if (reducer.token_mode or k == 1) else loss / k
+            if self.scaler is not None:
+                scaled = self.scaler.scale(scaled)
+            scaled.backward()
+            if hooks["on_micro_step_end"]:
+                ctx.batch, ctx.outputs, ctx.loss = batch, output, loss.detach()
+                self.callbacks.fire("on_micro_step_end", ctx)
+                ctx.outputs = ctx.loss = None
+            ctx.batch = None
+        st._micro_step = 0
+
+    def _prepare_gradients(self) -> torch.Tensor | None:
+        """Unscale, normalise by tokens, clip. Returns the total norm as a tensor, or None."""
+        cfg, reducer = self.config.train, self._reducer
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        if reducer.token_mode:
+            torch._foreach_div_(_grads(self.optimizer), reducer.tokens)
+        if cfg.clip_grad_norm is not None:
+            return torch.nn.utils.clip_grad_norm_(
+                self.model.parameters(), cfg.clip_grad_norm, foreach=True
+            )
+        return None
+
+    def _optimizer_step(self, loss_dict: dict[str, Any], grad_norm: torch.Tensor | None) -> bool:
+        """Apply the update unless a callback or a non-finite value says skip."""
+        cfg, st = self.config.train, self.state
+        skip = self.control.take_skip()
+        if not skip and cfg.skip_nonfinite and self.scaler is None:
+            # The one host read per step this option costs. (With fp16 the GradScaler
+            # does its own inf check and skips the update itself.)
+            checked = (
+                [loss_dict["loss"], grad_norm]
+                if grad_norm is not None
+                else [loss_dict["loss"], *_grads(self.optimizer)]
+            )
+            skip = self._finite_check.any_nonfinite(checked)
+        if st._world_size > 1:
+            skip = bool(agree_flags([int(skip)], self.device)[0])
+        if skip:
+            st._skipped_steps += 1
+            if cfg.max_skipped_steps is not None and st._skipped_steps >= cfg.max_skipped_steps:
+                raise FloatingPointError(
+                    f"{st._skipped_steps} optimizer steps were skipped (non-finite loss or "
+                    f"gradient, or skip requests), reaching train.max_skipped_steps="
+                    f"{cfg.max_skipped_steps}; last at step {st._step}"
+                )
+        elif self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        if not skip and self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return skip
+
+    def _track_loss(self, loss_dict: dict[str, Any], grad_norm: torch.Tensor | None) -> None:
+        """Keep the step's losses (tensors, no sync) until the next log averages them.
+
+        With ``log_every=0`` only the latest is kept, for a requested log.
+        """
+        if not self.config.train.log_every:
+            self._log_losses.clear()
+        self._log_losses.append(loss_dict)
+        self._log_grad_norm = grad_norm
+
+    # -- the step boundary: log, evaluate, save, stop ----------------------------
+    def _step_boundary(self) -> bool:
+        """Act on what is due or requested after a step. Returns True to stop training."""
+        cfg, st = self.config.train, self.state
+        requests = self._take_requests()
+        if requests.abort:
+            st._stop_reason = f"abort: {requests.abort}"
+            return True
+        if requests.log or (cfg.log_every and st._step % cfg.log_every == 0):
+            self._log()
+        if self.eval_loader is not None and (
+            requests.evaluate or (cfg.eval_every and st._step % cfg.eval_every == 0)
+        ):
+            self._evaluate_in_training()
+        requests = requests.merge(self._take_requests())  # evaluation may have asked to stop
+        if requests.abort:
+            st._stop_reason = f"abort: {requests.abort}"
+            return True
+        stopping = self._requests_stop(requests)
+        if self.checkpoints is not None and not stopping:
+            self.checkpoints.maybe_save(requested=requests.save)
+        return stopping
+
+    def _epoch_boundary(self) -> None:
+        """Act on requests filed during the epoch end (e.g. early stopping on eval)."""
+        st = self.state
+        requests = self._take_requests()
+        if requests.log:  # nothing to log or evaluate here: keep them for the next step
+            self.control.request_log()
+        if requests.evaluate:
+            self.control.request_evaluate()
+        if requests.abort:
+            st._stop_reason = f"abort: {requests.abort}"
+        elif (
+            st._stop_reason is None
+            and not self._requests_stop(requests)
+            and self.checkpoints is not None
+            and requests.save
+        ):
+            self.checkpoints.maybe_save(requested=True)
+
+    def _take_requests(self) -> Requests:
+        """Drain control requests and the signal flag, agreed across ranks."""
+        requests = self.control.take() if self.control._pending else _NO_REQUESTS
+        if self._signal is not None and requests.stop is None:
+            requests = requests.merge(Requests(False, False, False, "signal", None))
+        if self.state._world_size == 1:
+            return requests
+        log, evaluate, save, stop, abort, signum = agree_flags(
+            [
+                int(requests.log),
+                int(requests.evaluate),
+                int(requests.save),
+                int(requests.stop is not None),
+                int(requests.abort is not None),
+                self._signal or 0,
+            ],
+            self.device,
+        )
+        if signum:
+            self._signal = signum
+        return Requests(
+            bool(log),
+            bool(evaluate),
+            bool(save),
+            (requests.stop or "stop requested") if stop else None,
+            (requests.abort or "abort requested") if abort else None,
+        )
+
+    def _requests_stop(self, requests: Requests) -> bool:
+        """Stop conditions other than the step budget; sets ``stop_reason``."""
+        cfg, st = self.config.train, self.state
+        reason = None
+        if requests.stop:
+            reason = (
+                f"signal {signal.Signals(self._signal).name}" if self._signal else requests.stop
+            )
+        elif cfg.exit_interval and st._step % cfg.exit_interval == 0:
+            reason = "exit_interval"
+        elif cfg.exit_duration_minutes is not None and (
+            time.monotonic() - self._start_time >= cfg.exit_duration_minutes * 60
+        ):
+            reason = "exit_duration"
+        if reason is None:
+            return False
+        st._stop_reason = reason
+        return True
+
+    def _exit_code(self) -> int:
+        if _aborted(self.state._stop_reason):
+            return ExitCode.ABORTED
+        if self._signal is not None:
+            return 128 + self._signal
+        return ExitCode.OK
+
+    def _log(self) -> None:
+        """Build ``ctx.logs`` (this is where values are read back from the device)."""
+        st, hooks = self.state, self._hooks
+        logs: dict[str, Any] = {}
+        if self._log_losses:
+            for key in self._log_losses[-1]:
+                values = [d[key] for d in self._log_losses if key in d]
+                logs[key] = to_float(torch.stack([torch.as_tensor(v) for v in values]).mean())
+        if self._log_grad_norm is not None:
+            logs["grad_norm"] = to_float(self._log_grad_norm)
+        logs["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        logs["epoch"] = st._epoch + (
+            st._epoch_step / st._steps_per_epoch if st._steps_per_epoch else 0
+        )
+        logs["skipped_steps"] = st._skipped_steps
+        self._log_losses, self._log_grad_norm = [], None
+        if hooks["on_before_log"] or hooks["on_log"]:
+            self.ctx.logs = logs
+            self._fire("on_before_log")
+            self._fire("on_log")
+            self.ctx.logs = None
+        self._last_logs = logs
+
+    # -- evaluation and testing ------------------------------------------------
+    def _evaluate_in_training(self) -> None:
+        self.evaluate()
+        self._last_eval_step = self.state._step
+        self.model.train()
+
+    def _evaluated_now(self) -> bool:
+        """Whether an evaluation already ran at this step (e.g. eval_every hit the epoch end)."""
+        return self._last_eval_step == self.state._step
+
+    def evaluate(self, data: Iterable[Any] | None = None) -> dict[str, float]:
+        """Average the loss (and meta metrics) over evaluation data; keys are ``eval_*``."""
+        loader = self._loader(data, train=False) if data is not None else self.eval_loader
+        if loader is None:
+            raise ValueError(
+                "evaluate() needs eval data: pass eval_data to Trainer or to evaluate()"
+            )
+        return self._run_eval_loop(loader, "eval")
+
+    def test(self, data: Iterable[Any] | None = None) -> dict[str, float]:
+        """Like ``evaluate()`` on test data, firing the ``on_test_*`` events; keys ``test_*``."""
+        loader = self._loader(data, train=False) if data is not None else self.test_loader
+        if loader is None:
+            raise ValueError("test() needs test data: pass test_data to Trainer or to test()")
+        return self._run_eval_loop(loader, "test")
+
+    def _run_eval_loop(self, loader: Iterable[Any], kind: str) -> dict[str, float]:
+        st, ctx, hooks = self.state, self.ctx, self._hooks
+        start, step_start, step_end, end = (
+            f"on_{kind}_start",
+            f"on_{kind}_step_start",
+            f"on_{kind}_step_end",
+            f"on_{kind}_end",
+        )
+        was_training = self.model.training
+        self.model.eval()
+        self._fire(start)
+        reducer, limit = LossReducer(), self.config.train.eval_max_batches
+        with torch.no_grad():
+            for batch in itertools.islice(loader, limit):
+                if hooks[step_start]:
+                    ctx.batch = batch
+                    self.callbacks.fire(step_start, ctx)
+                with self._autocast():
+                    output, loss_func = self._forward(st, iter((batch,)), self.model)
+                    loss, _ = reducer.add(loss_func(output))
+                if hooks[step_end]:
+                    ctx.batch, ctx.outputs, ctx.loss = batch, output, loss
+                    self.callbacks.fire(step_end, ctx)
+                ctx.batch = ctx.outputs = ctx.loss = None
+        metrics = {f"{kind}_{k}": to_float(v) for k, v in reducer.result().items()}
+        if kind == "eval":
+            st._last_eval = metrics
+        ctx.metrics = metrics
+        self._fire(end)
+        ctx.metrics = None
+        self.model.train(was_training)
+        return metrics
+
+    def predict(self, data: Iterable[Any]) -> list[Any]:
+        """Forward only; collect whatever ``loss_func`` returns (the inference pattern)."""
+        loader = self._loader(data, train=False)
+        was_training = self.model.training
+        self.model.eval()
+        results = []
+        with torch.no_grad():
+            for batch in loader:  # type: ignore[union-attr]
+                with self._autocast():
+                    output, loss_func = self._forward(self.state, iter((batch,)), self.model)
+                    results.append(loss_func(output))
+        self.model.train(was_training)
+        return results
+
+    # -- signals ---------------------------------------------------------------
+    def _install_signal_handlers(self) -> Any:
+        """SIGTERM/SIGINT set a flag; the loop finishes the step, saves and exits.
+
+        A second SIGINT raises KeyboardInterrupt at once, for a user who means it.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def on_signal(signum: int, frame: Any) -> None:
+            if self._signal == signal.SIGINT and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            self._signal = signum
+
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+
+        def restore() -> None:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+        return restore
+
+
+# -- helpers -------------------------------------------------------------------
+
+
+class FiniteCheck:
+    """Is any element of these tensors NaN or Inf? One fused kernel and one host read."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.found = torch.zeros(1, device=device)
+        self.one = torch.ones(1, device=device)
+        self.fused = hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_")
+
+    def any_nonfinite(self, tensors: list[torch.Tensor]) -> bool:
+        tensors = [t.detach().reshape(-1).float() if t.dim() == 0 else t.detach() for t in tensors]
+        if not self.fused:
+            return not all(bool(torch.isfinite(t).all()) for t in tensors)
+        self.found.zero_()
+        try:
+            # Multiplies by 1 in place (a no-op) and sets found if anything is non-finite.
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, self.found, self.one)
+        except (RuntimeError, TypeError):  # mixed dtypes/devices: check one by one
+            self.fused = False
+            return self.any_nonfinite(tensors)
+        return bool(self.found)
+
+
+def _aborted(stop_reason: str | None) -> bool:
+    return bool(stop_reason) and stop_reason.startswith("abort")  # type: ignore[union-attr]
+
+
+def _grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+
+def _as_config(config: Config | TrainConfig | None) -> Config:
+    if config is None:
+        return Config()
+    if isinstance(config, Config):
+        return config
+    if isinstance(config, TrainConfig):
+        return Config(train=config)
+    raise TypeError(
+        f"config must be a hookloop Config or TrainConfig (or None), got {type(config).__name__}"
+    )
+
+
+def _as_manager(callbacks: Any) -> CallbackManager:
+    if callbacks is None:
+        return CallbackManager()
+    if isinstance(callbacks, CallbackManager):
+        return callbacks
+    return CallbackManager(callbacks)
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"train.device={name!r} but CUDA is not available; use 'cpu' or 'auto'")
+    return device
