@@ -1,0 +1,448 @@
+"""The forward-step protocol and the three loss patterns, checked against hand-computed numbers."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from hookloop import Callback, Config, Trainer
+from hookloop.step import LossReducer
+from hookloop.testing import TinyModel, ToyData
+
+
+class Linear3(torch.nn.Module):
+    """y = x @ w + b with fixed, distinct weights (3 features -> 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 1)
+        with torch.no_grad():
+            self.lin.weight.copy_(torch.tensor([[0.5, -1.0, 0.25]]))
+            self.lin.bias.fill_(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+class Capture(Callback):
+    """Keeps each step's loss_dict (as floats) and the parameters before the first step."""
+
+    def __init__(self) -> None:
+        self.losses: list[dict[str, float]] = []
+        self.start: list[torch.Tensor] = []
+
+    def on_train_start(self, ctx):
+        self.start = [p.detach().clone() for p in ctx.model.parameters()]
+
+    def on_train_step_end(self, ctx):
+        self.losses.append({k: float(v) for k, v in ctx.loss_dict.items()})
+
+
+def _cpu_config(**train):
+    cfg = Config()
+    cfg.data.batch_size = 4
+    cfg.train.device = "cpu"
+    cfg.train.handle_signals = False
+    cfg.train.log_every = 0
+    for key, value in train.items():
+        setattr(cfg.train, key, value)
+    return cfg
+
+
+def _one_step(model, batches, forward_step):
+    """Train one optimizer step over ``batches`` (accumulated) with SGD lr=1, no clipping."""
+    capture = Capture()
+    Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        train_data=batches,
+        config=_cpu_config(max_steps=1, grad_accum=len(batches), clip_grad_norm=None),
+        callbacks=[capture],
+        forward_step=forward_step,
+    ).train()
+    deltas = [
+        before - p.detach() for before, p in zip(capture.start, model.parameters(), strict=True)
+    ]
+    return capture.losses[0], deltas
+
+
+def _expected_grads(loss_of_model) -> list[torch.Tensor]:
+    reference = Linear3()
+    loss = loss_of_model(reference)
+    grads = torch.autograd.grad(loss, list(reference.parameters()))
+    return [g.detach() for g in grads]
+
+
+def _assert_all_close(actual, expected):
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected, strict=True):
+        assert torch.allclose(a, e, atol=1e-6, rtol=1e-5), (a, e)
+
+
+# -- pattern 1: (loss, meta) ---------------------------------------------------------------
+
+
+def _mean_batches():
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g)) for _ in range(2)]
+
+
+def _mean_step(data_iterator, model):
+    x, y = next(data_iterator)
+    out = model(x)
+
+    def loss_func(out):
+        return torch.nn.functional.mse_loss(out, y), {"mae": (out - y).abs().mean()}
+
+    return out, loss_func
+
+
+def test_mean_pattern_with_accumulation_reports_and_descends_the_mean_loss():
+    batches = _mean_batches()
+    losses, deltas = _one_step(Linear3(), batches, _mean_step)
+
+    def mean_loss(model):
+        parts = [torch.nn.functional.mse_loss(model(x), y) for x, y in batches]
+        return (parts[0] + parts[1]) / 2
+
+    with torch.no_grad():
+        ref = Linear3()
+        per_batch = [torch.nn.functional.mse_loss(ref(x), y).item() for x, y in batches]
+        mae = [(ref(x) - y).abs().mean().item() for x, y in batches]
+    assert losses["loss"] == pytest.approx(sum(per_batch) / 2, rel=1e-6)
+    assert losses["mae"] == pytest.approx(sum(mae) / 2, rel=1e-6)
+    _assert_all_close(deltas, _expected_grads(mean_loss))  # SGD lr=1: delta == gradient
+
+
+# -- pattern 2: (loss_sum, num_tokens, meta) -----------------------------------------------
+
+
+def _token_batches():
+    """Two micro-batches of 2 sequences x 6 positions, with 3 and 9 valid tokens."""
+    g = torch.Generator().manual_seed(5)
+    masks = [torch.zeros(2, 6), torch.zeros(2, 6)]
+    masks[0][0, :3] = 1
+    masks[1][0, :6] = 1
+    masks[1][1, :3] = 1
+    return [
+        (torch.randn(2, 6, 3, generator=g), torch.randn(2, 6, 1, generator=g), mask)
+        for mask in masks
+    ]
+
+
+def _token_losses(model, batch):
+    x, y, mask = batch
+    per_token = ((model(x) - y) ** 2).sum(-1) * mask
+    return per_token.sum(), mask.sum()
+
+
+def _token_step(tokens_as):
+    def forward_step(state, data_iterator, model):
+        x, y, mask = next(data_iterator)
+        out = model(x)
+
+        def loss_func(out):
+            loss_sum = (((out - y) ** 2).sum(-1) * mask).sum()
+            tokens = mask.sum()
+            n = int(tokens.item())
+            # [numerator, denominator] is a ratio of sums; a scalar is token-weighted
+            meta = {"hits": torch.tensor([n // 3, n]), "scale": torch.tensor(n / 3.0)}
+            return loss_sum, tokens if tokens_as == "tensor" else n, meta
+
+        return out, loss_func
+
+    return forward_step
+
+
+@pytest.mark.parametrize("tokens_as", ["tensor", "int"])
+def test_token_pattern_weights_micro_batches_by_their_tokens(tokens_as):
+    batches = _token_batches()
+    assert [int(b[2].sum()) for b in batches] == [3, 9]
+
+    losses, deltas = _one_step(Linear3(), batches, _token_step(tokens_as))
+
+    def token_loss(model):
+        sums = [_token_losses(model, b)[0] for b in batches]
+        return (sums[0] + sums[1]) / 12
+
+    with torch.no_grad():
+        ref = Linear3()
+        s1, s2 = (_token_losses(ref, b)[0].item() for b in batches)
+    assert losses["loss"] == pytest.approx((s1 + s2) / 12, rel=1e-6)
+    assert losses["loss"] != pytest.approx((s1 / 3 + s2 / 9) / 2, rel=1e-3)  # not mean of means
+    assert losses["hits"] == pytest.approx((1 + 3) / (3 + 9))
+    assert losses["scale"] == pytest.approx((3 * 1.0 + 9 * 3.0) / 12)
+    _assert_all_close(deltas, _expected_grads(token_loss))
+
+
+def test_token_pattern_in_evaluation_is_total_sum_over_total_tokens():
+    batches = _token_batches()
+    trainer = Trainer(
+        Linear3(), train_data=batches, config=_cpu_config(), forward_step=_token_step("tensor")
+    )
+    metrics = trainer.evaluate(batches)
+    with torch.no_grad():
+        ref = Linear3()
+        s1, s2 = (_token_losses(ref, b)[0].item() for b in batches)
+    assert metrics["eval_loss"] == pytest.approx((s1 + s2) / 12, rel=1e-6)
+    assert metrics["eval_hits"] == pytest.approx(4 / 12)
+
+
+# -- the reducer on its own ----------------------------------------------------------------
+
+
+def test_reducer_mean_pattern_averages_loss_and_meta():
+    reducer = LossReducer()
+    reducer.add((torch.tensor(1.0), {"acc": 0.5, "pair": torch.tensor([1.0, 2.0])}))
+    reducer.add((torch.tensor(3.0), {"acc": 1.0, "pair": torch.tensor([3.0, 6.0])}))
+    result = reducer.result()
+    assert float(result["loss"]) == 2.0
+    assert float(result["acc"]) == 0.75
+    assert float(result["pair"]) == pytest.approx(4 / 8)
+    assert reducer.count == 2 and reducer.tokens is None
+
+
+def test_reducer_accepts_a_bare_scalar_tensor():
+    reducer = LossReducer()
+    loss, tokens = reducer.add(torch.tensor(2.5))
+    assert float(loss) == 2.5 and tokens is None
+    assert set(reducer.result()) == {"loss"}
+
+
+def test_reducer_two_element_meta_is_a_ratio_of_sums_not_a_mean_of_ratios():
+    reducer = LossReducer()
+    reducer.add((torch.tensor(2.0), 4, {"acc": torch.tensor([3.0, 4.0])}))
+    reducer.add((torch.tensor(6.0), 6, {"acc": torch.tensor([1.0, 6.0])}))
+    result = reducer.result()
+    assert float(result["loss"]) == pytest.approx(8 / 10)
+    assert float(result["acc"]) == pytest.approx(4 / 10)
+    assert reducer.tokens == 10
+
+
+def test_reducer_refuses_mixed_patterns():
+    reducer = LossReducer()
+    reducer.add((torch.tensor(1.0), {}))
+    with pytest.raises(TypeError, match="mixed"):
+        reducer.add((torch.tensor(1.0), 3, {}))
+
+
+def test_empty_reducer_has_no_result():
+    assert LossReducer().result() == {}
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        "a string",
+        [torch.tensor(1.0), {}],
+        (1.0, {}),
+        (torch.tensor(1.0), "meta"),
+        (torch.tensor(1.0), 2, 3, {}),
+        None,
+    ],
+    ids=["str", "list", "float-loss", "str-meta", "4-tuple", "None"],
+)
+def test_loss_func_returning_garbage_raises_a_type_error_naming_the_patterns(garbage, make_config):
+    def forward_step(data_iterator, model):
+        x, _ = next(data_iterator)
+        return model(x), lambda out: garbage
+
+    trainer = Trainer(
+        TinyModel(),
+        train_data=ToyData(8),
+        config=make_config(max_steps=1),
+        forward_step=forward_step,
+    )
+    patterns = r"\(loss, meta_dict\), \(loss_sum, num_tokens, meta_dict\)"
+    with pytest.raises(TypeError, match=patterns):
+        trainer.train()
+
+
+def test_a_non_scalar_loss_is_refused_with_the_patterns_message(make_config):
+    trainer = Trainer(
+        TinyModel(),
+        train_data=ToyData(8),
+        config=make_config(max_steps=1),
+        loss_fn=lambda out, target: (out - target) ** 2,  # forgot the .mean()
+    )
+    with pytest.raises(TypeError, match="loss_func"):
+        trainer.train()
+
+
+# -- pattern 3: inference via predict() ----------------------------------------------------
+
+
+def test_predict_collects_whatever_loss_func_returns(make_config):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.Dropout(0.5))
+    modes: list[bool] = []
+
+    def forward_step(data_iterator, model):
+        x, _ = next(data_iterator)
+        modes.append(model.training)
+        out = model(x)
+        return out, lambda out: {"label": out.argmax(dim=1), "n": len(out)}
+
+    trainer = Trainer(model, train_data=ToyData(8), config=make_config(), forward_step=forward_step)
+    model.train()
+    results = trainer.predict(ToyData(n=10, seed=4))  # eval batch size 4: 4 + 4 + 2
+
+    assert [r["n"] for r in results] == [4, 4, 2]
+    with torch.no_grad():
+        model.eval()
+        expected = model(ToyData(n=10, seed=4).x).argmax(dim=1)
+    assert torch.equal(torch.cat([r["label"] for r in results]), expected)
+    assert modes == [False, False, False]  # evaluation mode, no dropout
+    assert trainer.predict([(torch.ones(1, 4), None)])[0]["n"] == 1  # plain iterables too
+
+
+def test_predict_restores_training_mode(make_config):
+    model = TinyModel()
+
+    def forward_step(data_iterator, model):
+        x, _ = next(data_iterator)
+        return model(x), lambda out: out
+
+    trainer = Trainer(model, train_data=ToyData(8), config=make_config(), forward_step=forward_step)
+    model.train()
+    trainer.predict(ToyData(4))
+    assert model.training
+
+
+# -- forward_step signatures ---------------------------------------------------------------
+
+
+def _two_arg(data_iterator, model):
+    x, y = next(data_iterator)
+    out = model(x)
+    return out, lambda out: (torch.nn.functional.mse_loss(out, y), {})
+
+
+def _three_arg(state, data_iterator, model):
+    return _two_arg(data_iterator, model)
+
+
+class CallableStep:
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def __call__(self, state, data_iterator, model):
+        self.steps.append(state.step)
+        return _two_arg(data_iterator, model)
+
+
+def _train_params(step, make_config):
+    model = TinyModel()
+    config = make_config(max_steps=3)
+    Trainer(model, train_data=ToyData(16), config=config, forward_step=step).train()
+    return [p.detach() for p in model.parameters()]
+
+
+def test_both_forward_step_signatures_train_identically(make_config):
+    two = _train_params(_two_arg, make_config)
+    three = _train_params(_three_arg, make_config)
+    via_loss_fn = TinyModel()
+    Trainer(
+        via_loss_fn,
+        train_data=ToyData(16),
+        config=make_config(max_steps=3),
+        loss_fn=TinyModel.loss_fn,
+    ).train()
+    for a, b, c in zip(two, three, via_loss_fn.parameters(), strict=True):
+        assert torch.equal(a, b)
+        assert torch.equal(a, c.detach())
+    assert not torch.equal(two[0], next(TinyModel().parameters()))  # it did train
+
+
+def test_forward_step_receives_the_train_state(make_config):
+    step = CallableStep()
+    Trainer(
+        TinyModel(), train_data=ToyData(16), config=make_config(max_steps=3), forward_step=step
+    ).train()
+    assert step.steps == [1, 2, 3]
+
+
+@pytest.mark.parametrize("bad", [lambda model: None, lambda: None])
+def test_forward_step_with_a_wrong_signature_is_refused_when_built(bad, make_config):
+    signatures = r"\(state, data_iterator, model\) or \(data_iterator, model\)"
+    with pytest.raises(TypeError, match=signatures):
+        Trainer(TinyModel(), train_data=ToyData(8), config=make_config(), forward_step=bad)
+
+
+def test_forward_step_must_be_callable(make_config):
+    with pytest.raises(TypeError, match="forward_step must be callable"):
+        Trainer(TinyModel(), train_data=ToyData(8), config=make_config(), forward_step=42)
+
+
+# -- the default forward step --------------------------------------------------------------
+
+
+class DictData(Dataset):
+    """ToyData as dict samples {"x", "y"}."""
+
+    def __init__(self, n: int) -> None:
+        self.inner = ToyData(n)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        x, y = self.inner[i]
+        return {"x": x, "y": y}
+
+
+class LossInside(torch.nn.Module):
+    """Computes its own loss; returns it as a tensor, a dict or an object with .loss."""
+
+    def __init__(self, returns: str) -> None:
+        super().__init__()
+        self.net = TinyModel()
+        self.returns = returns
+        self.computed: list[float] = []
+
+    def forward(self, x, y):
+        pred = self.net(x)
+        loss = torch.nn.functional.mse_loss(pred, y)
+        self.computed.append(loss.item())
+        if self.returns == "tensor":
+            return loss
+        if self.returns == "dict":
+            return {"loss": loss, "logits": pred}
+        return SimpleNamespace(loss=loss, logits=pred)
+
+
+@pytest.mark.parametrize("returns", ["tensor", "dict", "object"])
+def test_default_step_with_dict_batches_uses_the_models_own_loss(returns, make_config):
+    model = LossInside(returns)
+    capture = Capture()
+    trainer = Trainer(
+        model, train_data=DictData(16), config=make_config(max_steps=3), callbacks=[capture]
+    )
+    trainer.train()
+    assert [d["loss"] for d in capture.losses] == pytest.approx(model.computed)
+    assert trainer.state.samples == 12
+
+
+def test_default_step_unpacks_tuple_batches_without_loss_fn(make_config):
+    model = LossInside("object")
+    capture = Capture()
+    Trainer(
+        model, train_data=ToyData(16), config=make_config(max_steps=2), callbacks=[capture]
+    ).train()
+    assert [d["loss"] for d in capture.losses] == pytest.approx(model.computed)
+
+
+def test_default_step_without_a_loss_explains_the_options(make_config):
+    trainer = Trainer(TinyModel(), train_data=[torch.ones(2, 4)], config=make_config(max_steps=1))
+    with pytest.raises(TypeError, match="could not find a loss"):
+        trainer.train()
+
+
+def test_loss_fn_needs_input_target_batches(make_config):
+    trainer = Trainer(
+        TinyModel(), train_data=DictData(8), config=make_config(max_steps=1), loss_fn=lambda o, t: o
+    )
+    with pytest.raises(TypeError, match=r"\(inputs, targets\)"):
+        trainer.train()
