@@ -200,6 +200,7 @@ def capture(trainer: Trainer) -> tuple[dict[str, bytes], dict[str, Any]]:
     from safetensors.torch import save_model
 
     st = trainer.state
+    trainer.sync_counters()
     tmp = _scratch_file(trainer)
     save_model(_unwrap(trainer.model), str(tmp))  # handles tied weights
     model_bytes = tmp.read_bytes()

@@ -47,6 +47,7 @@ class TrainState:
         "_num_epochs",
         "_rank",
         "_samples",
+        "_nonfinite_steps",
         "_skipped_steps",
         "_step",
         "_steps_per_epoch",
@@ -66,6 +67,9 @@ class TrainState:
     num_epochs = _read_only("num_epochs", "Epoch budget, or None when bounded by steps only.")
     steps_per_epoch = _read_only("steps_per_epoch", "Optimizer steps per epoch, if known.")
     skipped_steps = _read_only("skipped_steps", "Steps whose optimizer update was skipped.")
+    nonfinite_steps = _read_only(
+        "nonfinite_steps", "Steps skipped because loss or gradients were NaN/Inf."
+    )
     rank = _read_only("rank", "Global rank of this process (0 without distributed).")
     local_rank = _read_only("local_rank", "Rank on this node.")
     world_size = _read_only("world_size", "Number of processes.")
@@ -84,6 +88,7 @@ class TrainState:
         self._num_epochs: int | None = None
         self._steps_per_epoch: int | None = None
         self._skipped_steps = 0
+        self._nonfinite_steps = 0
         self._rank = 0
         self._local_rank = 0
         self._world_size = 1
@@ -103,6 +108,7 @@ class TrainState:
         "tokens",
         "flops",
         "skipped_steps",
+        "nonfinite_steps",
         "last_eval",
     )
 

@@ -153,6 +153,7 @@ class Trainer:
         self._log_grad_norm: torch.Tensor | None = None
         self._finite_check = FiniteCheck(self.device)
         self._last_eval_step = -1
+        self._pending_tokens: list[Any] = []  # token counts not yet read back from the device
         self._loader_positioned = False  # set when a checkpoint restored the loader's own state
         self.checkpoints: Any = None  # set by hookloop.checkpoint when out_dir is given
         self._attach_checkpoints()
@@ -245,6 +246,7 @@ class Trainer:
                     st._stop_reason = "max_epochs"
                     break
                 self._run_epoch()
+            self.sync_counters()
             if not _aborted(st._stop_reason) and self.checkpoints is not None:
                 self.checkpoints.save_final()
             self._fire("on_train_end")
@@ -319,7 +321,10 @@ class Trainer:
         st._step += 1
         st._epoch_step += 1
         self.control._skip = False  # a skip filed after last step's update does not carry over
-        st._samples += sum(map(batch_size_of, group)) * st._world_size
+        samples = sum(map(batch_size_of, group)) * st._world_size
+        st._samples += samples
+        if self.flops_per_sample:
+            st._flops += self.flops_per_sample * samples
         if st._step in self._skip_steps:
             return  # iterations_to_skip: data consumed, nothing computed
         if hooks["on_train_step_start"]:
@@ -329,6 +334,8 @@ class Trainer:
         self._forward_backward(group)
         grad_norm = self._prepare_gradients()
         loss_dict = reducer.result()
+        if reducer.token_mode:
+            self._pending_tokens.append(reducer.tokens)  # a tensor: summed when read
         ctx.loss_dict, ctx.grad_norm = loss_dict, grad_norm
         if hooks["on_before_optimizer_step"]:
             self.callbacks.fire("on_before_optimizer_step", ctx)
@@ -394,6 +401,7 @@ class Trainer:
                 else [loss_dict["loss"], *_grads(self.optimizer)]
             )
             skip = self._finite_check.any_nonfinite(checked)
+            st._nonfinite_steps += skip
         if st._world_size > 1:
             skip = bool(agree_flags([int(skip)], self.device)[0])
         if skip:
@@ -519,9 +527,16 @@ class Trainer:
             return 128 + self._signal
         return ExitCode.OK
 
+    def sync_counters(self) -> None:
+        """Fold device-side token counts into ``state.tokens`` (one host read)."""
+        if self._pending_tokens:
+            self.state._tokens += int(to_float(sum(self._pending_tokens)))
+            self._pending_tokens.clear()
+
     def _log(self) -> None:
         """Build ``ctx.logs`` (this is where values are read back from the device)."""
         st, hooks = self.state, self._hooks
+        self.sync_counters()
         logs: dict[str, Any] = {}
         if self._log_losses:
             for key in self._log_losses[-1]:
