@@ -38,6 +38,8 @@ import numpy as np
 import torch
 import yaml
 
+from hookloop.distributed import barrier, gather_objects
+
 if TYPE_CHECKING:
     from hookloop.trainer import Trainer
 
@@ -195,12 +197,17 @@ class CheckpointPolicy:
 # -- what: capturing and restoring a trainer -------------------------------------
 
 
-def capture(trainer: Trainer) -> tuple[dict[str, bytes], dict[str, Any]]:
-    """Serialise everything needed to continue ``trainer`` exactly; return files and meta."""
+def capture(
+    trainer: Trainer, rng_per_rank: list[dict[str, Any]] | None = None
+) -> tuple[dict[str, bytes], dict[str, Any]]:
+    """Serialise everything needed to continue ``trainer`` exactly; return files and meta.
+
+    ``rng_per_rank`` holds every rank's RNG states (gathered by the caller), so a
+    resumed multi-rank run draws the same dropout masks on every rank.
+    """
     from safetensors.torch import save_model
 
     st = trainer.state
-    trainer.sync_counters()
     tmp = _scratch_file(trainer)
     save_model(_unwrap(trainer.model), str(tmp))  # handles tied weights
     model_bytes = tmp.read_bytes()
@@ -209,7 +216,8 @@ def capture(trainer: Trainer) -> tuple[dict[str, bytes], dict[str, Any]]:
         "train_state": st.state_dict(),
         "scheduler": trainer.scheduler.state_dict() if trainer.scheduler is not None else None,
         "scaler": trainer.scaler.state_dict() if trainer.scaler is not None else None,
-        "rng": _rng_state(),
+        "rng": rng_per_rank[0] if rng_per_rank else _rng_state(),
+        "rng_per_rank": rng_per_rank or [],
         "data": _data_state(trainer),
         "user_state": _portable(trainer.callbacks.user_state, "user_state"),
         "callbacks": {
@@ -258,7 +266,18 @@ def restore(trainer: Trainer, path: Path, *, strict: bool = False) -> None:
         {k: v.to(trainer.device) if isinstance(v, torch.Tensor) else v for k, v in d.items()}
         for d in state.get("log_pending", [])
     ]
-    _set_rng_state(state["rng"])
+    per_rank = state.get("rng_per_rank") or []
+    rank = trainer.state.rank
+    if len(per_rank) == trainer.state.world_size and rank < len(per_rank):
+        _set_rng_state(per_rank[rank])
+    else:
+        if trainer.state.world_size > 1:
+            warnings.warn(
+                f"hookloop resume: checkpoint saved with {len(per_rank) or 1} rank(s), running "
+                f"with {trainer.state.world_size}; every rank restores rank 0's RNG state",
+                stacklevel=3,
+            )
+        _set_rng_state(state["rng"])
 
 
 def _restore_callbacks(trainer: Trainer, saved: dict[str, Any], *, strict: bool) -> None:
@@ -367,13 +386,19 @@ class CheckpointManager:
         if self.last_saved_step == st.step:
             return None  # this exact state is already on disk
         self.last_saved_step = st.step
-        if not st.is_rank_zero:
-            return None
-        files, meta = capture(trainer)
-        if self.policy.monitor:
-            meta["metric"] = _monitored(st.last_eval, self.policy.monitor)
-        path = self.storage.commit(f"step-{st.step:08d}", files, meta)
-        self._apply_retention()
+        trainer.sync_counters()
+        # Every rank takes part: RNG states are gathered, rank 0 writes, all wait for it.
+        rng_per_rank = None
+        if st.world_size > 1:  # as bytes: object collectives do not carry tensors reliably
+            rng_per_rank = [_torch_loads(b) for b in gather_objects(_torch_bytes(_rng_state()))]
+        path = self.storage.root / f"step-{st.step:08d}"
+        if st.is_rank_zero:
+            files, meta = capture(trainer, rng_per_rank)
+            if self.policy.monitor:
+                meta["metric"] = _monitored(st.last_eval, self.policy.monitor)
+            path = self.storage.commit(path.name, files, meta)
+            self._apply_retention()
+        barrier()
         trainer.ctx.checkpoint_path = path
         trainer._fire("on_checkpoint_save")
         trainer.ctx.checkpoint_path = None
@@ -459,6 +484,12 @@ def _torch_bytes(obj: Any) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
+
+
+def _torch_loads(data: bytes) -> Any:
+    import io
+
+    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 def _torch_load(path: Path, device: torch.device) -> Any:

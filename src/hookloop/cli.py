@@ -101,28 +101,44 @@ def _run_dir(out: str | None, recipe: str, resume: str | None) -> Path:
 
 def _train(args: argparse.Namespace) -> int:
     from hookloop.callbacks import JsonLogger, ProgressBar
+    from hookloop.distributed import broadcast_object, init_from_env, rank_info
     from hookloop.entry import build_trainer
 
     cfg = resolve_config(args.recipe, args.config, args.overrides)
-    run_dir = _run_dir(args.out, cfg.recipe, args.resume)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not (run_dir / "config.yaml").exists():  # a resumed run keeps the original file
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    init_from_env()  # under torchrun: join the process group (gloo on CPU, nccl on GPU)
+    # Rank 0 decides the run directory (and refuses a used one); every rank gets its answer.
+    decision: tuple[str | None, str | None] = (None, None)
+    if rank_info()[0] == 0:
+        try:
+            run_dir = _run_dir(args.out, cfg.recipe, args.resume)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if not (run_dir / "config.yaml").exists():  # a resumed run keeps the original
+                (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+            decision = (str(run_dir), None)
+        except UsageError as err:
+            decision = (None, str(err))
+    path, error = broadcast_object(decision)
+    if error is not None:
+        raise UsageError(error)
+    run_dir = Path(path)
     callbacks = []
     if cfg.logging.progress:
         callbacks.append(ProgressBar())
     if cfg.logging.json:
         callbacks.append(JsonLogger(run_dir / "metrics.jsonl"))
-    print(f"hookloop: recipe {cfg.recipe}, run directory {run_dir}", file=sys.stderr)
+    rank = rank_info()[0]
+    if rank == 0:
+        print(f"hookloop: recipe {cfg.recipe}, run directory {run_dir}", file=sys.stderr)
     trainer = build_trainer(cfg, callbacks=callbacks, out_dir=run_dir, resume=args.resume)
     result = trainer.train()
     summary = ", ".join(f"{k} {v:.4f}" for k, v in result.metrics.items())
-    print(
-        f"hookloop: {result.stop_reason} at step {result.step}"
-        + (f"; {summary}" if summary else "")
-        + f"; outputs in {run_dir}",
-        file=sys.stderr,
-    )
+    if rank == 0:
+        print(
+            f"hookloop: {result.stop_reason} at step {result.step}"
+            + (f"; {summary}" if summary else "")
+            + f"; outputs in {run_dir}",
+            file=sys.stderr,
+        )
     return result.exit_code
 
 

@@ -50,7 +50,66 @@ def agree_flags(flags: list[int], device: torch.device) -> list[int]:
 
 
 def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks (a copy; the input is unchanged)."""
     if is_distributed():
         value = value.clone()
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
     return value
+
+
+def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
+    """Mean over ranks (a copy)."""
+    if is_distributed():
+        return all_reduce_sum(value) / dist.get_world_size()
+    return value
+
+
+def init_from_env() -> bool:
+    """Join the process group torchrun describes in the environment (once).
+
+    Uses nccl when CUDA is available, gloo otherwise. Returns whether this
+    process is part of a group of more than one.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 or is_distributed():
+        return is_distributed()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend=backend)
+    return True
+
+
+def wrap_data_parallel(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """DDP-wrap ``model`` when there is more than one rank; otherwise return it as is."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not is_distributed() or dist.get_world_size() == 1:
+        return model
+    if isinstance(model, DistributedDataParallel):
+        return model
+    ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids)
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (a list indexed by rank) on every rank."""
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` on every rank."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

@@ -208,6 +208,29 @@ class LossReducer:
             self._meta_w[key] = self._meta_w.get(key, 0) + weight
         return loss, tokens
 
+    def reduce_tokens_across_ranks(self, device: torch.device | None = None) -> Any:
+        """Token mode: total tokens over all ranks; the loss becomes the global ratio too."""
+        from hookloop.distributed import all_reduce_sum, is_distributed
+
+        if not is_distributed():
+            return self._den
+        both = all_reduce_sum(_stack64([self._num, self._den], device))
+        self._num, self._den = both[0], both[1]
+        return self._den
+
+    def reduce_across_ranks(self, device: torch.device | None = None) -> None:
+        """Sum every numerator and denominator over ranks (for evaluation results)."""
+        from hookloop.distributed import all_reduce_sum, is_distributed
+
+        if not is_distributed() or self._count == 0:
+            return
+        keys = sorted(self._meta)
+        parts = [self._num, self._den] + [p for k in keys for p in (self._meta[k], self._meta_w[k])]
+        summed = all_reduce_sum(_stack64(parts, device))
+        self._num, self._den = summed[0], summed[1]
+        for i, k in enumerate(keys):
+            self._meta[k], self._meta_w[k] = summed[2 + 2 * i], summed[3 + 2 * i]
+
     @property
     def count(self) -> int:
         return self._count
@@ -225,6 +248,10 @@ class LossReducer:
         for key, total in self._meta.items():
             out[key] = total / self._meta_w[key]
         return out
+
+
+def _stack64(values: list[Any], device: torch.device | None) -> torch.Tensor:
+    return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
 
 
 def to_float(value: Any) -> float:

@@ -29,7 +29,13 @@ import torch
 from hookloop.callback import Callback
 from hookloop.config import Config, TrainConfig
 from hookloop.data import EpochSampler, is_map_style, make_loader
-from hookloop.distributed import agree_flags, rank_info
+from hookloop.distributed import (
+    agree_flags,
+    all_reduce_mean,
+    gather_objects,
+    rank_info,
+    wrap_data_parallel,
+)
 from hookloop.manager import CallbackManager
 from hookloop.optim import build_optimizer, build_scheduler
 from hookloop.state import CallbackContext, Control, Requests, TrainState
@@ -112,15 +118,17 @@ class Trainer:
         cfg = self.config.train
         self.callbacks = _as_manager(callbacks)
         self.callbacks.check_requirements()
-        self.device = _resolve_device(cfg.device)
-        self.model = model.to(self.device)
-        self.optimizer = optimizer or build_optimizer(self.config.optimizer, self.model)
-        self.out_dir = out_dir
-        self.resume = resume
-        self.flops_per_sample = flops_per_sample
         self.state = TrainState()
         st = self.state
         st._rank, st._local_rank, st._world_size = rank_info()
+        self.device = _resolve_device(cfg.device, st._local_rank)
+        self.model = model.to(self.device)  # what users and callbacks see: never wrapped
+        self.optimizer = optimizer or build_optimizer(self.config.optimizer, self.model)
+        # What the training step runs: DDP-wrapped when there are several ranks.
+        self._train_model = wrap_data_parallel(self.model, self.device)
+        self.out_dir = out_dir
+        self.resume = resume
+        self.flops_per_sample = flops_per_sample
         self.control = Control()
         self.train_loader = self._loader(train_data, train=True)
         self.eval_loader = self._loader(eval_data, train=False)
@@ -352,22 +360,24 @@ class Trainer:
     def _forward_backward(self, group: list[Any]) -> None:
         """Forward, loss and backward for each micro-batch, firing the micro-step events."""
         st, hooks, ctx, reducer = self.state, self._hooks, self.ctx, self._reducer
-        k = len(group)
+        k, model = len(group), self._train_model
         data = iter(group)
         for i, batch in enumerate(group):
             st._micro_step = i
             if hooks["on_micro_step_start"]:
                 ctx.batch = batch
                 self.callbacks.fire("on_micro_step_start", ctx)
-            with self._autocast():
-                output, loss_func = self._forward(st, data, self.model)
+            # DDP all-reduces gradients only on the last micro-batch of the step.
+            sync = i == k - 1 or model is self.model
+            with self._autocast(), contextlib.nullcontext() if sync else model.no_sync():
+                output, loss_func = self._forward(st, data, model)
                 loss, _ = reducer.add(loss_func(output))
-            # (loss, meta): average over micro-batches. (loss_sum, tokens, meta): the sum
-            # is kept and gradients are divided by the total token count afterwards.
-            scaled = loss if (reducer.token_mode or k == 1) else loss / k
-            if self.scaler is not None:
-                scaled = self.scaler.scale(scaled)
-            scaled.backward()
+                # (loss, meta): average over micro-batches. (loss_sum, tokens, meta): keep
+                # the sum; gradients are divided by the total token count afterwards.
+                scaled = loss if (reducer.token_mode or k == 1) else loss / k
+                if self.scaler is not None:
+                    scaled = self.scaler.scale(scaled)
+                scaled.backward()
             if hooks["on_micro_step_end"]:
                 ctx.batch, ctx.outputs, ctx.loss = batch, output, loss.detach()
                 self.callbacks.fire("on_micro_step_end", ctx)
@@ -381,7 +391,9 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         if reducer.token_mode:
-            torch._foreach_div_(_grads(self.optimizer), reducer.tokens)
+            # Over all ranks: DDP averaged the per-rank sums, so divide by tokens / ranks.
+            total_tokens = reducer.reduce_tokens_across_ranks(self.device)
+            torch._foreach_div_(_grads(self.optimizer), total_tokens / self.state._world_size)
         if cfg.clip_grad_norm is not None:
             return torch.nn.utils.clip_grad_norm_(
                 self.model.parameters(), cfg.clip_grad_norm, foreach=True
@@ -493,13 +505,12 @@ class Trainer:
         )
         if signum:
             self._signal = signum
-        return Requests(
-            bool(log),
-            bool(evaluate),
-            bool(save),
-            (requests.stop or "stop requested") if stop else None,
-            (requests.abort or "abort requested") if abort else None,
-        )
+        stop_reason = abort_reason = None
+        if stop or abort:  # rare: let every rank report the reason the asking rank gave
+            reasons = gather_objects((requests.stop, requests.abort))
+            stop_reason = next((s for s, _ in reasons if s), "stop requested") if stop else None
+            abort_reason = next((a for _, a in reasons if a), "abort requested") if abort else None
+        return Requests(bool(log), bool(evaluate), bool(save), stop_reason, abort_reason)
 
     def _requests_stop(self, requests: Requests) -> bool:
         """Stop conditions other than the step budget; sets ``stop_reason``."""
@@ -539,9 +550,24 @@ class Trainer:
         self.sync_counters()
         logs: dict[str, Any] = {}
         if self._log_losses:
-            for key in self._log_losses[-1]:
-                values = [d[key] for d in self._log_losses if key in d]
-                logs[key] = to_float(torch.stack([torch.as_tensor(v) for v in values]).mean())
+            keys = list(self._log_losses[-1])
+            means = torch.stack(
+                [
+                    torch.stack(
+                        [
+                            torch.as_tensor(d[k], dtype=torch.float32)
+                            for d in self._log_losses
+                            if k in d
+                        ]
+                    )
+                    .mean()
+                    .to(self.device)
+                    for k in keys
+                ]
+            )
+            if st._world_size > 1:
+                means = all_reduce_mean(means)  # every rank logs the same numbers
+            logs.update(zip(keys, means.tolist(), strict=True))
         if self._log_grad_norm is not None:
             logs["grad_norm"] = to_float(self._log_grad_norm)
         logs["lr"] = float(self.optimizer.param_groups[0]["lr"])
@@ -607,6 +633,8 @@ class Trainer:
                     ctx.batch, ctx.outputs, ctx.loss = batch, output, loss
                     self.callbacks.fire(step_end, ctx)
                 ctx.batch = ctx.outputs = ctx.loss = None
+        if st._world_size > 1:
+            reducer.reduce_across_ranks(self.device)  # each rank evaluated its own share
         metrics = {f"{kind}_{k}": to_float(v) for k, v in reducer.result().items()}
         if kind == "eval":
             st._last_eval = metrics
@@ -706,9 +734,11 @@ def _as_manager(callbacks: Any) -> CallbackManager:
     return CallbackManager(callbacks)
 
 
-def _resolve_device(name: str) -> torch.device:
+def _resolve_device(name: str, local_rank: int = 0) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        name = f"cuda:{local_rank}"  # one GPU per process under torchrun
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"train.device={name!r} but CUDA is not available; use 'cpu' or 'auto'")

@@ -1,0 +1,65 @@
+"""A training job for the multi-process tests, launched by torchrun (not collected)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from hookloop.config import apply_overrides
+from hookloop.distributed import init_from_env, rank_info
+from hookloop.entry import build_trainer
+from hookloop.recipes import default_config
+
+
+def main() -> None:
+    mode, out, *overrides = sys.argv[1:]
+    init_from_env()
+    rank, _, world = rank_info()
+    cfg = default_config("mlp-regression")
+    apply_overrides(cfg, ["train.log_every=1", *overrides])
+    trainer = build_trainer(cfg, out_dir=out if mode != "plain" else None,
+                            resume="auto" if mode == "resume" else None)  # fmt: skip
+    losses: dict[int, float] = {}
+
+    def record(ctx) -> None:
+        if "loss" in ctx.logs:  # absent when every step since the last log was skipped
+            losses[ctx.state.step] = ctx.logs["loss"]
+
+    trainer.callbacks.register("on_log", record)
+    if mode == "stop-on-rank-1":
+        trainer.callbacks.register(
+            "on_train_step_end",
+            lambda ctx: ctx.control.request_stop("asked on rank 1") if rank == 1 else None,
+            once=7,
+        )
+    if mode == "nan-on-rank-1":
+        forward = trainer._forward
+
+        def poisoned(state, data, model):
+            output, loss_func = forward(state, data, model)
+            if rank == 1 and state.step == 3:
+                return output, lambda out: (loss_func(out)[0] * math.nan, {})
+            return output, loss_func
+
+        trainer._forward = poisoned
+    result = trainer.train()
+    record = {
+        "rank": rank,
+        "world": world,
+        "step": result.step,
+        "stop_reason": result.stop_reason,
+        "skipped": trainer.state.skipped_steps,
+        "losses": losses,
+        "params": [p.detach().flatten().tolist() for p in trainer.model.parameters()],
+    }
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / f"result-{mode}-rank{rank}.json").write_text(json.dumps(record))
+    torch.distributed.destroy_process_group() if world > 1 else None
+
+
+if __name__ == "__main__":
+    main()
