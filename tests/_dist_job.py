@@ -36,6 +36,20 @@ def main() -> None:
             lambda ctx: ctx.control.request_stop("asked on rank 1") if rank == 1 else None,
             once=7,
         )
+    if mode == "diloco":
+        from hookloop.callbacks.diloco import DiLoCo
+
+        diloco = DiLoCo(sync_every=4, outer_lr=0.7, outer_momentum=0.5, bf16_comm=True)
+        trainer.callbacks.add(diloco)
+        synced: list[list[float]] = []
+        trainer.callbacks.register(
+            "on_train_step_end",
+            lambda ctx: synced.append(
+                [float(p.detach().double().sum()) for p in ctx.model.parameters()]
+            ),
+            every=4,
+            priority=90,  # after DiLoCo (15) took its outer step
+        )
     if mode == "nan-on-rank-1":
         forward = trainer._forward
 
@@ -55,7 +69,11 @@ def main() -> None:
         "skipped": trainer.state.skipped_steps,
         "losses": losses,
         "params": [p.detach().flatten().tolist() for p in trainer.model.parameters()],
+        "eval_loss": result.metrics.get("eval_loss"),
     }
+    if mode == "diloco":
+        record["synced"] = synced
+        record["outer_steps"] = diloco.outer_steps
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / f"result-{mode}-rank{rank}.json").write_text(json.dumps(record))
     torch.distributed.destroy_process_group() if world > 1 else None

@@ -11,6 +11,7 @@ from hookloop.recipes import default_config
 #: Every settable key of the base Config. Growing this set should be a deliberate choice:
 #: add the new key here in the same change that adds it to hookloop.config.
 BASE_KEYS = {
+    "train.parallel",
     "recipe",
     "seed",
     "data.batch_size",

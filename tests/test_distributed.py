@@ -68,3 +68,25 @@ def test_kill_and_resume_of_a_two_rank_run_is_exact(tmp_path):
         assert ref["params"] == res["params"]
         later = {s: v for s, v in ref["losses"].items() if int(s) > 10}
         assert res["losses"] == later
+
+
+def test_diloco_with_two_workers_lowers_the_loss_and_keeps_workers_identical_after_syncs(
+    tmp_path,
+):
+    args = ["data.batch_size=16", "train.parallel=local", "train.eval_every=1000"]
+    results = launch("diloco", tmp_path, *args)
+    assert [r["outer_steps"] for r in results] == [6, 6]  # 24 steps / sync_every 4
+    assert results[0]["synced"] == results[1]["synced"]  # identical after every outer step
+    assert results[0]["params"] == results[1]["params"]
+    ordered = [v for _, v in sorted(results[0]["losses"].items(), key=lambda kv: int(kv[0]))]
+    # Per-step losses on 16 samples are noisy: compare the mean of the first two with the
+    # mean of the last eight (steps 17-24, after four outer steps).
+    assert sum(ordered[-8:]) / 8 < 0.5 * sum(ordered[:2]) / 2
+
+
+def test_diloco_refuses_per_step_gradient_sync(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           JOB, "diloco", str(tmp_path), *BASE, "data.batch_size=16"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0
+    assert "train.parallel='local'" in proc.stderr

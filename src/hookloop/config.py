@@ -94,6 +94,9 @@ class TrainConfig:
     clip_grad_norm: float | None = opt(1.0, "Clip the total gradient norm to this; null: off.")
     precision: Literal["fp32", "bf16", "fp16"] = opt("fp32", "Autocast precision.")
     device: str = opt("auto", "'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1'.")
+    parallel: Literal["ddp", "local"] = opt(
+        "ddp", "With several ranks: 'ddp' syncs gradients every step; 'local' never (DiLoCo)."
+    )
     log_every: int = opt(10, "Fire the logging events every N steps (0: never).")
     eval_every: int | None = opt(None, "Evaluate every N steps (null: not by steps).")
     eval_at_epoch_end: bool = opt(True, "Evaluate at the end of each epoch.")

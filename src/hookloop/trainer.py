@@ -125,7 +125,9 @@ class Trainer:
         self.model = model.to(self.device)  # what users and callbacks see: never wrapped
         self.optimizer = optimizer or build_optimizer(self.config.optimizer, self.model)
         # What the training step runs: DDP-wrapped when there are several ranks.
-        self._train_model = wrap_data_parallel(self.model, self.device)
+        self._train_model = (
+            wrap_data_parallel(self.model, self.device) if cfg.parallel == "ddp" else self.model
+        )
         self.out_dir = out_dir
         self.resume = resume
         self.flops_per_sample = flops_per_sample
