@@ -1,15 +1,37 @@
-"""A JSON Lines record of every log and evaluation event.
+"""A JSON Lines record of every log and evaluation event, and of each run's start and end.
 
 One line per event, flushed as written, so the file stays parseable even if
-the process is killed (at most the line being written is lost). The logger is
-stateful: a checkpoint remembers how far the file had been written, and a
-resume cuts off whatever was written after it, so every event appears once.
+the process is killed (at most the line being written is lost, and
+:func:`read_jsonl` skips it). Every record has ``kind``, ``time`` (Unix
+seconds), ``step`` and ``epoch``; the other keys depend on the kind:
+
+``start``
+    training began (``train()``): ``pid``, ``host``, ``resumed`` (bool) and
+    ``max_steps``. A resumed run writes a new ``start`` record.
+``train``
+    a log event: every value in ``ctx.logs`` (loss, lr, grad_norm, ... and
+    whatever producer callbacks added).
+``eval`` / ``test``
+    an evaluation: every value in ``ctx.metrics`` (``eval_loss``, ...).
+``end``
+    training ended: ``status`` (see :func:`run_status`) and ``stop_reason``;
+    after an exception also ``error``. A killed process leaves no ``end``
+    record after its last ``start``: that is how ``hookloop runs`` tells a
+    killed run from a finished one.
+
+The logger is stateful: a checkpoint remembers how far the file had been
+written, and a resume cuts off whatever was written after it, so every step
+appears once. A resume that finds no checkpoint for this logger (for example a
+run killed before its first checkpoint, restarted with ``--resume auto``)
+keeps only the records up to the step it restarts from.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import socket
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -18,8 +40,22 @@ from hookloop.callback import Callback
 from hookloop.state import CallbackContext
 
 
+def run_status(stop_reason: str | None) -> str:
+    """``finished`` (the step or epoch budget was reached), ``aborted``, or ``stopped``.
+
+    ``stopped`` covers every other orderly end: a stop request, a signal,
+    ``exit_interval`` or ``exit_duration`` (these save a checkpoint and can be resumed).
+    """
+    reason = stop_reason or ""
+    if reason in ("max_steps", "max_epochs", "finished", ""):
+        return "finished"
+    if reason.startswith("abort"):
+        return "aborted"
+    return "stopped"
+
+
 class JsonLogger(Callback):
-    """Appends ``{"kind", "time", "step", "epoch", **metrics}`` records to ``path``."""
+    """Appends ``{"kind", "time", "step", "epoch", **values}`` records to ``path``."""
 
     priority = 100
 
@@ -28,6 +64,7 @@ class JsonLogger(Callback):
             raise ValueError(f"path must be a file path, got {path!r}")
         self.path = Path(path)
         self._file: TextIO | None = None
+        self._restored = False  # set by load_state_dict, read once at the next train start
 
     def _write(self, kind: str, ctx: CallbackContext, values: dict[str, Any]) -> None:
         if not ctx.state.is_rank_zero:
@@ -45,6 +82,22 @@ class JsonLogger(Callback):
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
+    def on_train_start(self, ctx: CallbackContext) -> None:
+        restored, self._restored = self._restored, False
+        resuming = getattr(ctx.trainer, "resume", None) is not None
+        if resuming and not restored and ctx.state.is_rank_zero:
+            self._drop_records_after(ctx.state.step)
+        self._write(
+            "start",
+            ctx,
+            {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "resumed": ctx.state.step > 0,
+                "max_steps": ctx.state.max_steps,
+            },
+        )
+
     def on_log(self, ctx: CallbackContext) -> None:
         self._write("train", ctx, ctx.logs or {})
 
@@ -55,6 +108,15 @@ class JsonLogger(Callback):
         self._write("test", ctx, ctx.metrics or {})
 
     def on_train_end(self, ctx: CallbackContext) -> None:
+        reason = ctx.state.stop_reason
+        self._write("end", ctx, {"status": run_status(reason), "stop_reason": reason})
+        self.close()
+
+    def on_exception(self, ctx: CallbackContext) -> None:
+        exc = ctx.exception
+        status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+        error = f"{type(exc).__name__}: {exc}"[:500] if exc is not None else None
+        self._write("end", ctx, {"status": status, "stop_reason": status, "error": error})
         self.close()
 
     def state_dict(self) -> dict[str, Any]:
@@ -65,18 +127,31 @@ class JsonLogger(Callback):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Drop records written after the checkpoint (they will be written again)."""
         self.close()
+        self._restored = True
         offset = int(state.get("offset", 0))
         if self.path.exists() and self.path.stat().st_size > offset:
             with self.path.open("r+b") as f:
                 f.truncate(offset)
 
-    def on_exception(self, ctx: CallbackContext) -> None:
+    def _drop_records_after(self, step: int) -> None:
+        """Rewind by content when no byte offset was restored: keep records up to ``step``."""
         self.close()
+        if not self.path.is_file():
+            return
+        kept = [r for r in read_jsonl(self.path) if _step_of(r) <= step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        os.replace(tmp, self.path)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _step_of(record: dict[str, Any]) -> int:
+    step = record.get("step")
+    return step if isinstance(step, int) else 0
 
 
 def _jsonable(value: Any) -> Any:
@@ -95,7 +170,46 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     records = []
     for line in Path(path).read_text(encoding="utf-8").splitlines():
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if isinstance(record, dict):
+            records.append(record)
     return records
+
+
+def numeric_metrics(values: dict[str, Any] | None) -> dict[str, float]:
+    """The values a plot or a scalar dashboard can show: numbers, as floats.
+
+    Booleans and strings are left out; 0-dim tensors and NumPy scalars are
+    converted; the strings ``"nan"``/``"inf"`` that the JSON log uses for
+    non-finite numbers come back as floats.
+    """
+    out: dict[str, float] = {}
+    for key, value in (values or {}).items():
+        if isinstance(value, bool) or value is None:
+            continue
+        if isinstance(value, (int, float)):
+            out[key] = float(value)
+        elif isinstance(value, str):
+            if value.lower() in ("nan", "inf", "-inf", "infinity", "-infinity"):
+                out[key] = float(value)
+        elif getattr(value, "ndim", None) == 0 or getattr(value, "shape", None) == ():
+            try:
+                out[key] = float(value)
+            except (TypeError, ValueError):
+                continue
+    return out
+
+
+def metric_tag(kind: str, key: str) -> str:
+    """Dashboard name for a logged value: ``train/loss``, ``eval/loss``, ``test/accuracy``.
+
+    Train log keys get a ``train/`` prefix; evaluation keys lose their
+    ``eval_`` (or ``test_``) prefix and get ``eval/`` (``test/``) instead, so
+    TensorBoard and W&B group each kind in its own section.
+    """
+    if kind in ("eval", "test"):
+        bare = key[len(kind) + 1 :] if key.startswith(kind + "_") else key
+        return f"{kind}/{bare}"
+    return f"{kind}/{key}"
