@@ -240,6 +240,8 @@ class CallbackManager:
             handlers = self._index[event]
         except (KeyError, TypeError):
             raise ValueError(unknown_event_message(event)) from None
+        if not handlers:
+            return
         handler = None
         try:
             for handler in handlers:

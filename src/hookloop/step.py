@@ -144,20 +144,23 @@ class LossReducer:
     """Accumulates ``loss_func`` results over micro-batches (or eval batches).
 
     Keeps everything as tensors: nothing here reads a value back to the host.
+    With one micro-batch and no meta the step's loss is the loss tensor itself:
+    the common case costs no extra tensor operation.
     """
 
-    __slots__ = ("_count", "_den", "_meta", "_meta_w", "_num", "token_mode")
+    __slots__ = ("_den", "_losses", "_meta", "_meta_w", "_num", "_tokens", "token_mode")
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
         self.token_mode: bool | None = None
-        self._count = 0
-        self._num: Any = 0.0  # sum of losses (pattern 1) or loss sums (pattern 2)
-        self._den: Any = 0  # micro-batch count (pattern 1) or token count (pattern 2)
-        self._meta: dict[str, Any] = {}
+        self._losses: list[torch.Tensor] = []  # detached: means (1) or token sums (2)
+        self._tokens: list[Any] = []  # pattern 2: token counts
+        self._meta: dict[str, Any] | None = None  # created by the first meta value
         self._meta_w: dict[str, Any] = {}
+        self._num: Any = None  # set once sums are reduced over ranks
+        self._den: Any = None
 
     def add(self, result: Any) -> tuple[torch.Tensor, Any]:
         """Record one micro-batch; return ``(loss for backward, tokens or None)``.
@@ -166,55 +169,91 @@ class LossReducer:
         of micro-batches); pattern 2 returns the token sum (the caller divides
         the gradients by the total tokens once all micro-batches are in).
         """
-        if isinstance(result, torch.Tensor):
-            result = (result, {})
-        if not isinstance(result, tuple) or len(result) not in (2, 3):
-            raise TypeError(f"{PATTERNS_HELP}; got {type(result).__name__}")
-        token_mode = len(result) == 3
+        if type(result) is not tuple:
+            if isinstance(result, torch.Tensor):
+                result = (result, {})
+            elif not isinstance(result, tuple):
+                raise TypeError(f"{PATTERNS_HELP}; got {type(result).__name__}")
+        n = len(result)
+        if n != 2 and n != 3:
+            raise TypeError(f"{PATTERNS_HELP}; got a tuple of {n}")
+        token_mode = n == 3
         if self.token_mode is None:
             self.token_mode = token_mode
         elif self.token_mode != token_mode:
             raise TypeError("loss_func mixed the (loss, meta) and (loss, tokens, meta) patterns")
         loss, meta = result[0], result[-1]
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"{PATTERNS_HELP}; the loss is a {type(loss).__name__}, not a tensor")
-        if loss.numel() != 1:
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            what = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss)
             raise TypeError(
-                f"{PATTERNS_HELP}; the loss must be a scalar, got shape {tuple(loss.shape)} "
+                f"{PATTERNS_HELP}; the loss must be a scalar tensor, got {what} "
                 "(reduce it, e.g. .mean() or .sum())"
             )
-        if not isinstance(meta, dict):
+        if type(meta) is not dict:
             raise TypeError(f"{PATTERNS_HELP}; meta must be a dict, got {type(meta).__name__}")
-        detached = loss.detach()
-        self._count += 1
+        self._losses.append(loss.detach())
+        tokens = result[1] if token_mode else None
         if token_mode:
-            tokens = result[1]
-            self._num = self._num + detached
-            self._den = self._den + tokens
-            weight = tokens
-        else:
-            tokens = None
-            self._num = self._num + detached
-            self._den += 1
-            weight = 1
+            self._tokens.append(tokens)
+        if meta:
+            self._add_meta(meta, tokens if token_mode else 1)
+        return loss, tokens
+
+    def _add_meta(self, meta: dict[str, Any], weight: Any) -> None:
+        if self._meta is None:
+            self._meta = {}
+        sums, weights = self._meta, self._meta_w
         for key, value in meta.items():
             if isinstance(value, torch.Tensor):
                 value = value.detach()
                 if value.numel() == 2:  # [numerator, denominator]: ratio of sums
-                    self._meta[key] = self._meta.get(key, 0) + value[0]
-                    self._meta_w[key] = self._meta_w.get(key, 0) + value[1]
+                    sums[key] = sums.get(key, 0) + value[0]
+                    weights[key] = weights.get(key, 0) + value[1]
                     continue
-            self._meta[key] = self._meta.get(key, 0) + value * weight
-            self._meta_w[key] = self._meta_w.get(key, 0) + weight
-        return loss, tokens
+            sums[key] = sums.get(key, 0) + value * weight
+            weights[key] = weights.get(key, 0) + weight
+
+    def _sums(self) -> tuple[Any, Any]:
+        """(numerator, denominator) of the loss: over ranks once reduced."""
+        if self._num is not None:
+            return self._num, self._den
+        losses = self._losses
+        num = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
+        if not self.token_mode:
+            return num, len(losses)
+        tokens = self._tokens
+        den = tokens[0] if len(tokens) == 1 else sum(tokens[1:], tokens[0])
+        return num, den
+
+    @property
+    def tokens(self) -> Any:
+        """Total tokens (pattern 2; over ranks once reduced), else None."""
+        return self._sums()[1] if self.token_mode and self._losses else None
+
+    def result(self) -> dict[str, Any]:
+        """``{"loss": …, **meta}`` reduced over everything added (tensors stay tensors)."""
+        losses = self._losses
+        if not losses:
+            return {}
+        if self._num is None and not self.token_mode:
+            loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+        else:
+            num, den = self._sums()
+            loss = num / den
+        out = {"loss": loss}
+        if self._meta:
+            for key, total in self._meta.items():
+                out[key] = total / self._meta_w[key]
+        return out
 
     def reduce_tokens_across_ranks(self, device: torch.device | None = None) -> Any:
         """Token mode: total tokens over all ranks; the loss becomes the global ratio too."""
         from hookloop.distributed import all_reduce_sum, is_distributed
 
+        num, den = self._sums()
         if not is_distributed():
-            return self._den
-        both = all_reduce_sum(_stack64([self._num, self._den], device))
+            return den
+        both = all_reduce_sum(_stack64([num, den], device))
         self._num, self._den = both[0], both[1]
         return self._den
 
@@ -222,32 +261,20 @@ class LossReducer:
         """Sum every numerator and denominator over ranks (for evaluation results)."""
         from hookloop.distributed import all_reduce_sum, is_distributed
 
-        if not is_distributed() or self._count == 0:
+        if not is_distributed() or not self._losses:
             return
-        keys = sorted(self._meta)
-        parts = [self._num, self._den] + [p for k in keys for p in (self._meta[k], self._meta_w[k])]
+        num, den = self._sums()
+        meta = self._meta or {}
+        keys = sorted(meta)
+        parts = [num, den] + [p for k in keys for p in (meta[k], self._meta_w[k])]
         summed = all_reduce_sum(_stack64(parts, device))
         self._num, self._den = summed[0], summed[1]
         for i, k in enumerate(keys):
-            self._meta[k], self._meta_w[k] = summed[2 + 2 * i], summed[3 + 2 * i]
+            meta[k], self._meta_w[k] = summed[2 + 2 * i], summed[3 + 2 * i]
 
     @property
     def count(self) -> int:
-        return self._count
-
-    @property
-    def tokens(self) -> Any:
-        """Total tokens (pattern 2), else None."""
-        return self._den if self.token_mode else None
-
-    def result(self) -> dict[str, Any]:
-        """``{"loss": …, **meta}`` reduced over everything added (tensors stay tensors)."""
-        if self._count == 0:
-            return {}
-        out = {"loss": self._num / self._den}
-        for key, total in self._meta.items():
-            out[key] = total / self._meta_w[key]
-        return out
+        return len(self._losses)
 
 
 def _stack64(values: list[Any], device: torch.device | None) -> torch.Tensor:

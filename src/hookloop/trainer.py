@@ -72,6 +72,7 @@ class TrainResult:
 
 
 _NO_REQUESTS = Requests(False, False, False, None, None)
+_NULL_CONTEXT = contextlib.nullcontext()  # reusable: entering it does nothing
 
 
 class Trainer:
@@ -230,7 +231,7 @@ class Trainer:
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self._autocast_dtype is None:
-            return contextlib.nullcontext()
+            return _NULL_CONTEXT
         return torch.autocast(self.device.type, dtype=self._autocast_dtype)
 
     # -- training --------------------------------------------------------------
@@ -331,7 +332,8 @@ class Trainer:
         st._step += 1
         st._epoch_step += 1
         self.control._skip = False  # a skip filed after last step's update does not carry over
-        samples = sum(map(batch_size_of, group)) * st._world_size
+        per_rank = batch_size_of(group[0]) if len(group) == 1 else sum(map(batch_size_of, group))
+        samples = per_rank * st._world_size
         st._samples += samples
         if self.flops_per_sample:
             st._flops += self.flops_per_sample * samples
@@ -371,7 +373,7 @@ class Trainer:
                 self.callbacks.fire("on_micro_step_start", ctx)
             # DDP all-reduces gradients only on the last micro-batch of the step.
             sync = i == k - 1 or model is self.model
-            with self._autocast(), contextlib.nullcontext() if sync else model.no_sync():
+            with self._autocast(), _NULL_CONTEXT if sync else model.no_sync():
                 output, loss_func = self._forward(st, data, model)
                 loss, _ = reducer.add(loss_func(output))
                 # (loss, meta): average over micro-batches. (loss_sum, tokens, meta): keep
@@ -553,20 +555,7 @@ class Trainer:
         logs: dict[str, Any] = {}
         if self._log_losses:
             keys = list(self._log_losses[-1])
-            means = torch.stack(
-                [
-                    torch.stack(
-                        [
-                            torch.as_tensor(d[k], dtype=torch.float32)
-                            for d in self._log_losses
-                            if k in d
-                        ]
-                    )
-                    .mean()
-                    .to(self.device)
-                    for k in keys
-                ]
-            )
+            means = torch.stack([_mean(d[k] for d in self._log_losses if k in d) for k in keys])
             if st._world_size > 1:
                 means = all_reduce_mean(means)  # every rank logs the same numbers
             logs.update(zip(keys, means.tolist(), strict=True))
@@ -695,7 +684,7 @@ class FiniteCheck:
         self.fused = hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_")
 
     def any_nonfinite(self, tensors: list[torch.Tensor]) -> bool:
-        tensors = [t.detach().reshape(-1).float() if t.dim() == 0 else t.detach() for t in tensors]
+        """``tensors`` must not require grad (detached losses, ``p.grad``)."""
         if not self.fused:
             return not all(bool(torch.isfinite(t).all()) for t in tensors)
         self.found.zero_()
@@ -708,11 +697,20 @@ class FiniteCheck:
         return bool(self.found)
 
 
+def _mean(values: Iterable[Any]) -> torch.Tensor:
+    """Mean of 0-dim tensors (or numbers) as a float32 tensor, without a host read."""
+    items = list(values)
+    device = next((v.device for v in items if isinstance(v, torch.Tensor)), None)
+    return torch.stack([torch.as_tensor(v, device=device).float() for v in items]).mean()
+
+
 def _aborted(stop_reason: str | None) -> bool:
     return bool(stop_reason) and stop_reason.startswith("abort")  # type: ignore[union-attr]
 
 
 def _grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    if len(optimizer.param_groups) == 1:
+        return [p.grad for p in optimizer.param_groups[0]["params"] if p.grad is not None]
     return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
 
