@@ -622,3 +622,20 @@ def test_logs_are_set_for_log_handlers(monkeypatch, make_trainer):
     make_trainer(manager, max_steps=4, log_every=2).train()
     assert "logs" in writes
     assert steps == [(2, True), (4, True)]
+
+
+def test_filters_given_to_add_never_skip_set_up_and_tear_down_events():
+    from hookloop import TrainConfig, Trainer
+    from hookloop.testing import TinyModel, ToyData
+
+    rec = RecordingCallback(events=["on_train_start", "on_train_step_end", "on_train_end"])
+    manager = CallbackManager()
+    manager.add(rec, every=3)
+    Trainer(TinyModel(), train_data=ToyData(n=32), loss_fn=TinyModel.loss_fn,
+            config=TrainConfig(max_steps=7, log_every=0), callbacks=manager).train()  # fmt: skip
+    assert rec.events == [
+        ("on_train_start", 0, 0),
+        ("on_train_step_end", 3, 0),
+        ("on_train_step_end", 6, 0),
+        ("on_train_end", 7, 0),
+    ]

@@ -95,6 +95,20 @@ STEP_EVENTS: frozenset[str] = frozenset(
 #: Events fired once per epoch; ``every=N`` counts these by epoch number (1-based).
 EPOCH_EVENTS: frozenset[str] = frozenset({"on_epoch_start", "on_epoch_end"})
 
+#: Set-up and tear-down events: filters given to ``CallbackManager.add`` never skip them,
+#: so a callback added with ``every=N`` still opens and closes its resources.
+LIFECYCLE_EVENTS: frozenset[str] = frozenset(
+    {
+        "on_init_end",
+        "on_data_init_start",
+        "on_train_start",
+        "on_train_end",
+        "on_exception",
+        "on_checkpoint_save",
+        "on_checkpoint_load",
+    }
+)
+
 #: Which per-event context fields are set during which events (all others are None).
 EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     "on_micro_step_start": ("batch",),

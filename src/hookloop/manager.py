@@ -19,6 +19,7 @@ from hookloop.events import (
     EPOCH_EVENTS,
     EVENT_NAMES,
     EVENTS,
+    LIFECYCLE_EVENTS,
     STEP_EVENTS,
     check_event,
     unknown_event_message,
@@ -81,7 +82,12 @@ class CallbackManager:
         once: bool | int | None = None,
         when: Callable[[CallbackContext], bool] | None = None,
     ) -> CallbackManager:
-        """Add a callback (or a list of them). Filters apply to all its handlers."""
+        """Add a callback (or a list of them).
+
+        Filters apply to its handlers of every event except the set-up and
+        tear-down ones (``on_train_start``, ``on_train_end``, ``on_exception`` …,
+        see ``hookloop.events.LIFECYCLE_EVENTS``), which always run.
+        """
         _check_filter_args(every, once, when)
         if isinstance(callback, Callback):
             self._add_one(callback, every, once, when)
@@ -122,7 +128,10 @@ class CallbackManager:
         cls = type(cb)
         handled = [e for e in EVENT_NAMES if getattr(cls, e, None) is not _BASE_METHODS[e]]
         for event in handled:
-            call = _filtered(getattr(cb, event), event, every, once, when)
+            method = getattr(cb, event)
+            call = (
+                method if event in LIFECYCLE_EVENTS else _filtered(method, event, every, once, when)
+            )
             self._registrations.append(
                 _Registration(cb, event, call, priority, next(self._seq), cb.name)
             )
