@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from hookloop import Callback, Config, DataConfig, TrainConfig, Trainer
-from hookloop.checkpoint import FAULT_ENV, FAULT_POINTS, CheckpointError, CheckpointPolicy
+from hookloop.checkpoint import FAULT_ENV, FAULT_POINTS, CheckpointError, SavePolicy
 from hookloop.testing import TinyModel, ToyData
 
 # -- helpers ------------------------------------------------------------------------------
@@ -341,13 +341,13 @@ def test_checkpoint_holds_every_piece_of_state(tmp_path):
 
 
 def test_retention_keeps_the_newest_and_the_best():
-    policy = CheckpointPolicy(keep_last=2, monitor="eval_loss", mode="min", keep_best=1)
+    policy = SavePolicy(keep_last=2, monitor="eval_loss", mode="min", keep_best=1)
     manifests = [
         {"name": f"step-{s}", "step": s, "metric": m}
         for s, m in [(1, 0.9), (2, 0.2), (3, 0.5), (4, 0.7), (5, 0.6)]
     ]
     assert policy.to_keep(manifests, latest="step-5") == {"step-4", "step-5", "step-2"}
-    assert CheckpointPolicy(keep_last=None).to_keep(manifests, None) == {
+    assert SavePolicy(keep_last=None).to_keep(manifests, None) == {
         f"step-{s}" for s in range(1, 6)
     }
 

@@ -8,7 +8,7 @@
   and SHA-256 is written last; the directory is renamed into place; the
   ``latest`` pointer is replaced atomically. A directory without a valid
   manifest is never loaded and is removed by the next save.
-- *When* (:class:`CheckpointPolicy`): every N steps, at the end, on stop and
+- *When* (:class:`SavePolicy`): every N steps, at the end, on stop and
   signal (not abort), on request; keep the last K and the best K by a metric.
 
 :class:`CheckpointManager` joins the three for a Trainer.
@@ -164,7 +164,7 @@ class CheckpointStorage:
 
 
 @dataclass
-class CheckpointPolicy:
+class SavePolicy:
     """When to save and which checkpoints to keep."""
 
     every: int | None = None
@@ -341,7 +341,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 class CheckpointManager:
     """Saves and resumes one Trainer's checkpoints under ``<out_dir>/checkpoints``."""
 
-    def __init__(self, trainer: Trainer, root: Path, policy: CheckpointPolicy) -> None:
+    def __init__(self, trainer: Trainer, root: Path, policy: SavePolicy) -> None:
         self.trainer = trainer
         self.storage = CheckpointStorage(root)
         self.policy = policy
@@ -351,7 +351,7 @@ class CheckpointManager:
     @classmethod
     def for_trainer(cls, trainer: Trainer) -> CheckpointManager:
         c = trainer.config.checkpoint
-        policy = CheckpointPolicy(
+        policy = SavePolicy(
             c.every, c.keep_last, c.save_on_end, c.monitor, c.mode, c.keep_best
         )
         base = Path(trainer.out_dir) if trainer.out_dir is not None else None

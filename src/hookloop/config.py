@@ -167,9 +167,53 @@ class CheckpointConfig:
 class LoggingConfig:
     progress: bool = opt(True, "Show a progress bar (plain lines when not on a terminal).")
     json: bool = opt(True, "Write metrics.jsonl in the run directory.")
+    tensorboard: bool = opt(True, "Write TensorBoard events under tb/ (needs the extra).")
+    wandb: bool = opt(False, "Log to Weights & Biases (offline unless WANDB_MODE says).")
+    wandb_project: str = opt("hookloop", "W&B project name.")
 
     def validate(self) -> None:
-        pass
+        if not self.wandb_project:
+            raise ValueError("logging.wandb_project must be a non-empty string")
+
+
+@dataclass
+class CallbacksConfig:
+    """The built-in callbacks `hookloop train` adds (each one switchable)."""
+
+    info: bool = opt(True, "Print a run summary at the start (InfoCallback).")
+    metrics: bool = opt(True, "Throughput, MFU and peak memory in the logs (DefaultMetrics).")
+    peak_flops: float | None = opt(None, "Hardware peak FLOP/s, for MFU (null: no MFU).")
+    nan_detection: bool = opt(True, "Stop when the loss turns NaN/Inf (NaNDetection).")
+    divergence: bool = opt(
+        True, "Stop when the loss spikes far above its best (DivergenceDetector)."
+    )
+    textgen: bool = opt(True, "Sample text at each evaluation (recipes that generate text).")
+    early_stopping_patience: int | None = opt(
+        None, "Stop after N evaluations without a better eval_loss (null: off)."
+    )
+
+    def validate(self) -> None:
+        if self.peak_flops is not None and not self.peak_flops > 0:
+            raise ValueError(f"callbacks.peak_flops must be > 0 or null, got {self.peak_flops!r}")
+        if self.early_stopping_patience is not None:
+            _positive(self, "early_stopping_patience", "callbacks")
+
+
+@dataclass
+class ControlConfig:
+    """The HTTP control server of `hookloop train` (rank 0 only)."""
+
+    enabled: bool = opt(True, "Serve status, commands and a dashboard over HTTP.")
+    host: str = opt("127.0.0.1", "Address to bind; anything but loopback gets a warning.")
+    port: int = opt(0, "Port (0: pick a free one).")
+
+    def validate(self) -> None:
+        if isinstance(self.port, bool) or not isinstance(self.port, int):
+            raise ValueError(f"control.port must be an int, got {self.port!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"control.port must lie in [0, 65535] (0: any), got {self.port}")
+        if not self.host:
+            raise ValueError("control.host must be a non-empty address")
 
 
 @dataclass
@@ -185,6 +229,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    callbacks: CallbacksConfig = field(default_factory=CallbacksConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
 
     def validate(self) -> Config:
         """Check every section; raise ``ValueError`` naming the bad key and what is allowed."""

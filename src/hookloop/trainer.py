@@ -481,12 +481,10 @@ class Trainer:
             self.control.request_evaluate()
         if requests.abort:
             st._stop_reason = f"abort: {requests.abort}"
-        elif (
-            st._stop_reason is None
-            and not self._requests_stop(requests)
-            and self.checkpoints is not None
-            and requests.save
-        ):
+            return
+        if st._stop_reason is None:
+            self._requests_stop(requests)
+        if requests.save and self.checkpoints is not None:  # also after the last epoch
             self.checkpoints.maybe_save(requested=True)
 
     def _take_requests(self) -> Requests:
