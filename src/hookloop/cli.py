@@ -3,6 +3,8 @@
 hookloop train [--recipe NAME] [--config FILE] [--out DIR] [--resume auto|PATH] [KEY=VALUE ...]
 hookloop recipes
 hookloop config [--recipe NAME]
+hookloop plot RUN_DIR... [--out FILE] [--log-scale]
+hookloop runs [DIR] [--json]
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         return ExitCode.USAGE
     try:
         return args.run(args)
-    except (UsageError, ValueError) as err:
+    except (UsageError, ValueError, ImportError) as err:
         print(f"hookloop {args.command}: error: {err}", file=sys.stderr)
         return ExitCode.USAGE
 
@@ -57,6 +59,12 @@ def _parser() -> argparse.ArgumentParser:
     config.add_argument("--recipe", help="recipe whose defaults to show")
     config.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     config.set_defaults(run=_config)
+
+    from hookloop.plot import add_plot_command
+    from hookloop.runs import add_runs_command
+
+    add_plot_command(sub)  # hookloop plot RUN_DIR... [--out FILE] [--log-scale]
+    add_runs_command(sub)  # hookloop runs [DIR] [--json]
     return parser
 
 
@@ -100,7 +108,7 @@ def _run_dir(out: str | None, recipe: str, resume: str | None) -> Path:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from hookloop.callbacks import JsonLogger, ProgressBar
+    from hookloop.callbacks.defaults import default_callbacks
     from hookloop.distributed import broadcast_object, init_from_env, rank_info
     from hookloop.entry import build_trainer
 
@@ -121,11 +129,7 @@ def _train(args: argparse.Namespace) -> int:
     if error is not None:
         raise UsageError(error)
     run_dir = Path(path)
-    callbacks = []
-    if cfg.logging.progress:
-        callbacks.append(ProgressBar())
-    if cfg.logging.json:
-        callbacks.append(JsonLogger(run_dir / "metrics.jsonl"))
+    callbacks = default_callbacks(cfg, run_dir)
     rank = rank_info()[0]
     if rank == 0:
         print(f"hookloop: recipe {cfg.recipe}, run directory {run_dir}", file=sys.stderr)

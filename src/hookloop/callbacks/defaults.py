@@ -1,0 +1,81 @@
+"""The callback set `hookloop train` runs with, each switchable by a config key.
+
+=====================  ========  ==================================
+callback               priority  config key
+=====================  ========  ==================================
+InfoCallback                  1  callbacks.info
+NaNDetection                  5  callbacks.nan_detection
+DefaultMetrics               20  callbacks.metrics (callbacks.peak_flops for MFU)
+TextgenCallback              60  callbacks.textgen (text recipes)
+DivergenceDetector           80  callbacks.divergence
+EarlyStopping                90  callbacks.early_stopping_patience
+JsonLogger                  100  logging.json
+TBLogger                    100  logging.tensorboard
+WandbLoggingCallback         80  logging.wandb
+ProgressBar                 110  logging.progress
+TrainerControlCallback      120  control.enabled
+=====================  ========  ==================================
+
+Checkpointing is not a callback here: ``--out`` gives the Trainer its
+checkpoint directory and the ``checkpoint.*`` keys set the policy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hookloop.callback import Callback
+from hookloop.config import Config
+
+#: Fixed prompts for sampling from the default recipe's model.
+TEXT_PROMPTS = ("def ", "import ", "class Parser:\n    ")
+
+
+def default_callbacks(cfg: Config, run_dir: str | Path | None) -> list[Callback]:
+    """Build the default set for ``cfg`` writing under ``run_dir`` (None: no files)."""
+    from hookloop.callbacks.divergence import DivergenceDetector
+    from hookloop.callbacks.info import InfoCallback
+    from hookloop.callbacks.jsonlog import JsonLogger
+    from hookloop.callbacks.metrics import DefaultMetrics
+    from hookloop.callbacks.nan_detection import NaNDetection
+    from hookloop.callbacks.progress import ProgressBar
+
+    run = Path(run_dir) if run_dir is not None else None
+    on, log = cfg.callbacks, cfg.logging
+    callbacks: list[Callback] = []
+    if on.info:
+        callbacks.append(InfoCallback())
+    if on.nan_detection:
+        callbacks.append(NaNDetection())
+    if on.metrics:
+        callbacks.append(DefaultMetrics(peak_flops=on.peak_flops))
+    if on.textgen and _generates_text(cfg):
+        from hookloop.callbacks.textgen import TextgenCallback
+
+        samples = run / "samples.txt" if run is not None else None
+        callbacks.append(TextgenCallback(list(TEXT_PROMPTS), path=samples, max_new_tokens=48))
+    if on.divergence:
+        callbacks.append(DivergenceDetector())
+    if on.early_stopping_patience is not None:
+        from hookloop.callbacks.early_stopping import EarlyStopping
+
+        callbacks.append(EarlyStopping(patience=on.early_stopping_patience))
+    if log.json and run is not None:
+        callbacks.append(JsonLogger(run / "metrics.jsonl"))
+    if log.tensorboard and run is not None:
+        from hookloop.callbacks.tensorboard import TBLogger
+
+        callbacks.append(TBLogger(run / "tb"))
+    if log.wandb:
+        from hookloop.callbacks.wandb_logger import WandbLoggingCallback
+
+        callbacks.append(WandbLoggingCallback(project=log.wandb_project, dir=run))
+    if log.progress:
+        callbacks.append(ProgressBar())
+    return callbacks
+
+
+def _generates_text(cfg: Config) -> bool:
+    from hookloop.recipes.gpt import GPTConfig
+
+    return isinstance(cfg.model, GPTConfig)

@@ -1,0 +1,311 @@
+"""TensorBoard logging that rewinds on resume.
+
+Two pieces, as in seed 004:
+
+- :class:`ResumableSummaryWriter` wraps TensorBoard's writer as used through
+  ``torch.utils.tensorboard.SummaryWriter``. It opens the writer lazily and is
+  stateful: when a run resumes from a checkpoint at step ``S``, the next writer
+  is opened with ``purge_step=S + 1``. That writes a ``SessionLog.START`` event,
+  and TensorBoard's readers then hide every event of the earlier session whose
+  step is above ``S``, so the steps the resumed run repeats appear once. A resume
+  that finds no checkpoint restarts from step 0 and purges everything after it.
+  Other callbacks may share one writer (``add_scalar``, ``add_text``, ... are
+  passed through).
+- :class:`TBLogger` writes every numeric value of each log event
+  (``train/<key>``) and evaluation (``eval/<key>``, ``test/<key>``) as a scalar
+  at the current step, the resolved config (YAML, as text) when training
+  starts, and a run summary (text) when it ends.
+
+Why ``torch.utils.tensorboard.SummaryWriter`` rather than
+``tensorboard.summary.Writer``: it is TensorBoard's own event-file writer
+(``tensorboard.summary.writer.EventFileWriter``) behind a small API, and it has
+the two things this module needs that the bare writer lacks: ``purge_step``
+and text summaries. Only rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hookloop._optional import require
+from hookloop.callback import Callback
+from hookloop.callbacks.jsonlog import metric_tag, numeric_metrics, run_status
+from hookloop.state import CallbackContext
+
+_EVENT_FILE = re.compile(r"events\.out\.tfevents\.(\d+)\.")
+
+
+def _summary_writer_class() -> Any:
+    require("tensorboard", extra="tensorboard", feature="TensorBoard logging")
+    module = require("torch.utils.tensorboard", extra="tensorboard", feature="TensorBoard logging")
+    return module.SummaryWriter
+
+
+class ResumableSummaryWriter(Callback):
+    """A lazily opened TensorBoard ``SummaryWriter`` that purges stale events on resume.
+
+    Register it as a callback (or give it to :class:`TBLogger`, which then
+    drives it) so that it sees the resume. Its priority (105) puts its
+    ``on_train_end`` after the loggers that write through it.
+    """
+
+    priority = 105
+
+    def __init__(self, log_dir: str | Path, *, flush_secs: float = 10.0, max_queue: int = 100):
+        if not isinstance(log_dir, (str, Path)) or not str(log_dir):
+            raise ValueError(f"log_dir must be a directory path, got {log_dir!r}")
+        if not flush_secs > 0:
+            raise ValueError(f"flush_secs must be > 0, got {flush_secs!r}")
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
+            raise ValueError(f"max_queue must be an int >= 1, got {max_queue!r}")
+        _summary_writer_class()  # fail now, naming the extra, rather than mid-run
+        self.log_dir = Path(log_dir)
+        self.flush_secs = flush_secs
+        self.max_queue = max_queue
+        self.enabled = True  # False on ranks other than 0: every call is then a no-op
+        self._writer: Any = None
+        self._purge_step: int | None = None
+        self._rewound = False
+
+    # -- resume --------------------------------------------------------------
+    def rewind(self, step: int) -> None:
+        """Hide events after ``step``: the next writer opens with ``purge_step=step + 1``."""
+        self.close()
+        self._purge_step = int(step) + 1
+        self._rewound = True
+
+    def on_checkpoint_load(self, ctx: CallbackContext) -> None:
+        self.enabled = ctx.state.is_rank_zero
+        self.rewind(ctx.state.step)
+
+    def on_train_start(self, ctx: CallbackContext) -> None:
+        self.enabled = ctx.state.is_rank_zero
+        rewound, self._rewound = self._rewound, False
+        if not rewound and getattr(ctx.trainer, "resume", None) is not None:
+            # Asked to resume but no checkpoint was loaded: training restarts at this step.
+            self.close()
+            self._purge_step = ctx.state.step + 1
+
+    def on_train_end(self, ctx: CallbackContext) -> None:
+        self.close()
+
+    def on_exception(self, ctx: CallbackContext) -> None:
+        self.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        self.flush()  # everything up to the checkpoint is on disk when it is committed
+        return {"log_dir": str(self.log_dir)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Nothing to restore: the purge step comes from the restored train step."""
+
+    # -- the writer ------------------------------------------------------------
+    @property
+    def writer(self) -> Any:
+        """The underlying ``SummaryWriter``, opened on first use."""
+        if self._writer is None:
+            cls = _summary_writer_class()
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            _wait_for_a_later_second(self.log_dir)
+            self._writer = cls(
+                str(self.log_dir),
+                purge_step=self._purge_step,
+                flush_secs=self.flush_secs,
+                max_queue=self.max_queue,
+            )
+            self._purge_step = None  # purge once, when the writer after a resume opens
+        return self._writer
+
+    def add_scalar(self, tag: str, value: float, step: int, **kwargs: Any) -> None:
+        if self.enabled:
+            self.writer.add_scalar(tag, value, global_step=step, **kwargs)
+
+    def add_text(self, tag: str, text: str, step: int, **kwargs: Any) -> None:
+        if self.enabled:
+            self.writer.add_text(tag, text, global_step=step, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        """Any other ``SummaryWriter`` method (``add_histogram``, ``add_figure``, ...)."""
+        if name.startswith("add_"):
+            if not self.__dict__.get("enabled", True):
+                return lambda *args, **kwargs: None
+            return getattr(self.writer, name)
+        raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
+
+    def flush(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __repr__(self) -> str:
+        return f"ResumableSummaryWriter({str(self.log_dir)!r})"
+
+
+def _wait_for_a_later_second(log_dir: Path) -> None:
+    """Make the new event file sort after the existing ones.
+
+    TensorBoard reads a directory's event files in name order, and the name
+    starts with the creation time in whole seconds; a writer reopened within
+    the same second (a fast resume) could otherwise be read before the file
+    whose events it purges.
+    """
+    stamps = [int(m.group(1)) for p in log_dir.iterdir() if (m := _EVENT_FILE.match(p.name))]
+    if stamps:
+        wait = max(stamps) + 1 - time.time()
+        if 0 < wait <= 1.0:  # a file stamped further ahead comes from a skewed clock: no wait
+            time.sleep(wait)
+
+
+class TBLogger(Callback):
+    """Scalars, the config and a run summary in TensorBoard.
+
+    ``TBLogger("runs/x/tb")`` owns a :class:`ResumableSummaryWriter` and drives
+    its resume itself; ``TBLogger(writer)`` writes through a writer that is
+    registered as a callback of its own (so that other callbacks can share it).
+    """
+
+    priority = 100
+
+    def __init__(
+        self,
+        log_dir: str | Path | ResumableSummaryWriter,
+        *,
+        log_config: bool = True,
+        flush_secs: float = 10.0,
+    ) -> None:
+        if isinstance(log_dir, ResumableSummaryWriter):
+            self.writer, self._owns_writer = log_dir, False
+        elif isinstance(log_dir, (str, Path)) and str(log_dir):
+            self.writer = ResumableSummaryWriter(log_dir, flush_secs=flush_secs)
+            self._owns_writer = True
+        else:
+            raise ValueError(
+                f"log_dir must be a directory path or a ResumableSummaryWriter, got {log_dir!r}"
+            )
+        self.log_config = log_config
+        self._started = 0.0
+        self._resumed_from: int | None = None
+        self._last_logs: dict[str, float] = {}
+
+    # -- resume (forwarded to an owned writer) ---------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return self.writer.state_dict() if self._owns_writer else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._owns_writer:
+            self.writer.load_state_dict(state)
+
+    def on_checkpoint_load(self, ctx: CallbackContext) -> None:
+        self._resumed_from = ctx.state.step
+        if self._owns_writer:
+            self.writer.on_checkpoint_load(ctx)
+
+    # -- writing ----------------------------------------------------------------
+    def on_train_start(self, ctx: CallbackContext) -> None:
+        if self._owns_writer:
+            self.writer.on_train_start(ctx)
+        self._started = time.monotonic()
+        self._last_logs = {}
+        if not ctx.state.is_rank_zero:
+            return
+        step = ctx.state.step
+        self.writer.add_text("run/start", _markdown_table(self._start_info(ctx)), step)
+        config = getattr(ctx.config, "to_dict", None)
+        if self.log_config and config is not None:
+            text = yaml.safe_dump(config(), sort_keys=False)
+            self.writer.add_text("config", _code_block(text), step)
+
+    def on_log(self, ctx: CallbackContext) -> None:
+        if not ctx.state.is_rank_zero:
+            return
+        values = numeric_metrics(ctx.logs)
+        self._last_logs = values
+        for key, value in values.items():
+            self.writer.add_scalar(metric_tag("train", key), value, ctx.state.step)
+
+    def on_eval_end(self, ctx: CallbackContext) -> None:
+        self._write_metrics("eval", ctx)
+
+    def on_test_end(self, ctx: CallbackContext) -> None:
+        self._write_metrics("test", ctx)
+
+    def _write_metrics(self, kind: str, ctx: CallbackContext) -> None:
+        if not ctx.state.is_rank_zero:
+            return
+        for key, value in numeric_metrics(ctx.metrics).items():
+            self.writer.add_scalar(metric_tag(kind, key), value, ctx.state.step)
+        self.writer.flush()  # evaluations are rare: show them at once
+
+    def on_train_end(self, ctx: CallbackContext) -> None:
+        reason = ctx.state.stop_reason
+        self._write_summary(ctx, run_status(reason), reason)
+
+    def on_exception(self, ctx: CallbackContext) -> None:
+        error = f"{type(ctx.exception).__name__}: {ctx.exception}"[:300]
+        self._write_summary(ctx, "failed", error)
+
+    def _write_summary(self, ctx: CallbackContext, status: str, reason: Any) -> None:
+        if ctx.state.is_rank_zero:
+            st = ctx.state
+            rows: dict[str, Any] = {
+                "status": status,
+                "stop reason": reason,
+                "step": st.step if not st.max_steps else f"{st.step} / {st.max_steps}",
+                "epoch": st.epoch,
+                "wall time (this session)": _duration(time.monotonic() - self._started),
+            }
+            rows.update({f"last {k}": _fmt(v) for k, v in self._last_logs.items()})
+            rows.update({k: _fmt(v) for k, v in numeric_metrics(st.last_eval).items()})
+            self.writer.add_text("run/summary", _markdown_table(rows), st.step)
+        if self._owns_writer:
+            self.writer.close()
+        else:
+            self.writer.flush()
+
+    def _start_info(self, ctx: CallbackContext) -> dict[str, Any]:
+        st = ctx.state
+        info: dict[str, Any] = {
+            "run directory": getattr(ctx.trainer, "out_dir", None),
+            "recipe": getattr(ctx.config, "recipe", None),
+            "resumed from step": self._resumed_from if st.step else None,
+            "max steps": st.max_steps,
+            "steps per epoch": st.steps_per_epoch,
+            "world size": st.world_size,
+            "host / pid": f"{socket.gethostname()} / {os.getpid()}",
+        }
+        self._resumed_from = None
+        return {k: v for k, v in info.items() if v is not None}
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.6g}"
+
+
+def _duration(seconds: float) -> str:
+    seconds = round(seconds)
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def _code_block(text: str) -> str:
+    # TensorBoard renders text summaries as Markdown; indenting by four spaces keeps
+    # YAML's own characters (``#``, ``*``, ``|``) literal.
+    return "\n".join("    " + line for line in text.rstrip("\n").splitlines())
+
+
+def _markdown_table(rows: dict[str, Any]) -> str:
+    lines = ["| field | value |", "|---|---|"]
+    lines += [f"| {k} | {str(v).replace('|', '/')} |" for k, v in rows.items()]
+    return "\n".join(lines)

@@ -1,0 +1,239 @@
+"""Run directories, and ``hookloop runs``: a table of the runs under a directory.
+
+Everything one training run leaves behind lives in one directory: the one
+given as ``hookloop train --out DIR``, or else a new ``runs/<recipe>-<YYYYmmdd-HHMMSS>/``
+(``-2``, ``-3``, ... appended if that name is taken)::
+
+    <run>/
+      config.yaml      the resolved config (recipe defaults + file + overrides);
+                       written when the run starts, kept as is by a resume
+      metrics.jsonl    JSON Lines: one record per log event ("train"), evaluation
+                       ("eval", "test"), and training start and end ("start", "end");
+                       see hookloop.callbacks.jsonlog
+      tb/              TensorBoard event files: tensorboard --logdir <run>/tb
+      checkpoints/     step-XXXXXXXX/ checkpoint directories and the "latest" pointer
+      samples.txt      text generated during training (text-generation recipes)
+      plots/           figures from `hookloop plot` (metrics.png by default)
+      profile/         torch.profiler traces and summary tables
+      wandb/           Weights & Biases files (offline runs: wandb sync <run>/wandb/offline-run-*)
+
+Every logger rewinds on resume, so after a kill and ``--resume auto`` each step
+appears once in metrics.jsonl, in TensorBoard and in W&B.
+
+Run status, as ``hookloop runs`` reports it, comes from metrics.jsonl alone.
+Each ``train()`` writes a ``start`` record (with its process id and host) and,
+when it ends in an orderly way, an ``end`` record:
+
+- ``finished``: the step or epoch budget was reached;
+- ``stopped``: a stop request, a signal, ``exit_interval`` or ``exit_duration``
+  ended it after saving (continue with ``--resume auto``);
+- ``aborted`` / ``failed`` / ``interrupted``: an abort request, an exception,
+  a second Ctrl-C;
+- ``running``: no ``end`` record after the last ``start``, and the process
+  named in it is alive on this host;
+- ``killed``: no ``end`` record, and that process is gone (SIGKILL, out of
+  memory, a lost machine). A run started on another host without an ``end``
+  record shows as ``killed?`` (it cannot be checked from here); a process id
+  reused by an unrelated process makes a dead run look ``running``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from hookloop.callbacks.jsonlog import read_jsonl, run_status
+
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+TB_DIR = "tb"
+CHECKPOINTS_DIR = "checkpoints"
+SAMPLES_FILE = "samples.txt"
+PLOTS_DIR = "plots"
+PROFILE_DIR = "profile"
+WANDB_DIR = "wandb"
+
+
+@dataclass
+class RunSummary:
+    """One row of ``hookloop runs``."""
+
+    name: str
+    path: str
+    status: str
+    step: int
+    max_steps: int | None
+    best_eval_loss: float | None
+    wall_time_s: float
+    stop_reason: str | None
+    started: float | None  # Unix time of the first start record
+
+
+def is_run_dir(path: Path) -> bool:
+    """Whether ``path`` looks like a run directory (it has a metrics log or a config)."""
+    return (path / METRICS_FILE).is_file() or (path / CONFIG_FILE).is_file()
+
+
+def summarize_run(run_dir: str | Path) -> RunSummary:
+    """Read ``<run_dir>/metrics.jsonl`` and say what became of the run."""
+    run_dir = Path(run_dir)
+    metrics = run_dir / METRICS_FILE
+    records = read_jsonl(metrics) if metrics.is_file() else []
+    segments = _segments(records)
+    last = segments[-1] if segments else []
+    start = last[0] if last and last[0].get("kind") == "start" else None
+    end = next((r for r in reversed(last) if r.get("kind") == "end"), None)
+    steps = [r["step"] for r in records if isinstance(r.get("step"), int)]
+    eval_losses = [
+        float(r["eval_loss"])
+        for r in records
+        if r.get("kind") == "eval" and isinstance(r.get("eval_loss"), (int, float))
+    ]
+    starts = [r for r in records if r.get("kind") == "start"]
+    return RunSummary(
+        name=run_dir.name,
+        path=str(run_dir),
+        status=_status(last, start, end),
+        step=max(steps, default=0),
+        max_steps=start.get("max_steps") if start else None,
+        best_eval_loss=min(eval_losses, default=None),
+        wall_time_s=sum(_duration(seg) for seg in segments),
+        stop_reason=end.get("stop_reason") if end else None,
+        started=_time(starts[0]) if starts else (_time(records[0]) if records else None),
+    )
+
+
+def _segments(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Split the log into one list per ``train()`` session (each begins with ``start``)."""
+    segments: list[list[dict[str, Any]]] = []
+    for record in records:
+        if record.get("kind") == "start" or not segments:
+            segments.append([])
+        segments[-1].append(record)
+    return segments
+
+
+def _time(record: dict[str, Any]) -> float | None:
+    value = record.get("time")
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def _duration(segment: list[dict[str, Any]]) -> float:
+    times = [t for t in map(_time, segment) if t is not None]
+    return max(times) - min(times) if times else 0.0
+
+
+def _status(
+    segment: list[dict[str, Any]], start: dict[str, Any] | None, end: dict[str, Any] | None
+) -> str:
+    if not segment:
+        return "empty"
+    if end is not None:
+        return str(end.get("status") or run_status(end.get("stop_reason")))
+    if start is None:
+        return "unknown"  # a log without start records: no process to ask
+    pid, host = start.get("pid"), start.get("host")
+    if host != socket.gethostname() or not isinstance(pid, int):
+        return "killed?"
+    return "running" if _process_alive(pid) else "killed"
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, owned by someone else
+    except OSError:
+        return False
+    try:  # a killed child its parent has not yet reaped is a zombie: dead, for us
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def list_runs(root: str | Path = "runs") -> list[RunSummary]:
+    """Summaries of ``root`` itself if it is a run directory, else of the runs inside it."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ValueError(f"{root} is not a directory")
+    if is_run_dir(root):
+        return [summarize_run(root)]
+    runs = [summarize_run(p) for p in root.iterdir() if p.is_dir() and is_run_dir(p)]
+    return sorted(runs, key=lambda r: (r.started is None, r.started or 0.0, r.name))
+
+
+# -- the table ---------------------------------------------------------------------
+
+
+def format_wall_time(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``2h07m``."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, secs = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+def format_table(runs: list[RunSummary]) -> str:
+    """An aligned text table: run, status, steps, best eval loss, wall time."""
+    header = ("RUN", "STATUS", "STEPS", "BEST EVAL LOSS", "WALL TIME")
+    rows = [header]
+    for run in runs:
+        status = run.status
+        if run.status == "stopped" and run.stop_reason:
+            status = f"stopped ({run.stop_reason})"
+        steps = f"{run.step}/{run.max_steps}" if run.max_steps else str(run.step)
+        best = f"{run.best_eval_loss:.4g}" if run.best_eval_loss is not None else "-"
+        rows.append((run.name, status, steps, best, format_wall_time(run.wall_time_s)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    right = {2, 3, 4}  # numbers align right
+    lines = [
+        "  ".join(
+            cell.rjust(widths[i]) if i in right else cell.ljust(widths[i])
+            for i, cell in enumerate(row)
+        ).rstrip()
+        for row in rows
+    ]
+    return "\n".join(lines)
+
+
+# -- the command -----------------------------------------------------------------
+
+
+def add_runs_command(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``hookloop runs [DIR] [--json]`` to an argparse sub-parser set."""
+    parser = subparsers.add_parser(
+        "runs", help="list runs with their status, steps, best eval loss and wall time"
+    )
+    parser.add_argument(
+        "dir", nargs="?", default="runs", help="directory of runs, or one run (default: runs)"
+    )
+    parser.add_argument("--json", action="store_true", help="one JSON object per run")
+    parser.set_defaults(run=main_runs)
+    return parser
+
+
+def main_runs(args: argparse.Namespace) -> int:
+    """Print the runs under ``args.dir``; raises ValueError if it is not a directory."""
+    runs = list_runs(args.dir)
+    if getattr(args, "json", False):
+        for run in runs:
+            print(json.dumps(asdict(run)))
+        return 0
+    if not runs:
+        print(f"no runs under {args.dir}", file=sys.stderr)
+        return 0
+    print(format_table(runs))
+    return 0
