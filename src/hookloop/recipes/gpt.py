@@ -251,7 +251,9 @@ def split_corpus(
     """Train windows from the head of the corpus, eval windows from its tail (no shared bytes)."""
     data = torch.frombuffer(bytearray(corpus), dtype=torch.uint8)
     cut = int(data.numel() * (1.0 - eval_fraction))
-    train, held_out = ByteWindows(data[:cut], block_size), ByteWindows(data[cut:], block_size)
+    # Copies, so each split owns just its bytes (cheap to pickle for DataLoader workers).
+    train = ByteWindows(data[:cut].clone(), block_size)
+    held_out = ByteWindows(data[cut:].clone(), block_size)
     for name, ds in (("train", train), ("eval", held_out)):
         if len(ds) == 0:
             raise ValueError(
@@ -503,11 +505,11 @@ def default_config() -> Config:
         model=GPTConfig(),
         data=TextDataConfig(batch_size=32, eval_batch_size=64),
         optimizer=OptimizerConfig(
-            name="adamw", lr=2e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8
+            name="adamw", lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8
         ),
         scheduler=SchedulerConfig(name="cosine", warmup_steps=20, min_lr_ratio=0.1),
         train=TrainConfig(
-            max_steps=300,
+            max_steps=400,
             log_every=10,
             eval_every=100,
             eval_max_batches=8,
