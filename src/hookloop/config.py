@@ -6,7 +6,7 @@ Recipes supply their own ``model`` and ``data`` sections by subclassing
 :class:`ModelConfig` / :class:`DataConfig`.
 
 >>> cfg = Config()
->>> apply_overrides(cfg, ["train.max_steps=20", "optimizer.lr=0.01"])
+>>> _ = apply_overrides(cfg, ["train.max_steps=20", "optimizer.lr=0.01"])
 >>> cfg.train.max_steps, cfg.optimizer.lr
 (20, 0.01)
 """

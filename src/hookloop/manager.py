@@ -51,7 +51,7 @@ class CallbackManager:
     """Holds callbacks and fires events at them in priority order.
 
     >>> manager = CallbackManager()
-    >>> manager.register("on_train_start", lambda ctx: print("started"))
+    >>> _ = manager.register("on_train_start", lambda ctx: print("started"))
     >>> manager.fire("on_train_start", CallbackContext())
     started
     >>> manager.has_callbacks("on_train_end")

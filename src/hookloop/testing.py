@@ -1,10 +1,11 @@
 """Test doubles for users testing their own callbacks: a tiny model, toy data,
 and a callback that records every event it sees.
 
->>> from hookloop import Trainer, TrainConfig
+>>> from hookloop import Config, DataConfig, Trainer, TrainConfig
 >>> rec = RecordingCallback()
+>>> cfg = Config(train=TrainConfig(max_steps=2, log_every=0), data=DataConfig(batch_size=4))
 >>> trainer = Trainer(TinyModel(), train_data=ToyData(n=16), loss_fn=TinyModel.loss_fn,
-...                   config=TrainConfig(max_steps=2, log_every=0), callbacks=[rec])
+...                   config=cfg, callbacks=[rec])
 >>> _ = trainer.train()
 >>> [e for e, step, micro in rec.events][:3]
 ['on_init_end', 'on_data_init_start', 'on_train_start']
