@@ -5,6 +5,8 @@ hookloop recipes
 hookloop config [--recipe NAME]
 hookloop plot RUN_DIR... [--out FILE] [--log-scale]
 hookloop runs [DIR] [--json]
+hookloop jobs [--json]
+hookloop ctl JOB {status,stop,save,save-and-stop,abort,eval,token,url}
 """
 
 from __future__ import annotations
@@ -65,6 +67,11 @@ def _parser() -> argparse.ArgumentParser:
 
     add_plot_command(sub)  # hookloop plot RUN_DIR... [--out FILE] [--log-scale]
     add_runs_command(sub)  # hookloop runs [DIR] [--json]
+
+    from hookloop.control.cli import add_ctl_command, add_jobs_command
+
+    add_jobs_command(sub)  # hookloop jobs [--json]
+    add_ctl_command(sub)  # hookloop ctl JOB {status,stop,save,save-and-stop,abort,eval,token,url}
     return parser
 
 
@@ -130,6 +137,10 @@ def _train(args: argparse.Namespace) -> int:
         raise UsageError(error)
     run_dir = Path(path)
     callbacks = default_callbacks(cfg, run_dir)
+    if cfg.control.enabled:  # prints its URL and where the token is once training starts
+        from hookloop.control import ControlServer
+
+        callbacks.append(ControlServer(host=cfg.control.host, port=cfg.control.port))
     rank = rank_info()[0]
     if rank == 0:
         print(f"hookloop: recipe {cfg.recipe}, run directory {run_dir}", file=sys.stderr)

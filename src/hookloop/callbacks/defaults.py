@@ -13,11 +13,12 @@ JsonLogger                  100  logging.json
 TBLogger                    100  logging.tensorboard
 WandbLoggingCallback         80  logging.wandb
 ProgressBar                 110  logging.progress
-TrainerControlCallback      120  control.enabled
 =====================  ========  ==================================
 
-Checkpointing is not a callback here: ``--out`` gives the Trainer its
-checkpoint directory and the ``checkpoint.*`` keys set the policy.
+Two more pieces are not in this list: ``hookloop train`` adds the HTTP control
+server (``hookloop.control.ControlServer``, key ``control.enabled``) itself, and
+checkpointing is not a callback: ``--out`` gives the Trainer its checkpoint
+directory and the ``checkpoint.*`` keys set the policy.
 """
 
 from __future__ import annotations

@@ -1,0 +1,241 @@
+"""``hookloop jobs`` and ``hookloop ctl``: find and steer running jobs from a terminal.
+
+::
+
+    hookloop jobs [--json]
+    hookloop ctl JOB {status,stop,save,save-and-stop,abort,eval,token,url} [--json] [--wait S]
+
+``JOB`` is a job id, a unique prefix of one, or the job's pid. The hookloop
+command adds these with :func:`add_jobs_command` / :func:`add_ctl_command`;
+``python -m hookloop.control.cli jobs|ctl ...`` runs them stand-alone.
+
+Exit codes: 0 done; 1 the job could not be reached or refused the command;
+2 bad usage or no such job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from hookloop.control.client import ALIASES, ControlError, JobClient
+from hookloop.control.registry import (
+    RegistryError,
+    find_job,
+    jobs_dir,
+    list_jobs,
+    process_alive,
+)
+
+ACTIONS = ("status", *ALIASES, "token", "url")
+OK, FAILED, USAGE = 0, 1, 2
+
+
+def add_jobs_command(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``jobs`` to an ``add_subparsers()`` object; the parser's ``run`` default runs it."""
+    parser = subparsers.add_parser(
+        "jobs",
+        help="list the training jobs running on this machine",
+        description="List live hookloop jobs of this user (stale entries are removed).",
+    )
+    parser.add_argument("--json", action="store_true", help="print a JSON list of objects")
+    _common(parser)
+    parser.set_defaults(run=run_jobs)
+    return parser
+
+
+def add_ctl_command(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``ctl`` to an ``add_subparsers()`` object; the parser's ``run`` default runs it."""
+    parser = subparsers.add_parser(
+        "ctl",
+        help="show a running job's status or send it a command",
+        description=(
+            "status: progress and metrics; stop: finish the step, save, exit; save: write a "
+            "checkpoint; save-and-stop; abort: exit without saving; eval: evaluate now; "
+            "token: print the bearer token (for the dashboard); url: print the dashboard URL."
+        ),
+    )
+    parser.add_argument("job", metavar="JOB", help="job id, unique id prefix, or pid")
+    parser.add_argument("action", choices=ACTIONS, metavar="ACTION", help=" | ".join(ACTIONS))
+    parser.add_argument("--json", action="store_true", help="print the server's JSON answer")
+    parser.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="after stop/save-and-stop/abort, wait up to S seconds for the process to exit",
+    )
+    _common(parser)
+    parser.set_defaults(run=run_ctl)
+    return parser
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--jobs-dir", help=f"where jobs register (default: {jobs_dir()}; env HOOKLOOP_JOBS_DIR)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=5.0, metavar="S", help="HTTP timeout in seconds"
+    )
+
+
+# -- jobs -------------------------------------------------------------------------
+
+
+def run_jobs(args: argparse.Namespace) -> int:
+    rows = []
+    for record in list_jobs(args.jobs_dir):
+        row: dict[str, Any] = {
+            "job_id": record.job_id,
+            "pid": record.pid,
+            "url": record.url,
+            "step": None,
+            "max_steps": None,
+            "phase": None,
+            "steps_per_s": None,
+            "started": record.started,
+            "out_dir": record.out_dir,
+            "recipe": record.recipe,
+        }
+        try:
+            status = JobClient.from_record(record, timeout=args.timeout).status()
+            for key in ("step", "max_steps", "phase", "steps_per_s"):
+                row[key] = status.get(key)
+        except (ControlError, RegistryError) as err:
+            row["error"] = str(err)
+        rows.append(row)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return OK
+    if not rows:
+        print(f"no running hookloop jobs (in {args.jobs_dir or jobs_dir()})")
+        return OK
+    table = [("JOB", "PID", "STEP", "PHASE", "URL", "OUT")]
+    for r in rows:
+        step = "?" if r["step"] is None else str(r["step"])
+        if r["max_steps"]:
+            step += f"/{r['max_steps']}"
+        table.append(
+            (r["job_id"], str(r["pid"]), step, r["phase"] or "?", r["url"], r["out_dir"] or "-")
+        )
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    for row in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return OK
+
+
+# -- ctl --------------------------------------------------------------------------
+
+
+def run_ctl(args: argparse.Namespace) -> int:
+    try:
+        record = find_job(args.job, args.jobs_dir)
+    except LookupError as err:
+        return _error(str(err).strip("'\""), USAGE)
+    if args.action == "url":
+        print(record.url)
+        return OK
+    try:
+        token = record.read_token()
+    except RegistryError as err:
+        return _error(str(err), FAILED)
+    if args.action == "token":
+        print(token)
+        return OK
+    client = JobClient(record.url, record.job_id, token, timeout=args.timeout)
+    try:
+        if args.action == "status":
+            answer = client.status()
+            print(json.dumps(answer, indent=2) if args.json else format_status(answer, record.url))
+            return OK
+        answer = client.command(args.action)
+    except ControlError as err:
+        return _error(str(err), FAILED)
+    print(json.dumps(answer, indent=2) if args.json else f"{record.job_id}: {answer['message']}")
+    if args.wait > 0 and ALIASES[args.action] in ("graceful_stop", "save_and_stop", "abort"):
+        deadline = time.monotonic() + args.wait
+        while process_alive(record.pid, record.pid_start):
+            if time.monotonic() > deadline:
+                return _error(f"job {record.job_id} still running after {args.wait:g} s", FAILED)
+            time.sleep(0.1)
+        print(f"{record.job_id}: process {record.pid} has exited")
+    return OK
+
+
+def format_status(st: dict[str, Any], url: str | None = None) -> str:
+    """A few human lines for ``hookloop ctl JOB status``."""
+
+    def num(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return "-" if v is None else str(v)
+
+    step = num(st.get("step")) + (f" / {st['max_steps']}" if st.get("max_steps") else "")
+    progress = f"step {step}   epoch {num(st.get('epoch'))}"
+    if st.get("steps_per_s") is not None:
+        progress += f"   {st['steps_per_s']:.1f} steps/s"
+    if st.get("eta_s") is not None:
+        progress += f"   ETA {_duration(st['eta_s'])}"
+    phase = st.get("phase", "?") + (f" ({st['stopping']} filed)" if st.get("stopping") else "")
+    lines = [
+        f"job         {st.get('job_id')} (pid {st.get('pid')}), {phase}",
+        f"progress    {progress}",
+    ]
+    metrics = st.get("metrics") or {}
+    if metrics:
+        shown = "   ".join(f"{k} {num(v)}" for k, v in metrics.items())
+        lines.append(f"logged      {shown}   (step {st.get('metrics_step')})")
+    evals = st.get("eval") or {}
+    if evals:
+        shown = "   ".join(f"{k} {num(v)}" for k, v in evals.items())
+        lines.append(f"evaluation  {shown}   (step {st.get('eval_step')})")
+    ckpt = st.get("checkpoint")
+    if ckpt:
+        lines.append(f"checkpoint  step {ckpt.get('step')}: {ckpt.get('path')}")
+    if url:
+        lines.append(f"dashboard   {url}")
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    s = round(seconds)
+    h, rest = divmod(s, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h {m:02d}m" if h else (f"{m}m {s:02d}s" if m else f"{s}s")
+
+
+def _error(message: str, code: int) -> int:
+    print(f"hookloop ctl: error: {message}", file=sys.stderr)
+    return code
+
+
+# -- stand-alone entry points -----------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hookloop", description="Find and steer hookloop jobs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_jobs_command(sub)
+    add_ctl_command(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hookloop.control.cli {jobs,ctl} ...``"""
+    args = _parser().parse_args(argv)
+    return args.run(args)
+
+
+def main_jobs(argv: list[str] | None = None) -> int:
+    return main(["jobs", *(sys.argv[1:] if argv is None else argv)])
+
+
+def main_ctl(argv: list[str] | None = None) -> int:
+    return main(["ctl", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

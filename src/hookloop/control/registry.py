@@ -1,0 +1,342 @@
+"""Where running jobs announce themselves on this machine, and how they are found.
+
+Each job that serves a control endpoint owns one directory::
+
+    <jobs dir>/<job_id>/        mode 0700
+        auth_token              mode 0600: the bearer token, nothing else
+        endpoint.json           job_id, pid, url, host, port, started, out_dir ...
+
+``<jobs dir>`` is ``$HOOKLOOP_JOBS_DIR`` when set (tests use it), else
+``$XDG_RUNTIME_DIR/hookloop/jobs`` (a per-user tmpfs on systemd machines,
+emptied at logout), else ``~/.config/hookloop/jobs``.
+
+The token is only ever written into a file this process has just created
+(``O_EXCL``, mode 0600, ``fchmod`` and checked through the open descriptor)
+and then renamed over the final name. Whatever was at that name before —
+a file someone pre-created with mode 0644, a symlink, a stale token — is
+replaced, never written through, and no descriptor opened by anyone else
+can see the new token.
+
+The directory is removed when the job ends; a job that died without
+cleaning up (SIGKILL, power loss) is noticed by :func:`list_jobs`, which
+checks that the recorded process still exists and removes the leftovers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+import stat
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+JOBS_DIR_ENV = "HOOKLOOP_JOBS_DIR"
+TOKEN_FILE = "auth_token"
+ENDPOINT_FILE = "endpoint.json"
+#: A directory without endpoint.json younger than this is a job still starting.
+STARTING_GRACE_S = 600.0
+
+_JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+class RegistryError(RuntimeError):
+    """The job directory or its token cannot be made private; nothing is served."""
+
+
+def jobs_dir() -> Path:
+    """The directory holding one sub-directory per live job of this user."""
+    override = os.environ.get(JOBS_DIR_ENV)
+    if override:
+        return Path(override).expanduser()
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and Path(runtime).is_dir():
+        return Path(runtime) / "hookloop" / "jobs"
+    return Path.home() / ".config" / "hookloop" / "jobs"
+
+
+def valid_job_id(job_id: object) -> bool:
+    """Letters, digits, ``.``, ``_``, ``-``; at most 128; not starting with a dot or dash."""
+    return isinstance(job_id, str) and _JOB_ID.fullmatch(job_id) is not None
+
+
+def check_job_id(job_id: str) -> str:
+    if not valid_job_id(job_id):
+        raise ValueError(
+            f"job_id must be 1-128 characters of letters, digits, '.', '_' or '-', starting "
+            f"with a letter or digit (it names a directory and a URL path), got {job_id!r}"
+        )
+    return job_id
+
+
+def new_job_id() -> str:
+    """``<host>-<yyyymmdd-hhmmss>-<pid>-<4 hex>``: readable, sortable, unique."""
+    host = re.sub(r"[^A-Za-z0-9-]", "", socket.gethostname().split(".")[0])[:24] or "host"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return f"{host}-{stamp}-{os.getpid()}-{secrets.token_hex(2)}"
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """``(state letter, start time in clock ticks since boot)`` from /proc; Linux only."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    try:  # the command name is in parentheses and may itself hold spaces or ')'
+        fields = raw[raw.rindex(b")") + 2 :].split()
+        return fields[0].decode("ascii", "replace"), int(fields[19])
+    except (ValueError, IndexError):
+        return None
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """When ``pid`` started, to tell a recycled pid apart (None where unknown)."""
+    info = _proc_stat(pid)
+    return info[1] if info is not None else None
+
+
+def process_alive(pid: int, start_ticks: int | None = None) -> bool:
+    """Whether ``pid`` runs (a zombie does not) and, when known, is still the same process."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, owned by someone else
+    except OSError:
+        return False
+    info = _proc_stat(pid)
+    if info is None:
+        return True  # no /proc: trust kill(0)
+    state, started = info
+    if state in ("Z", "X"):
+        return False  # exited, not yet reaped by its parent
+    return start_ticks is None or started == start_ticks
+
+
+@dataclass
+class JobRecord:
+    """What ``endpoint.json`` says about one job (plus where its directory is)."""
+
+    job_id: str
+    pid: int
+    url: str
+    host: str
+    port: int
+    started: float
+    out_dir: str | None = None
+    recipe: str | None = None
+    pid_start: int | None = None
+    hookloop: str | None = None
+    dir: Path = field(default=Path(), compare=False, repr=False)
+
+    @property
+    def token_path(self) -> Path:
+        return self.dir / TOKEN_FILE
+
+    def api(self, route: str) -> str:
+        """Absolute URL of ``/jobs/<job_id>/<route>``."""
+        return f"{self.url.rstrip('/')}/jobs/{self.job_id}/{route}"
+
+    def read_token(self) -> str:
+        """The bearer token (readable only by the user who runs the job)."""
+        try:
+            token = self.token_path.read_text(encoding="ascii").strip()
+        except FileNotFoundError:
+            raise RegistryError(
+                f"job {self.job_id} has no token file at {self.token_path} "
+                "(the job has ended, or it runs without authentication)"
+            ) from None
+        except PermissionError:
+            raise RegistryError(
+                f"cannot read {self.token_path}: the job belongs to another user"
+            ) from None
+        if not token:
+            raise RegistryError(f"the token file {self.token_path} is empty")
+        return token
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.pop("dir")
+        return data
+
+    @classmethod
+    def load(cls, job_dir: Path) -> JobRecord:
+        """Read ``endpoint.json``; ``ValueError`` if it is missing fields or malformed."""
+        data = json.loads((job_dir / ENDPOINT_FILE).read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise ValueError("endpoint.json does not hold an object")
+        try:
+            record = cls(
+                job_id=str(data["job_id"]),
+                pid=int(data["pid"]),
+                url=str(data["url"]),
+                host=str(data["host"]),
+                port=int(data["port"]),
+                started=float(data["started"]),
+                out_dir=data.get("out_dir"),
+                recipe=data.get("recipe"),
+                pid_start=data.get("pid_start"),
+                hookloop=data.get("hookloop"),
+                dir=job_dir,
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"endpoint.json is incomplete: {err!r}") from None
+        if record.job_id != job_dir.name:
+            raise ValueError(f"endpoint.json names job {record.job_id!r}, not {job_dir.name!r}")
+        return record
+
+
+# -- the job's own side ---------------------------------------------------------
+
+
+class JobDir:
+    """The per-job directory a serving process creates, fills, and removes."""
+
+    def __init__(self, job_id: str, base: str | Path | None = None) -> None:
+        self.job_id = check_job_id(job_id)
+        self.base = Path(base) if base is not None else jobs_dir()
+        self.path = self.base / job_id
+
+    @property
+    def token_path(self) -> Path:
+        return self.path / TOKEN_FILE
+
+    @property
+    def endpoint_path(self) -> Path:
+        return self.path / ENDPOINT_FILE
+
+    def create(self) -> None:
+        """Make the directory (0700, owned by us, not a symlink)."""
+        self.base.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            self.path.mkdir(mode=0o700)
+        info = os.lstat(self.path)
+        if not stat.S_ISDIR(info.st_mode):
+            raise RegistryError(f"{self.path} exists and is not a directory")
+        if info.st_uid != os.geteuid():
+            raise RegistryError(f"{self.path} belongs to another user (uid {info.st_uid})")
+        os.chmod(self.path, 0o700)
+
+    def write_token(self, token: str) -> Path:
+        """Write the token at mode 0600 (see the module docstring); return its path."""
+        _write_private(self.token_path, token.encode("ascii"))
+        return self.token_path
+
+    def write_endpoint(self, record: JobRecord) -> Path:
+        data = json.dumps(record.to_json(), indent=2, sort_keys=True).encode("utf-8")
+        _write_private(self.endpoint_path, data + b"\n")
+        return self.endpoint_path
+
+    def remove(self) -> None:
+        """Delete token, endpoint and the directory; quiet if already gone."""
+        for path in (self.token_path, self.endpoint_path):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        with contextlib.suppress(OSError):
+            self.path.rmdir()
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Create a fresh 0600 file beside ``path``, verify it, fill it, rename it over ``path``."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(tmp, flags, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # the umask can only remove bits; make the mode exact anyway
+        info = os.fstat(fd)
+        if stat.S_IMODE(info.st_mode) != 0o600 or info.st_uid != os.geteuid():
+            raise RegistryError(
+                f"{tmp} has mode {stat.S_IMODE(info.st_mode):o} and owner {info.st_uid} after "
+                "chmod 0600; refusing to write a secret into it"
+            )
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+    info = os.lstat(path)
+    if not stat.S_ISREG(info.st_mode) or stat.S_IMODE(info.st_mode) != 0o600:
+        raise RegistryError(f"{path} is not a private regular file after writing it")
+
+
+# -- the clients' side ------------------------------------------------------------
+
+
+def list_jobs(base: str | Path | None = None, *, clean: bool = True) -> list[JobRecord]:
+    """Live jobs, oldest first. With ``clean``, directories of dead jobs are removed."""
+    root = Path(base) if base is not None else jobs_dir()
+    try:
+        entries = sorted(root.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    records = []
+    for job_dir in entries:
+        if not job_dir.is_dir() or job_dir.is_symlink() or not valid_job_id(job_dir.name):
+            continue
+        try:
+            record = JobRecord.load(job_dir)
+        except FileNotFoundError:
+            if clean and _older_than(job_dir, STARTING_GRACE_S):
+                _remove_tree(job_dir)
+            continue
+        except (OSError, ValueError):
+            if clean and _older_than(job_dir, STARTING_GRACE_S):
+                _remove_tree(job_dir)
+            continue
+        if process_alive(record.pid, record.pid_start):
+            records.append(record)
+        elif clean:
+            _remove_tree(job_dir)
+    records.sort(key=lambda r: (r.started, r.job_id))
+    return records
+
+
+def find_job(ref: str, base: str | Path | None = None) -> JobRecord:
+    """A live job by exact id, unique id prefix, or pid; ``LookupError`` listing the live ones."""
+    jobs = list_jobs(base)
+    exact = [j for j in jobs if j.job_id == ref]
+    if exact:
+        return exact[0]
+    if ref.isdigit():
+        by_pid = [j for j in jobs if j.pid == int(ref)]
+        if len(by_pid) == 1:
+            return by_pid[0]
+    matches = [j for j in jobs if j.job_id.startswith(ref)] if ref else []
+    if len(matches) == 1:
+        return matches[0]
+    live = ", ".join(j.job_id for j in jobs) or "none"
+    where = Path(base) if base is not None else jobs_dir()
+    if len(matches) > 1:
+        raise LookupError(
+            f"{ref!r} matches {len(matches)} jobs: {', '.join(j.job_id for j in matches)}; "
+            "give more of the job id"
+        )
+    raise LookupError(f"no live job {ref!r} in {where}; live jobs: {live}")
+
+
+def _older_than(path: Path, seconds: float) -> bool:
+    try:
+        return time.time() - path.stat().st_mtime > seconds
+    except OSError:
+        return False
+
+
+def _remove_tree(path: Path) -> None:
+    """Remove a dead job's directory (only our own files; best effort)."""
+    with contextlib.suppress(OSError):
+        shutil.rmtree(path)

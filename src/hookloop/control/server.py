@@ -1,0 +1,741 @@
+"""The control server: see and steer a running job over authenticated HTTP.
+
+:class:`ControlServer` (seed-004 name: ``TrainerControlCallback``) starts an
+aiohttp server in a background thread on rank 0 when training starts and
+stops it when training ends. It never touches the loop's state: a command only
+files a request on ``ctx.control`` (thread-safe), and the loop acts on it at
+the end of the step in progress, on every rank alike (the loop agrees control
+requests across ranks).
+
+Routes (every one but the dashboard page needs ``Authorization: Bearer <token>``):
+
+==========================  =====================================================
+``GET  /``                  the live dashboard (a self-contained page, no secrets)
+``GET  /jobs``              ``{"jobs": [...]}``: this job
+``GET  /jobs/{id}/status``  step, epoch, max_steps, latest metrics, rate, ETA ...
+``GET  /jobs/{id}/history`` logged metrics since ``?after=<seq>`` (for charts)
+``POST /jobs/{id}/control`` ``{"command": "graceful_stop" | "save_checkpoint" |
+                            "save_and_stop" | "abort" | "evaluate_now"}``
+==========================  =====================================================
+
+A command is answered ``202 Accepted`` once filed. A malformed body or an
+unknown command gets ``400`` with the list of valid commands; a command the job
+cannot carry out (saving without an output directory, evaluating without
+evaluation data, anything once a stop has been filed) gets ``409``. Nothing a
+client sends reaches the training thread except those five requests.
+
+What the status shows is cheap to keep: the training thread does no work per
+step for it. Step, epoch and sample counters are plain integers the server
+thread reads straight from ``TrainState`` (a single attribute read is atomic);
+metrics are copied into a small lock-protected snapshot only at ``on_log`` and
+``on_eval_end``; the step rate is sampled by the server thread once a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import hmac
+import ipaddress
+import json
+import logging
+import math
+import os
+import secrets
+import socket
+import sys
+import threading
+import time
+import warnings
+from collections import deque
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hookloop.callback import Callback
+from hookloop.control.registry import (
+    JobDir,
+    JobRecord,
+    check_job_id,
+    new_job_id,
+    process_start_ticks,
+)
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from hookloop.state import CallbackContext, Control, TrainState
+
+log = logging.getLogger("hookloop.control")
+
+#: The commands ``POST /jobs/{id}/control`` accepts, with what each does.
+COMMANDS: dict[str, str] = {
+    "graceful_stop": "finish the current step, save a checkpoint (when the job has an "
+    "output directory) and exit 0",
+    "save_checkpoint": "write a checkpoint at the end of the current step and go on",
+    "save_and_stop": "write a checkpoint at the end of the current step, then exit 0",
+    "abort": "end after the current step without saving anything (exit code 3)",
+    "evaluate_now": "run an evaluation at the end of the current step and go on",
+}
+VALID_COMMANDS = ", ".join(COMMANDS)
+ROUTES = (
+    "GET /, GET /jobs, GET /jobs/{job_id}/status, GET /jobs/{job_id}/history?after=SEQ, "
+    "POST /jobs/{job_id}/control"
+)
+#: Largest request body read; bigger ones get 413 without being parsed.
+MAX_BODY = 16 * 1024
+#: Logged records kept for the dashboard's charts.
+HISTORY_LEN = 5000
+_RATE_WINDOW_S = 30.0
+#: On every response: nothing cached, sniffed, framed, or sent on as a Referer.
+_SAFE_HEADERS = {
+    "Cache-Control": "no-store",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "X-Frame-Options": "DENY",
+}
+_BODY_HELP = 'send a JSON object such as {"command": "graceful_stop"}'
+
+
+class CommandError(ValueError):
+    """A control request that cannot be carried out; ``status`` is its HTTP code."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def parse_command(body: bytes) -> str:
+    """The command named by a request body, or :class:`CommandError` saying what is wrong."""
+    if not body.strip():
+        raise CommandError(f"empty request body; {_BODY_HELP}. Valid commands: {VALID_COMMANDS}")
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):  # includes UnicodeDecodeError and JSONDecodeError
+        raise CommandError(
+            f"the request body is not valid JSON; {_BODY_HELP}. Valid commands: {VALID_COMMANDS}"
+        ) from None
+    if not isinstance(data, dict):
+        raise CommandError(
+            f"the request body must be a JSON object, got {type(data).__name__}; {_BODY_HELP}. "
+            f"Valid commands: {VALID_COMMANDS}"
+        )
+    if "command" not in data:
+        raise CommandError(f'missing "command"; valid commands: {VALID_COMMANDS}')
+    command = data["command"]
+    if not isinstance(command, str) or command not in COMMANDS:
+        shown = repr(command) if len(repr(command)) <= 60 else repr(command)[:57] + "..."
+        raise CommandError(f"unknown command {shown}; valid commands: {VALID_COMMANDS}")
+    return command
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _finite(value: Any) -> Any:
+    """JSON-safe number: NaN/Inf become strings (JavaScript's JSON.parse rejects them)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return value
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else str(number)
+
+
+def _numbers(values: dict[str, Any] | None) -> dict[str, Any]:
+    if not values:
+        return {}
+    return {str(k): _finite(v) for k, v in values.items()}
+
+
+class _Snapshot:
+    """What the training thread publishes for the server thread, behind one lock."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.phase = "starting"
+        self.started = time.time()
+        self.logs: dict[str, Any] = {}
+        self.logs_step: int | None = None
+        self.eval: dict[str, Any] = {}
+        self.eval_step: int | None = None
+        self.checkpoint: dict[str, Any] | None = None
+        self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_LEN)
+        self.seq = 0
+        self.filed: deque[dict[str, Any]] = deque(maxlen=20)
+        self.stopping: str | None = None  # the stop/abort command already filed
+        self.rate_samples: deque[tuple[float, int]] = deque()
+
+    def record(self, kind: str, step: int, values: dict[str, Any]) -> None:
+        with self.lock:
+            self.seq += 1
+            entry = {"seq": self.seq, "kind": kind, "step": step, "time": time.time()}
+            entry.update(values)
+            self.history.append(entry)
+            if kind == "train":
+                self.logs, self.logs_step = values, step
+            else:
+                self.eval, self.eval_step = values, step
+
+    def since(self, after: int) -> tuple[list[dict[str, Any]], int]:
+        with self.lock:
+            if after >= self.seq:
+                return [], self.seq
+            return [r for r in self.history if r["seq"] > after], self.seq
+
+    def sample_rate(self, now: float, step: int) -> None:
+        samples = self.rate_samples
+        samples.append((now, step))
+        while len(samples) > 2 and now - samples[0][0] > _RATE_WINDOW_S:
+            samples.popleft()
+
+    def steps_per_second(self, now: float, step: int) -> float | None:
+        samples = list(self.rate_samples)
+        if not samples:
+            return None
+        t0, s0 = samples[0]
+        if step < s0:  # counters went back (a resume inside the same process)
+            return None
+        return (step - s0) / (now - t0) if now - t0 >= 1.0 else None
+
+
+class ControlServer(Callback):
+    """Serve status, commands and a dashboard for this job over authenticated HTTP.
+
+    ``host`` defaults to loopback; any other address draws a warning, because
+    the token then travels over the network in clear text. ``port=0`` (or None)
+    picks a free port. ``auth_token`` defaults to a fresh
+    ``secrets.token_urlsafe(32)``. ``jobs_dir`` overrides where the per-job
+    directory goes (default: :func:`hookloop.control.registry.jobs_dir`).
+    When the server cannot start (aiohttp missing, port taken, directory not
+    private) training goes on without it after a warning, unless
+    ``required=True``. ``announce`` prints the URL and how to get the token.
+
+    Seed 004's parameters ``job_id``, ``port``, ``enable_http``, ``host`` and
+    ``auth_token`` mean the same here; its ``disable_auth`` is deliberately
+    absent: every route but the (secret-free) dashboard page needs the token.
+    Only rank 0 serves; the loop agrees the requests it files across ranks.
+    """
+
+    priority = 100  # reads logs after every producer has written them
+
+    def __init__(
+        self,
+        job_id: str | None = None,
+        port: int | None = 0,
+        enable_http: bool = True,
+        host: str | None = "127.0.0.1",
+        auth_token: str | None = None,
+        *,
+        jobs_dir: str | Path | None = None,
+        announce: bool = True,
+        required: bool = False,
+    ) -> None:
+        if job_id is not None:
+            check_job_id(job_id)
+        port = 0 if port is None else port
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(
+                f"port must be an int in [0, 65535] (0: pick a free one), got {port!r}"
+            )
+        host = "127.0.0.1" if host is None else host
+        if not isinstance(host, str) or not host:
+            raise ValueError(f"host must be an address to bind, e.g. '127.0.0.1', got {host!r}")
+        if auth_token is not None and (
+            not isinstance(auth_token, str)
+            or len(auth_token) < 16
+            or not auth_token.isascii()
+            or not auth_token.isprintable()
+            or " " in auth_token
+        ):
+            raise ValueError(
+                "auth_token must be a printable ASCII string of at least 16 characters without "
+                "spaces (or None for a fresh random one)"
+            )
+        self.job_id = job_id or new_job_id()
+        self.host = host
+        self.port = port
+        self.enable_http = bool(enable_http)
+        self._fixed_token = auth_token
+        self.token: str | None = None
+        self.jobs_dir = jobs_dir
+        self.announce = announce
+        self.required = required
+        self.url: str | None = None
+        self.job_dir: JobDir | None = None
+        self._state: TrainState | None = None
+        self._control: Control | None = None
+        self._snapshot = _Snapshot()
+        self._thread: _ServerThread | None = None
+        self._record: JobRecord | None = None
+        self._can_save = False
+        self._can_evaluate = False
+
+    # -- events (training thread) ----------------------------------------------
+    def on_train_start(self, ctx: CallbackContext) -> None:
+        if not self.enable_http or not ctx.state.is_rank_zero or self._thread is not None:
+            return
+        trainer = ctx.trainer
+        self._state, self._control = ctx.state, ctx.control
+        self._can_save = getattr(trainer, "checkpoints", None) is not None
+        self._can_evaluate = getattr(trainer, "eval_loader", None) is not None
+        self._snapshot = _Snapshot()
+        try:
+            self._start(ctx)
+        except Exception as err:
+            self._stop_server()
+            if self.required:
+                raise
+            message = f"hookloop: control server not started: {err}; training goes on without it"
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            log.warning(message)
+
+    def on_log(self, ctx: CallbackContext) -> None:
+        if self._thread is not None:
+            self._snapshot.record("train", ctx.state.step, _numbers(ctx.logs))
+
+    def on_eval_start(self, ctx: CallbackContext) -> None:
+        if self._thread is not None:
+            self._snapshot.phase = "evaluating"
+
+    def on_eval_end(self, ctx: CallbackContext) -> None:
+        if self._thread is not None:
+            self._snapshot.record("eval", ctx.state.step, _numbers(ctx.metrics))
+            self._snapshot.phase = "training"
+
+    def on_checkpoint_save(self, ctx: CallbackContext) -> None:
+        if self._thread is not None:
+            with self._snapshot.lock:
+                self._snapshot.checkpoint = {
+                    "step": ctx.state.step,
+                    "path": str(ctx.checkpoint_path),
+                }
+
+    def on_train_end(self, ctx: CallbackContext) -> None:
+        self._snapshot.phase = "finished"
+        self._stop_server()
+
+    def on_exception(self, ctx: CallbackContext) -> None:
+        self._snapshot.phase = "failed"
+        self._stop_server()
+
+    # -- start and stop -----------------------------------------------------------
+    def _start(self, ctx: CallbackContext) -> None:
+        try:
+            import aiohttp  # noqa: F401
+        except ImportError:
+            raise RuntimeError(
+                "the control server needs aiohttp: pip install 'hookloop[control]'"
+            ) from None
+        if not is_loopback(self.host):
+            message = (
+                f"hookloop: the control server binds to {self.host}, reachable from other "
+                "machines; the bearer token travels unencrypted over plain HTTP. Bind to "
+                "127.0.0.1 and use an SSH tunnel unless this network is trusted."
+            )
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            log.warning(message)
+        sock = _bind(self.host, self.port)
+        try:
+            self.token = self._fixed_token or secrets.token_urlsafe(32)
+            self.job_dir = JobDir(self.job_id, self.jobs_dir)
+            self.job_dir.create()
+            self.job_dir.write_token(self.token)
+            atexit.register(self._atexit)
+            bound_host, bound_port = sock.getsockname()[:2]
+            self.url = _base_url(bound_host, bound_port)
+            self._thread = _ServerThread(self._make_app(), sock)
+        except BaseException:
+            sock.close()
+            raise
+        self._snapshot.phase = "training"  # before anyone can find the endpoint
+        self._thread.start()
+        trainer = ctx.trainer
+        out_dir = getattr(trainer, "out_dir", None)
+        self._record = JobRecord(
+            job_id=self.job_id,
+            pid=os.getpid(),
+            url=self.url,
+            host=bound_host,
+            port=bound_port,
+            started=time.time(),
+            out_dir=str(Path(out_dir).resolve()) if out_dir is not None else None,
+            recipe=getattr(ctx.config, "recipe", None),
+            pid_start=process_start_ticks(os.getpid()),
+            hookloop=_version(),
+            dir=self.job_dir.path,
+        )
+        self.job_dir.write_endpoint(self._record)
+        if self.announce:
+            print(
+                f"hookloop: control server {self.url} (job {self.job_id}); token: "
+                f"`hookloop ctl {self.job_id} token` or the file {self.job_dir.token_path}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def _stop_server(self) -> None:
+        self._record = None
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.stop()
+        if self.job_dir is not None:
+            self.job_dir.remove()
+        with contextlib.suppress(Exception):
+            atexit.unregister(self._atexit)
+
+    def _atexit(self) -> None:
+        """Best effort at interpreter exit (e.g. train() never reached its end)."""
+        if self.job_dir is not None:
+            self.job_dir.remove()
+
+    @property
+    def record(self) -> JobRecord | None:
+        """What ``endpoint.json`` says, while the server is up (None otherwise)."""
+        return self._record
+
+    def close(self) -> None:
+        """Stop serving and remove the job directory (also done at train end)."""
+        self._stop_server()
+
+    # -- requests (server thread) --------------------------------------------------
+    def _make_app(self) -> web.Application:
+        from aiohttp import web
+
+        from hookloop.control.dashboard import CSP, PAGE
+
+        @web.middleware
+        async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
+            try:
+                public = request.method in ("GET", "HEAD") and request.path == "/"
+                if not public and not self._authorized(request.headers.get("Authorization", "")):
+                    return _json(
+                        {
+                            "error": "missing or wrong bearer token; send the header "
+                            "'Authorization: Bearer <token>' (`hookloop ctl JOB token` "
+                            "prints the token)"
+                        },
+                        401,
+                        {"WWW-Authenticate": 'Bearer realm="hookloop"'},
+                    )
+                response = await handler(request)
+            except web.HTTPException as exc:
+                if exc.status < 400:
+                    raise
+                message = f"{exc.reason}: {request.method} {request.path[:200]}"
+                if exc.status in (404, 405):
+                    message += f"; routes: {ROUTES}"
+                allow = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
+                response = _json({"error": message}, exc.status, allow)
+            response.headers.update(_SAFE_HEADERS)
+            return response
+
+        async def page(request: web.Request) -> web.Response:
+            return web.Response(
+                body=PAGE,
+                content_type="text/html",
+                charset="utf-8",
+                headers={"Content-Security-Policy": CSP},
+            )
+
+        async def jobs(request: web.Request) -> web.Response:
+            return _json({"jobs": [self._job_entry()]})
+
+        async def status(request: web.Request) -> web.Response:
+            return self._wrong_job(request) or _json(self._status())
+
+        async def history(request: web.Request) -> web.Response:
+            wrong = self._wrong_job(request)
+            if wrong is not None:
+                return wrong
+            raw = request.query.get("after", "0")
+            try:
+                after = int(raw)
+            except ValueError:
+                return _json(
+                    {"error": f"after must be an integer sequence number, got {raw[:40]!r}"}, 400
+                )
+            records, last = self._snapshot.since(after)
+            return _json({"job_id": self.job_id, "last_seq": last, "records": records})
+
+        async def control(request: web.Request) -> web.Response:
+            wrong = self._wrong_job(request)
+            if wrong is not None:
+                return wrong
+            body = await request.read()
+            try:
+                command = parse_command(body)
+                step = self._file(command)
+            except CommandError as err:
+                return _json({"error": str(err), "valid_commands": list(COMMANDS)}, err.status)
+            return _json(
+                {
+                    "accepted": command,
+                    "job_id": self.job_id,
+                    "step": step,
+                    "message": f"{command} filed at step {step}: the loop will {COMMANDS[command]}",
+                },
+                202,
+            )
+
+        app = web.Application(middlewares=[guard], client_max_size=MAX_BODY)
+        app.router.add_get("/", page)
+        app.router.add_get("/jobs", jobs)
+        app.router.add_get("/jobs/{job_id}/status", status)
+        app.router.add_get("/jobs/{job_id}/history", history)
+        app.router.add_post("/jobs/{job_id}/control", control)
+        app.on_startup.append(self._start_sampler)
+        return app
+
+    async def _start_sampler(self, app: web.Application) -> None:
+        async def sample() -> None:
+            while True:
+                state = self._state
+                if state is not None:
+                    self._snapshot.sample_rate(time.monotonic(), state.step)
+                await asyncio.sleep(1.0)
+
+        task = asyncio.get_running_loop().create_task(sample())
+
+        async def cancel(app: web.Application) -> None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+        app.on_cleanup.append(cancel)
+
+    def _authorized(self, header: str) -> bool:
+        token = self.token
+        if token is None:
+            return False
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        # bytes, so that a non-ASCII header is just a mismatch (str needs ASCII here)
+        return hmac.compare_digest(
+            given.strip().encode("utf-8", "backslashreplace"), token.encode("ascii")
+        )
+
+    def _wrong_job(self, request: web.Request) -> web.Response | None:
+        """A 404 naming this server's job when the URL names another one."""
+        asked = request.match_info.get("job_id", "")
+        if asked == self.job_id:
+            return None
+        shown = asked if len(asked) <= 80 else asked[:77] + "..."
+        return _json({"error": f"no job {shown!r} here; this server runs job {self.job_id!r}"}, 404)
+
+    def _file(self, command: str) -> int:
+        """File ``command`` on the loop's Control; returns the step it was filed at."""
+        snap, control, state = self._snapshot, self._control, self._state
+        if control is None or state is None or snap.phase not in ("training", "evaluating"):
+            raise CommandError(f"the job is not training (it is {snap.phase})", 409)
+        needs_save = command in ("save_checkpoint", "save_and_stop")
+        if needs_save and not self._can_save:
+            raise CommandError(
+                f"{command}: this job has no output directory, so it cannot save checkpoints",
+                409,
+            )
+        if command == "evaluate_now" and not self._can_evaluate:
+            raise CommandError("evaluate_now: this job has no evaluation data", 409)
+        with snap.lock:
+            if snap.stopping is not None:
+                raise CommandError(
+                    f"{command}: the job is already ending ({snap.stopping} was filed)", 409
+                )
+            step = state.step
+            if command == "graceful_stop":
+                control.request_stop("graceful_stop requested over HTTP")
+            elif command == "save_and_stop":
+                control.request_save()
+                control.request_stop("save_and_stop requested over HTTP")
+            elif command == "abort":
+                control.request_abort("abort requested over HTTP")
+            elif command == "save_checkpoint":
+                control.request_save()
+            else:
+                control.request_evaluate()
+            if command in ("graceful_stop", "save_and_stop", "abort"):
+                snap.stopping = command
+            snap.filed.append({"command": command, "step": step, "time": time.time()})
+        log.info("control: %s filed at step %d", command, step)
+        return step
+
+    def _job_entry(self) -> dict[str, Any]:
+        record = self._record
+        state = self._state
+        return {
+            "job_id": self.job_id,
+            "pid": os.getpid(),
+            "url": self.url,
+            "step": state.step if state is not None else None,
+            "max_steps": state.max_steps if state is not None else None,
+            "phase": self._snapshot.phase,
+            "started": record.started if record else None,
+            "out_dir": record.out_dir if record else None,
+            "recipe": record.recipe if record else None,
+        }
+
+    def _status(self) -> dict[str, Any]:
+        state, snap = self._state, self._snapshot
+        now = time.monotonic()
+        step = state.step if state is not None else 0
+        max_steps = state.max_steps if state is not None else None
+        rate = snap.steps_per_second(now, step)
+        eta = None
+        if rate and max_steps is not None:
+            eta = max(max_steps - step, 0) / rate
+        with snap.lock:
+            out = {
+                "job_id": self.job_id,
+                "pid": os.getpid(),
+                "phase": snap.phase,
+                "step": step,
+                "epoch": state.epoch if state is not None else 0,
+                "max_steps": max_steps,
+                "num_epochs": state.num_epochs if state is not None else None,
+                "samples": state.samples if state is not None else 0,
+                "elapsed_s": round(time.time() - snap.started, 3),
+                "steps_per_s": round(rate, 3) if rate is not None else None,
+                "eta_s": round(eta, 1) if eta is not None else None,
+                "metrics": snap.logs,
+                "metrics_step": snap.logs_step,
+                "eval": snap.eval,
+                "eval_step": snap.eval_step,
+                "checkpoint": snap.checkpoint,
+                "stopping": snap.stopping,
+                "history_seq": snap.seq,
+                "recent_commands": list(snap.filed),
+                "can_save": self._can_save,
+                "can_evaluate": self._can_evaluate,
+                "commands": list(COMMANDS),
+                "time": time.time(),
+            }
+        return out
+
+
+#: The name seed 004 uses for this callback.
+TrainerControlCallback = ControlServer
+
+
+class _ServerThread:
+    """An asyncio loop in a daemon thread serving one aiohttp app on a bound socket."""
+
+    def __init__(self, app: web.Application, sock: socket.socket) -> None:
+        self.app = app
+        self.sock = sock
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.stopping: asyncio.Event | None = None
+        self.thread = threading.Thread(target=self._run, name="hookloop-control", daemon=True)
+
+    def start(self, timeout: float = 15.0) -> None:
+        self.thread.start()
+        if not self.ready.wait(timeout):
+            raise RuntimeError(f"the server thread did not start within {timeout:.0f} s")
+        if self.error is not None:
+            raise RuntimeError(f"the server thread failed: {self.error}") from self.error
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self.loop = loop
+        try:
+            loop.run_until_complete(self._serve())
+        except BaseException as err:  # reported to start(), or logged once running
+            if not self.ready.is_set():
+                self.error = err
+                self.ready.set()
+            else:
+                log.warning("hookloop control server stopped: %r", err)
+        finally:
+            with contextlib.suppress(Exception):
+                loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+            self.sock.close()
+
+    async def _serve(self) -> None:
+        from aiohttp import web
+
+        self.stopping = asyncio.Event()
+        runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=1.0)
+        await runner.setup()
+        try:
+            await web.SockSite(runner, self.sock).start()
+            self.ready.set()
+            await self.stopping.wait()
+            # Stop accepting before anything closes, and let connections accepted a
+            # moment ago finish their set-up: asyncio (3.11) drops, without closing
+            # it, a connection whose set-up finds its server already closed, and the
+            # client then hangs until it times out.
+            asyncio.get_running_loop().remove_reader(self.sock.fileno())
+            await asyncio.sleep(0.05)
+        finally:
+            await runner.cleanup()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        loop, stopping = self.loop, self.stopping
+        if loop is not None and stopping is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(stopping.set)
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            log.warning("hookloop control server thread did not stop within %.0f s", timeout)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: the kernel picks a free one)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as err:
+        raise OSError(f"cannot resolve control server host {host!r}: {err}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+        sock.setblocking(False)
+    except OSError as err:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    return sock
+
+
+def _base_url(host: str, port: int) -> str:
+    """The URL a local client uses (an unspecified bind address means loopback)."""
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}/"
+
+
+def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    from aiohttp import web
+
+    return web.Response(
+        text=json.dumps(data, allow_nan=False, default=str),
+        status=status,
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def _version() -> str | None:
+    try:
+        from hookloop import __version__
+
+        return __version__
+    except ImportError:  # pragma: no cover
+        return None
