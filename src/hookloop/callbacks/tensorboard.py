@@ -127,6 +127,22 @@ class ResumableSummaryWriter(Callback):
         if self.enabled:
             self.writer.add_scalar(tag, value, global_step=step, **kwargs)
 
+    def add_scalars_at(self, values: dict[str, float], step: int) -> None:
+        """Several scalars at one step as ONE event (one protobuf, one queue entry).
+
+        ``add_scalar`` costs about 0.1-0.2 ms per tag on a slow CPU; a log event
+        carries a dozen tags, so writing them together keeps logging off the
+        step time. TensorBoard reads them exactly like separate ``add_scalar``s.
+        """
+        if not self.enabled or not values:
+            return
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        summary = Summary(
+            value=[Summary.Value(tag=tag, simple_value=float(v)) for tag, v in values.items()]
+        )
+        self.writer._get_file_writer().add_summary(summary, step)
+
     def add_text(self, tag: str, text: str, step: int, **kwargs: Any) -> None:
         if self.enabled:
             self.writer.add_text(tag, text, global_step=step, **kwargs)
@@ -231,8 +247,9 @@ class TBLogger(Callback):
             return
         values = numeric_metrics(ctx.logs)
         self._last_logs = values
-        for key, value in values.items():
-            self.writer.add_scalar(metric_tag("train", key), value, ctx.state.step)
+        self.writer.add_scalars_at(
+            {metric_tag("train", key): value for key, value in values.items()}, ctx.state.step
+        )
 
     def on_eval_end(self, ctx: CallbackContext) -> None:
         self._write_metrics("eval", ctx)
@@ -243,8 +260,10 @@ class TBLogger(Callback):
     def _write_metrics(self, kind: str, ctx: CallbackContext) -> None:
         if not ctx.state.is_rank_zero:
             return
-        for key, value in numeric_metrics(ctx.metrics).items():
-            self.writer.add_scalar(metric_tag(kind, key), value, ctx.state.step)
+        values = numeric_metrics(ctx.metrics)
+        self.writer.add_scalars_at(
+            {metric_tag(kind, key): value for key, value in values.items()}, ctx.state.step
+        )
         self.writer.flush()  # evaluations are rare: show them at once
 
     def on_train_end(self, ctx: CallbackContext) -> None:
