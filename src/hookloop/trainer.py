@@ -456,13 +456,19 @@ class Trainer:
         if requests.abort:
             st._stop_reason = f"abort: {requests.abort}"
             return True
+        ran_handlers = False
         if requests.log or (cfg.log_every and st._step % cfg.log_every == 0):
             self._log()
+            ran_handlers = True
         if self.eval_loader is not None and (
             requests.evaluate or (cfg.eval_every and st._step % cfg.eval_every == 0)
         ):
             self._evaluate_in_training()
-        requests = requests.merge(self._take_requests())  # evaluation may have asked to stop
+            ran_handlers = True
+        if ran_handlers:  # a log or eval handler may have asked to stop (e.g. early stopping)
+            later = self._take_requests()
+            if later is not _NO_REQUESTS:
+                requests = requests.merge(later)
         if requests.abort:
             st._stop_reason = f"abort: {requests.abort}"
             return True
