@@ -25,6 +25,10 @@ from typing import Any, Literal
 from hookloop.callback import Callback
 from hookloop.state import CallbackContext
 
+Limit = float | None  # a threshold, or None for "not used"
+Count = int  # observations (log events or evaluations), not steps
+Action = Literal["stop", "abort"]
+
 log = logging.getLogger("hookloop.divergence")
 
 
@@ -39,10 +43,10 @@ class SpikeTracker:
     def __init__(
         self,
         smoothing: float = 0.3,
-        threshold: float | None = 1.0,
-        relative_threshold: float | None = None,
-        patience: int = 3,
-        warmup: int = 10,
+        threshold: Limit = 1.0,
+        relative_threshold: Limit = None,
+        patience: Count = 3,
+        warmup: Count = 10,
     ) -> None:
         if not _real(smoothing) or not 0 < smoothing <= 1:
             raise ValueError(f"smoothing must be a number in (0, 1], got {smoothing!r}")
@@ -145,13 +149,17 @@ class DivergenceDetector(Callback):
     def __init__(
         self,
         smoothing: float = 0.3,
-        threshold: float | None = 1.0,
-        relative_threshold: float | None = None,
-        patience: int = 3,
-        warmup: int = 10,
-        action: Literal["stop", "abort"] = "stop",
-        use_eval_loss: bool = False,
+        *,
+        # what counts as a spike (either threshold may be None to turn it off)
+        threshold: Limit = 1.0,
+        relative_threshold: Limit = None,
+        # how long it must last, and how much of the start is ignored
+        patience: Count = 3,
+        warmup: Count = 10,
+        # what is watched and what happens
         metric_key: str | None = None,
+        use_eval_loss: bool = False,
+        action: Action = "stop",
     ) -> None:
         self.tracker = SpikeTracker(smoothing, threshold, relative_threshold, patience, warmup)
         if action not in ("stop", "abort"):
