@@ -360,3 +360,29 @@ def test_metrics_alias_and_always_set_fields_in_handlers(make_trainer):
     assert seen["start"] == (trainer, trainer.model, trainer.optimizer, trainer.config)
     assert seen["alias"] is True
     assert set(seen["metrics"]) == {"eval_loss"}
+
+
+def test_in_training_tells_evaluations_inside_train_from_a_direct_evaluate():
+    from hookloop import Config, DataConfig, TrainConfig, Trainer
+    from hookloop.testing import TinyModel, ToyData
+
+    seen: list[tuple[str, bool]] = []
+    manager = CallbackManager()
+    for event in ("on_train_start", "on_eval_end", "on_train_end"):
+        manager.register(event, lambda ctx, e=event: seen.append((e, ctx.state.in_training)))
+    cfg = Config(train=TrainConfig(max_steps=2, log_every=0, eval_every=2),
+                 data=DataConfig(batch_size=4))  # fmt: skip
+    trainer = Trainer(TinyModel(), train_data=ToyData(n=16), eval_data=ToyData(n=8, seed=1),
+                      loss_fn=TinyModel.loss_fn, config=cfg, callbacks=manager)  # fmt: skip
+    assert trainer.state.in_training is False
+    trainer.train()
+    assert trainer.state.in_training is False
+    trainer.evaluate()
+    assert seen == [
+        ("on_train_start", True),
+        ("on_eval_end", True),
+        ("on_train_end", True),
+        ("on_eval_end", False),
+    ]
+    with pytest.raises(AttributeError, match="read-only"):
+        trainer.state.in_training = True  # type: ignore[misc]

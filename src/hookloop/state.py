@@ -40,6 +40,7 @@ class TrainState:
         "_epoch",
         "_epoch_step",
         "_flops",
+        "_in_training",
         "_last_eval",
         "_local_rank",
         "_max_steps",
@@ -74,6 +75,9 @@ class TrainState:
     local_rank = _read_only("local_rank", "Rank on this node.")
     world_size = _read_only("world_size", "Number of processes.")
     stop_reason = _read_only("stop_reason", "Why training ended, once it has.")
+    in_training = _read_only(
+        "in_training", "Inside train(), from on_train_start on (False for a direct evaluate())."
+    )
     last_eval = _read_only("last_eval", "Metrics of the latest evaluation (a dict).")
 
     def __init__(self) -> None:
@@ -93,6 +97,7 @@ class TrainState:
         self._local_rank = 0
         self._world_size = 1
         self._stop_reason: str | None = None
+        self._in_training = False
         self._last_eval: dict[str, float] = {}
 
     @property

@@ -251,6 +251,7 @@ class Trainer:
                 self.checkpoints.resume(self.resume)  # fires on_checkpoint_load
             self._fire("on_data_init_start")  # model, optimizer, checkpoint ready; no data read
             self.model.train()
+            st._in_training = True  # evaluations from here on are part of training
             self._fire("on_train_start")
             while st._stop_reason is None:
                 if st._num_epochs is not None and st._epoch >= st._num_epochs:
@@ -266,6 +267,7 @@ class Trainer:
             self.ctx.clear_event_fields()  # nothing stale for a later evaluate() or test()
             raise
         finally:
+            st._in_training = False
             if restore_signals:
                 restore_signals()
         return TrainResult(

@@ -69,7 +69,6 @@ class CheckpointPolicy(Callback):
         self.best_path: str | None = None
         self.best_step: int | None = None
         self._new_best_step: int | None = None
-        self._training = False
         self._warned: set[str] = set()
 
     @property
@@ -77,7 +76,6 @@ class CheckpointPolicy(Callback):
         return self.tracker.best
 
     def on_train_start(self, ctx: CallbackContext) -> None:
-        self._training = True
         if ctx.trainer is not None and getattr(ctx.trainer, "checkpoints", None) is None:
             self._warn_once(
                 "no_out_dir",
@@ -99,12 +97,6 @@ class CheckpointPolicy(Callback):
                 f"checkpoint.monitor={self.monitor} (and checkpoint.mode) to keep it",
             )
 
-    def on_train_end(self, ctx: CallbackContext) -> None:
-        self._training = False
-
-    def on_exception(self, ctx: CallbackContext) -> None:
-        self._training = False
-
     def on_train_step_end(self, ctx: CallbackContext) -> None:
         if self.every_n_steps and ctx.state.step % self.every_n_steps == 0:
             ctx.control.request_save()
@@ -114,7 +106,7 @@ class CheckpointPolicy(Callback):
             ctx.control.request_save()
 
     def on_eval_end(self, ctx: CallbackContext) -> None:
-        if self.monitor is None or not self._training or ctx.metrics is None:
+        if self.monitor is None or not ctx.state.in_training or ctx.metrics is None:
             return
         value = as_float(ctx.metrics.get(self.monitor))
         if value is None:

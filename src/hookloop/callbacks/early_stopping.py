@@ -85,7 +85,6 @@ class EarlyStopping(Callback):
         self.best_steps: dict[str, int | None] = dict.fromkeys(spec)
         self.should_stop = False
         self.stopped_step: int | None = None
-        self._training = False
         self._warned: set[str] = set()
 
     @property
@@ -98,18 +97,11 @@ class EarlyStopping(Callback):
         return next(iter(self.monitors))
 
     def on_train_start(self, ctx: CallbackContext) -> None:
-        self._training = True
         self.should_stop = False
         self.stopped_step = None
 
-    def on_train_end(self, ctx: CallbackContext) -> None:
-        self._training = False
-
-    def on_exception(self, ctx: CallbackContext) -> None:
-        self._training = False
-
     def on_eval_end(self, ctx: CallbackContext) -> None:
-        if not self._training or ctx.metrics is None:
+        if not ctx.state.in_training or ctx.metrics is None:
             return
         metrics = ctx.metrics
         for key, tracker in self.trackers.items():

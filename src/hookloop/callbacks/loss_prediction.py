@@ -144,12 +144,10 @@ class LossPrediction(Callback):
         self.prediction: float | None = None
         self.predicted_loss: float | None = None
         self._horizon: int | None = None
-        self._training = False
         self._warned_missing = False
         self._warned_horizon = False
 
     def on_train_start(self, ctx: CallbackContext) -> None:
-        self._training = True
         st = ctx.state
         if self.horizon_steps is not None:
             self._horizon = self.horizon_steps
@@ -158,14 +156,8 @@ class LossPrediction(Callback):
         else:
             self._horizon = st.max_steps
 
-    def on_train_end(self, ctx: CallbackContext) -> None:
-        self._training = False
-
-    def on_exception(self, ctx: CallbackContext) -> None:
-        self._training = False
-
     def on_eval_end(self, ctx: CallbackContext) -> None:
-        if not self._training or ctx.metrics is None:
+        if not ctx.state.in_training or ctx.metrics is None:
             return
         value = as_float(ctx.metrics.get(self.monitor))
         if value is None:

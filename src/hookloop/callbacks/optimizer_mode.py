@@ -58,14 +58,12 @@ class OptimizerMode(Callback):
                 f"eval_after_training must be True or False, got {eval_after_training!r}"
             )
         self.eval_after_training = eval_after_training
-        self._training = False
 
     def _switch(self, ctx: CallbackContext, mode: str) -> None:
         if has_modes(ctx.optimizer, ctx.model):
             getattr(ctx.optimizer, mode)()
 
     def on_train_start(self, ctx: CallbackContext) -> None:
-        self._training = True
         self._switch(ctx, "train")
 
     def on_epoch_start(self, ctx: CallbackContext) -> None:
@@ -75,16 +73,12 @@ class OptimizerMode(Callback):
         self._switch(ctx, "eval")
 
     def on_eval_end(self, ctx: CallbackContext) -> None:
-        if self._training:  # a direct evaluate() outside training stays in eval mode
+        if ctx.state.in_training:  # a direct evaluate() outside training stays in eval mode
             self._switch(ctx, "train")
 
     def on_train_end(self, ctx: CallbackContext) -> None:
-        self._training = False
         if self.eval_after_training:
             self._switch(ctx, "eval")
-
-    def on_exception(self, ctx: CallbackContext) -> None:
-        self._training = False
 
     def __repr__(self) -> str:
         return f"OptimizerMode(eval_after_training={self.eval_after_training})"

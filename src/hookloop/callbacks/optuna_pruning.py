@@ -114,20 +114,10 @@ class OptunaPruning(Callback):
         self.report_step = report_step
         self.pruned = False
         self.evaluations = 0
-        self._training = False
         self._warned_missing = False
 
-    def on_train_start(self, ctx: CallbackContext) -> None:
-        self._training = True
-
-    def on_train_end(self, ctx: CallbackContext) -> None:
-        self._training = False
-
-    def on_exception(self, ctx: CallbackContext) -> None:
-        self._training = False
-
     def on_eval_end(self, ctx: CallbackContext) -> None:
-        if not self._training or ctx.metrics is None:
+        if not ctx.state.in_training or ctx.metrics is None:
             return  # e.g. a final trainer.evaluate(): it would re-report the last step
         index = self.evaluations
         self.evaluations += 1

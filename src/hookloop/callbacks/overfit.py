@@ -89,22 +89,12 @@ class OverfitDetection(Callback):
         self.eval_history: list[float] = []
         self.gap_ratio: float | None = None
         self._clear_epoch()
-        self._training = False
         self._warned_incomplete = False
 
     def _clear_epoch(self) -> None:
         self._train_sum = 0.0
         self._train_count = 0
         self._epoch_eval: float | None = None
-
-    def on_train_start(self, ctx: CallbackContext) -> None:
-        self._training = True
-
-    def on_train_end(self, ctx: CallbackContext) -> None:
-        self._training = False
-
-    def on_exception(self, ctx: CallbackContext) -> None:
-        self._training = False
 
     def on_epoch_start(self, ctx: CallbackContext) -> None:
         self._clear_epoch()
@@ -119,7 +109,7 @@ class OverfitDetection(Callback):
             ctx.logs["overfit_gap_ratio"] = self.gap_ratio
 
     def on_eval_end(self, ctx: CallbackContext) -> None:
-        if self._training and ctx.metrics is not None:
+        if ctx.state.in_training and ctx.metrics is not None:
             value = as_float(ctx.metrics.get(self.eval_key))
             if value is not None:
                 self._epoch_eval = value
