@@ -81,7 +81,7 @@ def _check_dialect(dialect: str) -> None:
 
 
 def dialect_events(dialect: str) -> Mapping[str, tuple[str, ...]]:
-    """``{native event: dialect events}`` for one dialect (natives with no counterpart left out)."""
+    """``{native event: dialect events}`` for one dialect; natives with no counterpart omitted."""
     _check_dialect(dialect)
     return MappingProxyType(
         {native: row[dialect] for native, row in _TABLE.items() if dialect in row}
