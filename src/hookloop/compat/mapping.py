@@ -99,3 +99,20 @@ def dialect_event_names(dialect: str) -> tuple[str, ...]:
 def table() -> list[tuple[str, dict[str, tuple[str, ...]]]]:
     """The whole table as rows ``(native, {dialect: events})``, for docs and tests."""
     return [(native, dict(row)) for native, row in _TABLE.items()]
+
+
+def markdown_table() -> str:
+    """The table as Markdown, one row per native event, as the README shows it.
+
+    >>> print(markdown_table().splitlines()[2])
+    | `on_init_end` | - | - | `on_init_end` |
+    """
+    titles = {"megatron_bridge": "seed 000", "hpo": "seed 001", "hf": "seed 004 / HF"}
+    lines = [
+        "| native | " + " | ".join(titles[d] for d in DIALECTS) + " |",
+        "|---" * (len(DIALECTS) + 1) + "|",
+    ]
+    for native, row in _TABLE.items():
+        cells = [", ".join(f"`{e}`" for e in row[d]) if d in row else "-" for d in DIALECTS]
+        lines.append(f"| `{native}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

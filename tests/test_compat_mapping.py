@@ -1,0 +1,48 @@
+"""The one native-to-dialect table: complete, consistent, and the one the README shows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hookloop.compat.mapping import (
+    DIALECTS,
+    dialect_event_names,
+    dialect_events,
+    markdown_table,
+    table,
+)
+from hookloop.events import EVENT_NAMES
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_every_native_event_has_a_row_in_firing_order():
+    assert [native for native, _ in table()] == [n for n in EVENT_NAMES]
+
+
+def test_each_dialect_has_the_event_count_its_seed_documents():
+    # seed 000: 4 train + 4 eval + 4 test events, plus data-init and checkpoint save/load;
+    # seed 001: seven events; seed 004: nineteen events.
+    assert len(dialect_event_names("megatron_bridge")) == 15
+    assert len(dialect_event_names("hpo")) == 7
+    assert len(dialect_event_names("hf")) == 19
+
+
+def test_no_dialect_event_is_fired_by_two_native_events():
+    for dialect in DIALECTS:
+        seen: dict[str, str] = {}
+        for native, events in dialect_events(dialect).items():
+            for event in events:
+                assert event not in seen, f"{dialect}: {event} from {seen.get(event)} and {native}"
+                seen[event] = native
+
+
+def test_an_unknown_dialect_is_refused_with_the_known_ones_listed():
+    with pytest.raises(ValueError, match=r"unknown dialect 'lightning'.*megatron_bridge, hpo, hf"):
+        dialect_events("lightning")
+
+
+def test_the_readme_shows_exactly_this_table():
+    assert markdown_table() in README.read_text(encoding="utf-8")
