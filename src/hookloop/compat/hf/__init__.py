@@ -1,0 +1,91 @@
+"""Seed 004 / HuggingFace dialect: handlers ``on_<event>(args, state, control, **kwargs)``.
+
+Callbacks written for ``transformers.Trainer`` or seed 004 run unmodified on the
+native loop: pass them in ``callbacks`` of :class:`Trainer` (or wrap them with
+:func:`hf_callbacks` for the native ``hookloop.Trainer``). A handler's flags on
+``control`` become native requests: ``should_training_stop`` a stop (with a
+save), ``should_abort_without_save`` an abort, ``should_save`` /
+``should_evaluate`` / ``should_log`` a save / evaluation / log at the end of
+the step. The dispatch is the ``"hf"`` column of :mod:`hookloop.compat.mapping`.
+
+The seed's built-in callbacks are hookloop's native ones, under the seed's names.
+
+>>> class StopAtTwo(TrainerCallback):
+...     def on_step_end(self, args, state, control, **kwargs):
+...         control.should_training_stop = state.global_step >= 2
+>>> from hookloop.testing import TinyModel, ToyData
+>>> args = TrainingArguments(per_device_train_batch_size=4, max_steps=10, logging_steps=5)
+>>> trainer = Trainer(TinyModel(), args, train_dataset=ToyData(n=64),
+...                   loss_fn=TinyModel.loss_fn, callbacks=[StopAtTwo()])
+>>> trainer.train().step
+2
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hookloop.callback import Stateful
+from hookloop.callbacks import (
+    DefaultMetrics,
+    DiLoCoCallback,
+    DivergenceDetector,
+    GradNormLogger,
+    InfoCallback,
+    JsonLogger,
+    ParameterNormLogger,
+    PeakMemory,
+    ProfilerCallback,
+    ProgressCallback,
+    ResumableSummaryWriter,
+    TBLogger,
+    TextgenCallback,
+    WeightNormLogger,
+)
+from hookloop.compat.hf.adapter import HFSession
+from hookloop.compat.hf.callback import TrainerCallback
+from hookloop.compat.hf.trainer import Trainer
+from hookloop.compat.hf.types import TrainerControl, TrainerState, TrainingArguments
+
+
+def hf_callbacks(callbacks: Any, *, args: Any = None, processing_class: Any = None) -> list[Any]:
+    """Native callbacks for the native ``hookloop.Trainer`` from a mixed list.
+
+    ``args`` defaults to the trainer's Config under HF's names.
+    """
+    return HFSession(args, processing_class=processing_class).wrap(callbacks)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TrainerControlCallback":  # hookloop.control is imported only when asked for
+        from hookloop.control import TrainerControlCallback
+
+        return TrainerControlCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "DefaultMetrics",
+    "DiLoCoCallback",
+    "DivergenceDetector",
+    "GradNormLogger",
+    "HFSession",
+    "InfoCallback",
+    "JsonLogger",
+    "ParameterNormLogger",
+    "PeakMemory",
+    "ProfilerCallback",
+    "ProgressCallback",
+    "ResumableSummaryWriter",
+    "Stateful",
+    "TBLogger",
+    "TextgenCallback",
+    "Trainer",
+    "TrainerCallback",
+    "TrainerControl",
+    "TrainerControlCallback",
+    "TrainerState",
+    "TrainingArguments",
+    "WeightNormLogger",
+    "hf_callbacks",
+]

@@ -1,0 +1,506 @@
+"""The adapter: HF-style callbacks run as native hookloop callbacks.
+
+One :class:`HFSession` per trainer holds the dialect's ``args``, ``state`` and
+``control``. Each HF callback becomes one native callback (an adapter) whose
+``on_<native>`` handlers call the dialect handlers that
+:func:`hookloop.compat.mapping.dialect_events` lists for that native event, then
+turn the control flags a handler switched on into native requests. Two more
+native callbacks of the session run first and last at every event they handle:
+the first applies HF's flag resets and keeps ``log_history``; the last updates
+``best_metric`` after every ``on_evaluate`` handler has seen the previous one.
+
+How a handler is called is decided once, when it is wrapped (never per call):
+``(args, state, control, **kwargs)`` positionally when its first three
+parameters are ``args, state, control`` or carry other names; by keyword when
+it names some of them elsewhere (seed 004's ``on_log_step(self, state, logs,
+**kwargs)``). A handler without ``**kwargs`` is given only the keywords it names.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import warnings
+from collections.abc import Callable, Iterable
+from functools import cache
+from typing import Any
+
+from hookloop.callback import Callback
+from hookloop.compat.hf.callback import TrainerCallback
+from hookloop.compat.hf.types import (
+    CONTROL_FLAGS,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+    _eval_key,
+)
+from hookloop.compat.mapping import dialect_event_names, dialect_events
+from hookloop.state import CallbackContext
+
+#: native event -> the HF events it fires, in order (read from the one table).
+NATIVE_TO_HF = dialect_events("hf")
+HF_EVENTS = dialect_event_names("hf")
+
+#: Keywords every handler gets, and the extra ones of some events.
+COMMON_KWARGS = (
+    "model",
+    "processing_class",
+    "optimizer",
+    "lr_scheduler",
+    "train_dataloader",
+    "eval_dataloader",
+    "trainer",
+)
+EXTRA_KWARGS: dict[str, tuple[str, ...]] = {
+    "on_log_step": ("logs",),
+    "on_log": ("logs",),
+    "on_evaluate": ("metrics",),
+    "on_predict": ("metrics",),
+    "on_train_metrics": ("metrics",),
+}
+
+#: Native events inside an optimizer step, before it counts as done: HF's
+#: ``global_step`` there is one less than the native ``state.step``.
+_INSIDE_STEP = frozenset(
+    {
+        "on_train_step_start",
+        "on_micro_step_start",
+        "on_micro_step_end",
+        "on_before_optimizer_step",
+        "on_after_optimizer_step",
+    }
+)
+
+#: Methods of HF base classes that are no-ops: not handlers of a subclass.
+_HF_BASES = {
+    (TrainerCallback.__module__, "TrainerCallback"),
+    ("transformers.trainer_callback", "TrainerCallback"),
+}
+#: HF events that exist in transformers but have no place in this loop.
+_KNOWN_UNUSED = frozenset({"on_push_begin"})
+
+_FIRST = -(10**9)  # the session's bookkeeping runs before every other handler ...
+_LAST = 10**9  # ... and its best-metric update after every other handler
+
+
+class HFSession:
+    """The dialect objects shared by every HF callback of one trainer.
+
+    ``args`` may be our :class:`TrainingArguments`, a ``transformers``
+    ``TrainingArguments``, or ``None`` to derive it from the trainer's config
+    when the trainer is built.
+    """
+
+    def __init__(self, args: Any = None, *, processing_class: Any = None) -> None:
+        if args is not None and not hasattr(args, "metric_for_best_model"):
+            raise TypeError(
+                "args must be a TrainingArguments (hookloop.compat.hf or transformers) or "
+                f"None to derive it from the hookloop Config, got {type(args).__name__}"
+            )
+        self.args = args
+        self.state = TrainerState()
+        self.control = TrainerControl()
+        self.processing_class = processing_class
+        self.kwargs: dict[str, Any] | None = None  # the common kwargs, once bound
+        self._bookkeeping: list[Callback] | None = None
+        self._warned_epoch_stop = False
+
+    # -- wrapping --------------------------------------------------------------
+    def wrap(self, callbacks: Any) -> list[Callback]:
+        """Native callbacks for a list mixing HF-style and native ones (order kept).
+
+        The session's own two bookkeeping callbacks come with the first call.
+        """
+        items = _as_list(callbacks)
+        wrapped = [self._wrap_one(item) for item in items]
+        if self._bookkeeping is None:
+            self._bookkeeping = [_SessionFirst(self), _SessionLast(self)]
+            wrapped = [self._bookkeeping[0], *wrapped, self._bookkeeping[1]]
+        return wrapped
+
+    def _wrap_one(self, item: Any) -> Callback:
+        if isinstance(item, Callback):
+            return item
+        if isinstance(item, type):
+            if issubclass(item, Callback):
+                raise TypeError(
+                    f"callbacks takes instances; got the class {item.__name__}, "
+                    f"write {item.__name__}()"
+                )
+            item = item()  # as in transformers: an HF callback class is instantiated
+        handlers = _handled_events(item)
+        if not handlers and not _is_hf_callback(item):
+            raise TypeError(
+                f"{type(item).__name__} is neither a hookloop Callback nor an HF-style callback "
+                f"(an object with handlers named {', '.join(HF_EVENTS[:3])}, ...)"
+            )
+        calls = {event: _caller(getattr(item, event), event, item) for event in handlers}
+        return _adapter_class(frozenset(calls), _is_stateful(item))(self, item, calls)
+
+    # -- the dialect view, kept current ----------------------------------------
+    def bind(self, ctx: CallbackContext) -> None:
+        """Fill ``args`` and the common kwargs from the trainer (once)."""
+        trainer = ctx.trainer
+        if self.args is None:
+            self.args = TrainingArguments.from_config(
+                ctx.config,
+                output_dir=getattr(trainer, "out_dir", None),
+                has_eval_data=getattr(trainer, "eval_loader", None) is not None,
+            )
+        self.kwargs = {
+            "model": ctx.model,
+            "processing_class": self.processing_class,
+            "optimizer": ctx.optimizer,
+            "lr_scheduler": ctx.scheduler,
+            "train_dataloader": getattr(trainer, "train_loader", None),
+            "eval_dataloader": getattr(trainer, "eval_loader", None),
+            "trainer": trainer,
+        }
+        self.state.set_budget(ctx.state, self.args)
+
+    def refresh(self, ctx: CallbackContext, native_event: str) -> None:
+        if self.kwargs is None:
+            self.bind(ctx)
+        self.state.refresh(ctx.state, inside_step=native_event in _INSIDE_STEP)
+
+    def apply(self, before: tuple[bool, ...], ctx: CallbackContext, who: str) -> None:
+        """File a native request for each flag a handler switched on."""
+        control, native = self.control, ctx.control
+        turned_on = {
+            name
+            for name, was, now in zip(CONTROL_FLAGS, before, control.flags(), strict=True)
+            if now and not was
+        }
+        if not turned_on:
+            return
+        if "should_abort_without_save" in turned_on:
+            native.request_abort(f"{who} set should_abort_without_save")
+        elif "should_training_stop" in turned_on:
+            native.request_stop(f"{who} set should_training_stop")
+        if "should_save" in turned_on:
+            native.request_save()
+        if "should_evaluate" in turned_on:
+            native.request_evaluate()
+        if "should_log" in turned_on:
+            native.request_log()
+        if "should_epoch_stop" in turned_on and not self._warned_epoch_stop:
+            self._warned_epoch_stop = True
+            warnings.warn(
+                f"{who} set control.should_epoch_stop: hookloop does not end an epoch early, "
+                "so it has no effect (set should_training_stop to end training)",
+                stacklevel=2,
+            )
+
+    def adopt(self, result: Any, who: str, event: str) -> None:
+        """A handler may return an updated control: its flags become the session's."""
+        if result is None or result is self.control:
+            return
+        if not hasattr(result, "should_training_stop"):
+            raise TypeError(
+                f"{who}.{event} returned {type(result).__name__}; an HF handler returns None "
+                "or a TrainerControl"
+            )
+        for name in CONTROL_FLAGS:
+            setattr(self.control, name, bool(getattr(result, name, False)))
+
+
+class _HFAdapter(Callback):
+    """One HF-style callback, seen by the engine as a native callback."""
+
+    def __init__(self, session: HFSession, hf_callback: Any, calls: dict[str, Any]) -> None:
+        self.session = session
+        self.hf_callback = hf_callback
+        self._calls = calls
+        self._label = _label(hf_callback)
+        priority = getattr(hf_callback, "priority", 50)
+        self.priority = priority if isinstance(priority, int) else 50
+
+    @property
+    def name(self) -> str:
+        return self._label
+
+    def __repr__(self) -> str:
+        return f"HF({self._label})"
+
+    def _dispatch(self, native_event: str, ctx: CallbackContext) -> None:
+        session = self.session
+        session.refresh(ctx, native_event)
+        for event in NATIVE_TO_HF[native_event]:
+            call = self._calls.get(event)
+            if call is None or (event == "on_substep_end" and _last_micro_step(ctx)):
+                continue
+            extra = _extra_kwargs(event, ctx)
+            before = session.control.flags()
+            result = call(session.args, session.state, session.control, {**session.kwargs, **extra})
+            session.adopt(result, self._label, event)
+            session.apply(before, ctx, self._label)
+
+
+@cache
+def _adapter_class(native_events: frozenset[str], stateful: bool) -> type[_HFAdapter]:
+    """An adapter class defining exactly the native handlers it needs.
+
+    The manager calls only handlers a class overrides, so an HF callback that
+    handles no micro-step event costs nothing per micro-step.
+    """
+    body: dict[str, Any] = {}
+    for native, hf_events in NATIVE_TO_HF.items():
+        if native_events.intersection(hf_events):
+            body[native] = _native_handler(native)
+    if stateful:
+        body["state_dict"] = _state_dict
+        body["load_state_dict"] = _load_state_dict
+    return type("HFCallbackAdapter", (_HFAdapter,), body)
+
+
+def _native_handler(native_event: str) -> Callable[[_HFAdapter, CallbackContext], None]:
+    def handler(self: _HFAdapter, ctx: CallbackContext) -> None:
+        self._dispatch(native_event, ctx)
+
+    handler.__name__ = handler.__qualname__ = native_event
+    return handler
+
+
+# -- checkpoint state of stateful HF callbacks -----------------------------------
+def _is_stateful(cb: Any) -> bool:
+    """Seed style (``state_dict``/``load_state_dict``) or transformers' ``ExportableState``."""
+    if callable(getattr(cb, "state_dict", None)) and callable(getattr(cb, "load_state_dict", None)):
+        return True
+    return callable(getattr(cb, "state", None)) and callable(getattr(cb, "from_state", None))
+
+
+def _state_dict(self: _HFAdapter) -> dict[str, Any]:
+    cb = self.hf_callback
+    if callable(getattr(cb, "state_dict", None)):
+        return cb.state_dict()
+    return {"attributes": dict(cb.state().get("attributes", {}))}  # ExportableState
+
+
+def _load_state_dict(self: _HFAdapter, state: dict[str, Any]) -> None:
+    cb = self.hf_callback
+    if callable(getattr(cb, "load_state_dict", None)):
+        cb.load_state_dict(state)
+        return
+    for key, value in state.get("attributes", {}).items():
+        setattr(cb, key, value)
+
+
+# -- the session's own bookkeeping -----------------------------------------------
+class _SessionFirst(Callback):
+    """HF's flag resets and log history, before any other handler of the event."""
+
+    priority = _FIRST
+
+    def __init__(self, session: HFSession) -> None:
+        self.session = session
+
+    @property
+    def name(self) -> str:
+        return "hf.TrainerState"
+
+    def on_init_end(self, ctx: CallbackContext) -> None:
+        self.session.bind(ctx)
+
+    def on_train_start(self, ctx: CallbackContext) -> None:
+        session = self.session
+        session.refresh(ctx, "on_train_start")
+        session.state.set_budget(ctx.state, session.args)
+        session.control._new_training()
+
+    def on_epoch_start(self, ctx: CallbackContext) -> None:
+        self.session.control._new_epoch()
+
+    def on_train_step_start(self, ctx: CallbackContext) -> None:
+        self.session.control._new_step()
+
+    def on_log(self, ctx: CallbackContext) -> None:
+        session = self.session
+        session.refresh(ctx, "on_log")
+        session.control.should_log = False
+        session.state.log_history.append({**ctx.logs, "step": session.state.global_step})
+
+    def on_eval_end(self, ctx: CallbackContext) -> None:
+        session = self.session
+        session.refresh(ctx, "on_eval_end")
+        session.control.should_evaluate = False
+        state = session.state
+        state.log_history.append({**ctx.metrics, "epoch": state.epoch, "step": state.global_step})
+
+    def on_checkpoint_save(self, ctx: CallbackContext) -> None:
+        state = self.session.state
+        self.session.control.should_save = False
+        if state.best_global_step is not None and state.best_global_step == ctx.state.step:
+            state.best_model_checkpoint = str(ctx.checkpoint_path)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.session.state.resumable()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.session.state.restore(state)
+
+
+class _SessionLast(Callback):
+    """After every ``on_evaluate`` handler: keep ``best_metric`` as HF's Trainer does."""
+
+    priority = _LAST
+
+    def __init__(self, session: HFSession) -> None:
+        self.session = session
+
+    @property
+    def name(self) -> str:
+        return "hf.best_metric"
+
+    def on_eval_end(self, ctx: CallbackContext) -> None:
+        args, state = self.session.args, self.session.state
+        metric = getattr(args, "metric_for_best_model", None)
+        if not metric or not ctx.metrics:
+            return
+        value = ctx.metrics.get(_eval_key(metric))
+        if value is None:
+            return
+        best = state.best_metric
+        if best is None or (value > best if args.greater_is_better else value < best):
+            state.best_metric = value
+            state.best_global_step = ctx.state.step
+
+
+# -- calling handlers ------------------------------------------------------------
+Caller = Callable[[Any, Any, Any, dict[str, Any]], Any]
+
+
+def _caller(handler: Callable[..., Any], event: str, owner: Any) -> Caller:
+    """How to call one handler, decided from its signature once."""
+    where = f"{type(owner).__name__}.{event}"
+    try:
+        params = list(inspect.signature(handler).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (a builtin): assume HF's
+        return lambda args, state, control, kw: handler(args, state, control, **kw)
+    kinds = inspect.Parameter
+    takes_any = any(p.kind is kinds.VAR_KEYWORD for p in params)
+    positional = [
+        p for p in params if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)
+    ]
+    named = {p.name for p in params if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)}
+    offered = {"args", "state", "control", *COMMON_KWARGS, *EXTRA_KWARGS.get(event, ())}
+    first_three = [p.name for p in positional[:3]]
+    by_position = first_three == ["args", "state", "control"] or not (
+        named & {"args", "state", "control"}
+    )
+    if by_position:
+        if len(positional) < 3 and not any(p.kind is kinds.VAR_POSITIONAL for p in params):
+            raise TypeError(
+                f"{where} takes {len(positional)} positional parameter(s); an HF handler takes "
+                "(args, state, control, **kwargs), or names the ones it wants (state, logs, ...)"
+            )
+        rest = positional[3:] + [p for p in params if p.kind is kinds.KEYWORD_ONLY]
+        _check_required(rest, offered, where)
+        if takes_any:
+            return lambda args, state, control, kw: handler(args, state, control, **kw)
+        wanted = named - set(first_three)
+        return lambda args, state, control, kw: handler(
+            args, state, control, **{k: v for k, v in kw.items() if k in wanted}
+        )
+    _check_required(params, offered, where)
+    if takes_any:
+        return lambda args, state, control, kw: handler(
+            args=args, state=state, control=control, **kw
+        )
+    return lambda args, state, control, kw: handler(
+        **{
+            k: v
+            for k, v in {"args": args, "state": state, "control": control, **kw}.items()
+            if k in named
+        }
+    )
+
+
+def _check_required(params: list[inspect.Parameter], offered: set[str], where: str) -> None:
+    missing = [
+        p.name
+        for p in params
+        if p.default is inspect.Parameter.empty
+        and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        and p.name not in offered
+    ]
+    if missing:
+        passed = ", ".join(sorted(offered))
+        raise TypeError(
+            f"{where} requires {', '.join(map(repr, missing))}, which this event does not "
+            f"pass; it passes {passed}"
+        )
+
+
+def _extra_kwargs(event: str, ctx: CallbackContext) -> dict[str, Any]:
+    if event in ("on_log_step", "on_log"):
+        return {"logs": ctx.logs}
+    if event in ("on_evaluate", "on_predict"):
+        return {"metrics": ctx.metrics}
+    if event == "on_train_metrics":
+        return {"metrics": _step_metrics(ctx)}
+    return {}
+
+
+def _step_metrics(ctx: CallbackContext) -> dict[str, float]:
+    """The step's losses, grad norm and learning rate as floats.
+
+    Reading them back is a host sync each step: paid only when some callback
+    handles ``on_train_metrics``.
+    """
+    metrics = {key: float(value) for key, value in (ctx.loss_dict or {}).items()}
+    if ctx.grad_norm is not None:
+        metrics["grad_norm"] = float(ctx.grad_norm)
+    if ctx.optimizer is not None:
+        metrics["lr"] = float(ctx.optimizer.param_groups[0]["lr"])
+    return metrics
+
+
+def _last_micro_step(ctx: CallbackContext) -> bool:
+    return ctx.state.micro_step == ctx.config.train.grad_accum - 1
+
+
+# -- recognising HF callbacks ----------------------------------------------------
+def _handled_events(cb: Any) -> list[str]:
+    """The dialect events ``cb`` really handles (not the base class's no-ops).
+
+    Warns about ``on_*`` methods that match no dialect event: they would never run.
+    """
+    cls = type(cb)
+    handled = []
+    for name in dir(cb):
+        if not name.startswith("on_") or not callable(getattr(cb, name, None)):
+            continue
+        owner = next((k for k in cls.__mro__ if name in vars(k)), None)
+        if owner is not None and (owner.__module__, owner.__name__) in _HF_BASES:
+            continue
+        if name in HF_EVENTS:
+            handled.append(name)
+        elif name not in _KNOWN_UNUSED:
+            close = difflib.get_close_matches(name, HF_EVENTS, n=1, cutoff=0.6)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            warnings.warn(
+                f"{cls.__name__}.{name} matches no HF dialect event, so it never runs.{hint} "
+                f"The events are: {', '.join(HF_EVENTS)}.",
+                stacklevel=4,
+            )
+    return sorted(handled, key=HF_EVENTS.index)
+
+
+def _is_hf_callback(cb: Any) -> bool:
+    """An instance of an HF base class (which may handle no event at all)."""
+    return any((k.__module__, k.__name__) in _HF_BASES for k in type(cb).__mro__)
+
+
+def _label(cb: Any) -> str:
+    name = getattr(cb, "name", None)
+    return name if isinstance(name, str) and name else type(cb).__name__
+
+
+def _as_list(callbacks: Any) -> list[Any]:
+    if callbacks is None:
+        return []
+    if isinstance(callbacks, (str, bytes)):
+        raise TypeError(f"callbacks must be callback objects, got the string {callbacks!r}")
+    if isinstance(callbacks, Callback) or not isinstance(callbacks, Iterable):
+        return [callbacks]  # one callback given on its own
+    return list(callbacks)

@@ -1,0 +1,272 @@
+"""The objects an HF-style handler receives: ``args``, ``state`` and ``control``.
+
+They carry HuggingFace's field names so that callbacks written for
+``transformers.Trainer`` (or seed 004) read them unmodified. They are views for
+the dialect only: the engine's own counters stay in :class:`hookloop.TrainState`
+and its requests in :class:`hookloop.Control`; the adapter copies one way into
+``TrainerState`` and turns ``TrainerControl`` flags into native requests.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hookloop.config import Config
+    from hookloop.state import TrainState
+
+_STRATEGIES = ("no", "steps", "epoch")
+
+
+@dataclass
+class TrainingArguments:
+    """HF's argument names for what a callback may read about the run.
+
+    A plain dataclass (no device set-up, no accelerate). Build it yourself, or let
+    :class:`hookloop.compat.hf.Trainer` derive it from the hookloop ``Config``
+    (:meth:`from_config`); :meth:`to_config` goes the other way. As in HF,
+    ``greater_is_better`` defaults to "the metric is not a loss".
+
+    >>> args = TrainingArguments(metric_for_best_model="eval_loss")
+    >>> args.greater_is_better
+    False
+    """
+
+    output_dir: str | None = None
+    per_device_train_batch_size: int = 8
+    per_device_eval_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 5e-5
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    num_train_epochs: float = 3.0
+    max_steps: int = -1
+    logging_strategy: str = "steps"
+    logging_steps: int = 500
+    logging_first_step: bool = False
+    logging_dir: str | None = None
+    eval_strategy: str = "no"
+    eval_steps: int | None = None
+    eval_delay: float = 0
+    save_strategy: str = "steps"
+    save_steps: int = 500
+    save_total_limit: int | None = None
+    metric_for_best_model: str | None = None
+    greater_is_better: bool | None = None
+    load_best_model_at_end: bool = False
+    seed: int = 42
+    fp16: bool = False
+    bf16: bool = False
+    disable_tqdm: bool = False
+    use_cpu: bool = False
+    report_to: list[str] = field(default_factory=list)
+    run_name: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("logging_strategy", "eval_strategy", "save_strategy"):
+            value = str(getattr(self, name, "")).lower()
+            value = value.rsplit(".", 1)[-1]  # an IntervalStrategy enum prints as its name
+            if value not in _STRATEGIES:
+                raise ValueError(
+                    f"TrainingArguments.{name} must be one of {', '.join(_STRATEGIES)}, "
+                    f"got {getattr(self, name)!r}"
+                )
+            setattr(self, name, value)
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TrainingArguments.{name} must be an int >= 1, got {value!r}")
+        if self.eval_steps is None and self.eval_strategy == "steps":
+            self.eval_steps = self.logging_steps  # HF's rule
+        if self.load_best_model_at_end and self.metric_for_best_model is None:
+            self.metric_for_best_model = "loss"
+        if self.metric_for_best_model is not None and self.greater_is_better is None:
+            self.greater_is_better = not self.metric_for_best_model.endswith("loss")
+
+    @classmethod
+    def from_config(
+        cls, config: Config, *, output_dir: str | None = None, has_eval_data: bool = True
+    ) -> TrainingArguments:
+        """What a hookloop ``Config`` means, under HF's names."""
+        t, d, o, c = config.train, config.data, config.optimizer, config.checkpoint
+        if not has_eval_data:
+            eval_strategy = "no"
+        elif t.eval_every:
+            eval_strategy = "steps"
+        else:
+            eval_strategy = "epoch" if t.eval_at_epoch_end else "no"
+        return cls(
+            output_dir=output_dir,
+            per_device_train_batch_size=d.batch_size,
+            per_device_eval_batch_size=d.eval_batch_size or d.batch_size,
+            gradient_accumulation_steps=t.grad_accum,
+            learning_rate=o.lr,
+            weight_decay=o.weight_decay,
+            max_grad_norm=t.clip_grad_norm or 0.0,
+            num_train_epochs=float(t.max_epochs or (0 if t.max_steps else 1)),
+            max_steps=t.max_steps or -1,
+            logging_strategy="steps" if t.log_every else "no",
+            logging_steps=t.log_every or 500,
+            eval_strategy=eval_strategy,
+            eval_steps=t.eval_every,
+            save_strategy="steps" if c.every else "no",
+            save_steps=c.every or 500,
+            save_total_limit=c.keep_last,
+            metric_for_best_model=c.monitor,
+            greater_is_better=(c.mode == "max") if c.monitor else None,
+            seed=config.seed,
+            fp16=t.precision == "fp16",
+            bf16=t.precision == "bf16",
+        )
+
+    def to_config(self, base: Config | None = None) -> Config:
+        """A hookloop ``Config`` (a copy of ``base``, or the defaults) that runs these args."""
+        from hookloop.config import Config
+
+        config = copy.deepcopy(base) if base is not None else Config()
+        t, d, o, c = config.train, config.data, config.optimizer, config.checkpoint
+        d.batch_size = self.per_device_train_batch_size
+        d.eval_batch_size = self.per_device_eval_batch_size
+        t.grad_accum = self.gradient_accumulation_steps
+        o.lr = self.learning_rate
+        o.weight_decay = self.weight_decay
+        t.clip_grad_norm = self.max_grad_norm or None
+        if self.max_steps > 0:
+            t.max_steps, t.max_epochs = self.max_steps, None
+        else:
+            t.max_steps, t.max_epochs = None, max(1, round(self.num_train_epochs))
+        t.log_every = self.logging_steps if self.logging_strategy == "steps" else 0
+        t.eval_every = self.eval_steps if self.eval_strategy == "steps" else None
+        t.eval_at_epoch_end = self.eval_strategy == "epoch"
+        c.every = self.save_steps if self.save_strategy == "steps" else None
+        c.keep_last = self.save_total_limit
+        if self.metric_for_best_model is not None:
+            c.monitor = _eval_key(self.metric_for_best_model)
+            c.mode = "max" if self.greater_is_better else "min"
+        config.seed = self.seed
+        t.precision = "fp16" if self.fp16 else "bf16" if self.bf16 else "fp32"
+        if self.use_cpu:
+            t.device = "cpu"
+        return config.validate()
+
+
+def _eval_key(metric: str) -> str:
+    """HF names the best-model metric with or without the ``eval_`` prefix."""
+    return metric if metric.startswith("eval_") else f"eval_{metric}"
+
+
+@dataclass
+class TrainerState:
+    """HF's view of the run's progress, refreshed from the native ``TrainState``.
+
+    ``global_step`` counts completed optimizer steps, as in HF: during the events
+    inside a step (``on_step_begin`` … ``on_optimizer_step``) it is one less than
+    the native ``state.step``. ``log_history`` gets every log and evaluation dict;
+    ``best_metric`` is updated after each evaluation, once every ``on_evaluate``
+    handler has seen the previous best.
+    """
+
+    epoch: float = 0.0
+    global_step: int = 0
+    max_steps: int = 0
+    logging_steps: int = 500
+    eval_steps: int = 500
+    save_steps: int = 500
+    train_batch_size: int | None = None
+    num_train_epochs: int = 0
+    num_input_tokens_seen: int = 0
+    total_flos: float = 0.0
+    log_history: list[dict[str, float]] = field(default_factory=list)
+    best_metric: float | None = None
+    best_global_step: int | None = None
+    best_model_checkpoint: str | None = None
+    is_local_process_zero: bool = True
+    is_world_process_zero: bool = True
+    is_hyper_param_search: bool = False
+    trial_name: str | None = None
+    trial_params: dict[str, Any] | None = None
+    stateful_callbacks: dict[str, Any] = field(default_factory=dict)
+
+    def refresh(self, native: TrainState, *, inside_step: bool) -> None:
+        """Copy the counters that move during a run from the native state."""
+        done = native.step - 1 if inside_step else native.step
+        self.global_step = done
+        per_epoch = native.steps_per_epoch
+        epoch_done = native.epoch_step - 1 if inside_step else native.epoch_step
+        self.epoch = native.epoch + (epoch_done / per_epoch if per_epoch else 0.0)
+        self.num_input_tokens_seen = native.tokens
+        self.total_flos = float(native.flops)
+
+    def set_budget(self, native: TrainState, args: Any) -> None:
+        """The fields fixed for a run (read at init and again at train begin)."""
+        self.max_steps = native.max_steps or 0
+        self.num_train_epochs = native.num_epochs or 0
+        self.is_local_process_zero = native.local_rank == 0
+        self.is_world_process_zero = native.rank == 0
+        self.logging_steps = getattr(args, "logging_steps", None) or 500
+        self.eval_steps = getattr(args, "eval_steps", None) or self.logging_steps
+        self.save_steps = getattr(args, "save_steps", None) or 500
+        self.train_batch_size = getattr(args, "per_device_train_batch_size", None)
+
+    def resumable(self) -> dict[str, Any]:
+        """What a hookloop checkpoint keeps of this state (the rest is re-derived)."""
+        return {
+            "log_history": [dict(entry) for entry in self.log_history],
+            "best_metric": self.best_metric,
+            "best_global_step": self.best_global_step,
+            "best_model_checkpoint": self.best_model_checkpoint,
+        }
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        for key, value in saved.items():
+            if key in {f.name for f in dataclasses.fields(self)}:
+                setattr(self, key, value)
+
+
+#: Every flag a handler may set, in the order the adapter acts on them.
+CONTROL_FLAGS = (
+    "should_training_stop",
+    "should_epoch_stop",
+    "should_save",
+    "should_evaluate",
+    "should_log",
+    "should_abort_without_save",
+)
+
+
+@dataclass
+class TrainerControl:
+    """HF's five flags plus seed 004's ``should_abort_without_save``.
+
+    A handler sets a flag; the adapter files the matching native request
+    (stop, save, evaluate, log, abort) as soon as the handler returns. As in
+    HF, the flags are cleared at defined points: ``should_training_stop`` at
+    train begin, ``should_epoch_stop`` at epoch begin, the other three at each
+    step begin, and each of save/evaluate/log once it has been done.
+    """
+
+    should_training_stop: bool = False
+    should_epoch_stop: bool = False
+    should_save: bool = False
+    should_evaluate: bool = False
+    should_log: bool = False
+    should_abort_without_save: bool = False
+
+    def _new_training(self) -> None:
+        self.should_training_stop = False
+        self.should_abort_without_save = False
+
+    def _new_epoch(self) -> None:
+        self.should_epoch_stop = False
+
+    def _new_step(self) -> None:
+        self.should_save = False
+        self.should_evaluate = False
+        self.should_log = False
+
+    def flags(self) -> tuple[bool, ...]:
+        """The flags as a tuple, in ``CONTROL_FLAGS`` order."""
+        return tuple(getattr(self, name) for name in CONTROL_FLAGS)

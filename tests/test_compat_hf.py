@@ -1,0 +1,581 @@
+"""The seed 004 / HuggingFace dialect: real ``transformers`` callbacks on the native loop.
+
+``transformers`` is a test extra: the tests that use its callbacks skip without it.
+"""
+
+from __future__ import annotations
+
+import doctest
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tests._seed_examples import example
+
+from hookloop import Callback, Config, ExitCode
+from hookloop import Trainer as NativeTrainer
+from hookloop.compat.hf import (
+    DivergenceDetector,
+    Trainer,
+    TrainerCallback,
+    TrainerControl,
+    TrainingArguments,
+    hf_callbacks,
+)
+from hookloop.compat.mapping import dialect_event_names
+from hookloop.testing import TinyModel, ToyData
+
+HF_EVENTS = dialect_event_names("hf")
+COMMON_KWARGS = {
+    "model",
+    "processing_class",
+    "optimizer",
+    "lr_scheduler",
+    "train_dataloader",
+    "eval_dataloader",
+    "trainer",
+}
+
+
+def _transformers():
+    return pytest.importorskip("transformers.trainer_callback")
+
+
+def _args(**fields: Any) -> TrainingArguments:
+    """Small CPU runs: batch 4, no logging or saving unless asked."""
+    defaults: dict[str, Any] = {
+        "per_device_train_batch_size": 4,
+        "per_device_eval_batch_size": 4,
+        "logging_strategy": "no",
+        "save_strategy": "no",
+        "use_cpu": True,
+    }
+    return TrainingArguments(**{**defaults, **fields})
+
+
+def _trainer(callbacks: Any, args: TrainingArguments, **kwargs: Any) -> Trainer:
+    kwargs.setdefault("loss_fn", TinyModel.loss_fn)
+    return Trainer(TinyModel(), args, train_dataset=ToyData(n=64), callbacks=callbacks, **kwargs)
+
+
+def scripted_eval_loss(values: list[float]) -> Any:
+    """A loss_fn: mean-squared error in training, the next of ``values`` in evaluation."""
+    script: Iterator[float] = iter(values)
+
+    def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            return torch.nn.functional.mse_loss(outputs, targets)
+        return torch.tensor(next(script))
+
+    return loss_fn
+
+
+class HFRecorder(TrainerCallback):
+    """Records ``(event, global_step)`` and the kwargs of every dialect event."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int]] = []
+        self.kwargs: dict[str, dict[str, Any]] = {}
+
+
+def _recorder_handler(event: str) -> Any:
+    def handler(self: HFRecorder, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.events.append((event, state.global_step))
+        self.kwargs.setdefault(event, kwargs)
+
+    return handler
+
+
+for _event in HF_EVENTS:
+    setattr(HFRecorder, _event, _recorder_handler(_event))
+
+
+# -- golden trace --------------------------------------------------------------------
+
+# The run of tests/test_trace.py (16 samples, batch 4, grad_accum 2, 2 epochs, log every
+# 2 steps, evaluate every 3 steps and at each epoch end on 2 batches), then test().
+# global_step is HF's: steps completed, so one less inside a step than after it.
+EXPECTED_HF_TRACE = [
+    ("on_init_end", 0),
+    ("on_train_begin", 0),
+    ("on_epoch_begin", 0),
+    ("on_step_begin", 0),
+    ("on_forward_backward_begin", 0),
+    ("on_forward_backward_end", 0),
+    ("on_substep_end", 0),  # not after the last micro-step
+    ("on_forward_backward_begin", 0),
+    ("on_forward_backward_end", 0),
+    ("on_pre_optimizer_step", 0),
+    ("on_optimizer_step", 0),
+    ("on_step_end", 1),
+    ("on_train_metrics", 1),
+    ("on_step_begin", 1),
+    ("on_forward_backward_begin", 1),
+    ("on_forward_backward_end", 1),
+    ("on_substep_end", 1),
+    ("on_forward_backward_begin", 1),
+    ("on_forward_backward_end", 1),
+    ("on_pre_optimizer_step", 1),
+    ("on_optimizer_step", 1),
+    ("on_step_end", 2),
+    ("on_train_metrics", 2),
+    ("on_log_step", 2),
+    ("on_log", 2),
+    ("on_prediction_step", 2),  # epoch-end evaluation, before on_epoch_end
+    ("on_prediction_step", 2),
+    ("on_evaluate", 2),
+    ("on_epoch_end", 2),
+    ("on_epoch_begin", 2),
+    ("on_step_begin", 2),
+    ("on_forward_backward_begin", 2),
+    ("on_forward_backward_end", 2),
+    ("on_substep_end", 2),
+    ("on_forward_backward_begin", 2),
+    ("on_forward_backward_end", 2),
+    ("on_pre_optimizer_step", 2),
+    ("on_optimizer_step", 2),
+    ("on_step_end", 3),
+    ("on_train_metrics", 3),
+    ("on_prediction_step", 3),  # eval every 3 steps
+    ("on_prediction_step", 3),
+    ("on_evaluate", 3),
+    ("on_step_begin", 3),
+    ("on_forward_backward_begin", 3),
+    ("on_forward_backward_end", 3),
+    ("on_substep_end", 3),
+    ("on_forward_backward_begin", 3),
+    ("on_forward_backward_end", 3),
+    ("on_pre_optimizer_step", 3),
+    ("on_optimizer_step", 3),
+    ("on_step_end", 4),
+    ("on_train_metrics", 4),
+    ("on_log_step", 4),
+    ("on_log", 4),
+    ("on_prediction_step", 4),
+    ("on_prediction_step", 4),
+    ("on_evaluate", 4),
+    ("on_epoch_end", 4),
+    ("on_train_end", 4),
+    ("on_predict", 4),  # trainer.test()
+]
+
+
+def _golden_run_config() -> Config:
+    cfg = Config()
+    cfg.data.batch_size = 4
+    cfg.train.device = "cpu"
+    cfg.train.handle_signals = False
+    cfg.train.grad_accum = 2
+    cfg.train.max_epochs = 2
+    cfg.train.eval_every = 3
+    cfg.train.log_every = 2
+    return cfg
+
+
+def test_hf_event_order_matches_the_golden_trace():
+    rec = HFRecorder()
+    trainer = Trainer(
+        TinyModel(),
+        train_dataset=ToyData(n=16),
+        eval_dataset=ToyData(n=8, seed=1),
+        test_dataset=ToyData(n=8, seed=2),
+        loss_fn=TinyModel.loss_fn,
+        config=_golden_run_config(),
+        callbacks=[rec],
+    )
+    trainer.train()
+    trainer.test()
+    assert rec.events == EXPECTED_HF_TRACE
+
+
+def test_every_event_fires_with_the_documented_kwargs(tmp_path: Path):
+    rec = HFRecorder()
+    args = _args(
+        gradient_accumulation_steps=2,
+        max_steps=2,
+        logging_strategy="steps",
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        output_dir=str(tmp_path),
+    )
+    trainer = Trainer(
+        TinyModel(),
+        args,
+        train_dataset=ToyData(n=16),
+        eval_dataset=ToyData(n=8, seed=1),
+        test_dataset=ToyData(n=8, seed=2),
+        loss_fn=TinyModel.loss_fn,
+        callbacks=[rec],
+    )
+    trainer.train()
+    trainer.test()
+
+    assert set(rec.kwargs) == set(HF_EVENTS)
+    for event, kwargs in rec.kwargs.items():
+        assert set(kwargs) >= COMMON_KWARGS, event
+        assert kwargs["model"] is trainer.model and kwargs["trainer"] is trainer
+    assert set(rec.kwargs["on_evaluate"]["metrics"]) >= {"eval_loss"}
+    assert set(rec.kwargs["on_predict"]["metrics"]) >= {"test_loss"}
+    assert isinstance(rec.kwargs["on_train_metrics"]["metrics"]["loss"], float)
+    assert "loss" in rec.kwargs["on_log"]["logs"]
+
+
+def test_logs_added_in_on_log_step_reach_on_log_and_the_log_history():
+    class Inject(TrainerCallback):
+        def on_log_step(self, state, logs, **kwargs):  # seed 004's form of this handler
+            logs["custom"] = state.global_step * 10
+
+    class Read(TrainerCallback):
+        seen: list[float] = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.seen.append(logs["custom"])
+
+    reader = Read()
+    trainer = _trainer(
+        [reader, Inject()], _args(max_steps=4, logging_strategy="steps", logging_steps=2)
+    )
+    trainer.train()
+
+    assert reader.seen == [20, 40]
+    assert [entry["custom"] for entry in trainer.hf.state.log_history] == [20, 40]
+    assert [entry["step"] for entry in trainer.hf.state.log_history] == [2, 4]
+
+
+# -- real transformers callbacks -----------------------------------------------------
+
+
+def test_transformers_early_stopping_stops_when_eval_stops_improving():
+    tc = _transformers()
+    early = tc.EarlyStoppingCallback(early_stopping_patience=2)
+    args = _args(
+        max_steps=10, eval_strategy="steps", eval_steps=1, metric_for_best_model="eval_loss"
+    )
+    trainer = _trainer(
+        [early],
+        args,
+        eval_dataset=ToyData(n=4, seed=1),
+        loss_fn=scripted_eval_loss([1.0, 0.8, 0.9, 0.85, 0.7, 0.6]),
+    )
+    result = trainer.train()
+
+    # 0.9 and 0.85 do not beat 0.8: the second miss (step 4) stops. Had best_metric been
+    # updated before on_evaluate, 0.8 would have counted as a miss and stopped at step 3.
+    assert result.step == 4
+    assert "EarlyStoppingCallback" in result.stop_reason
+    assert (trainer.hf.state.best_metric, trainer.hf.state.best_global_step) == (
+        pytest.approx(0.8),
+        2,
+    )
+
+
+def test_transformers_early_stopping_counter_and_best_metric_survive_resume(tmp_path: Path):
+    tc = _transformers()
+
+    def run(max_steps: int, losses: list[float], resume: str | None) -> Any:
+        args = _args(
+            max_steps=max_steps,
+            eval_strategy="steps",
+            eval_steps=1,
+            metric_for_best_model="eval_loss",
+            output_dir=str(tmp_path),
+        )
+        early = tc.EarlyStoppingCallback(early_stopping_patience=2)
+        trainer = _trainer(
+            [early],
+            args,
+            eval_dataset=ToyData(n=4, seed=1),
+            loss_fn=scripted_eval_loss(losses),
+            resume=resume,
+        )
+        return trainer, early, trainer.train()
+
+    _, first, _ = run(2, [1.0, 1.1], resume=None)
+    assert first.early_stopping_patience_counter == 1
+    trainer, second, result = run(6, [1.2, 0.5, 0.4, 0.3], resume="auto")
+
+    # Restored: counter 1 and best 1.0, so 1.2 at step 3 is the second miss.
+    assert result.step == 3
+    assert second.early_stopping_patience_counter == 2
+    assert trainer.hf.state.best_metric == pytest.approx(1.0)
+
+
+def test_transformers_printer_callback_prints_each_log(capsys: pytest.CaptureFixture[str]):
+    tc = _transformers()
+    trainer = _trainer(
+        [tc.PrinterCallback()], _args(max_steps=4, logging_strategy="steps", logging_steps=2)
+    )
+    trainer.train()
+
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert len(lines) == 2
+    assert all("'loss':" in line and "'epoch':" in line for line in lines)
+
+
+def test_handwritten_transformers_callback_stops_training_at_its_step():
+    tc = _transformers()
+
+    class StopAtThree(tc.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                control.should_training_stop = True
+
+    result = _trainer([StopAtThree()], _args(max_steps=10)).train()
+
+    assert (result.step, result.exit_code) == (3, ExitCode.OK)
+    assert "StopAtThree" in result.stop_reason
+
+
+@pytest.mark.parametrize("control_type", ["hookloop", "transformers"])
+def test_a_handler_may_return_a_new_control(control_type: str):
+    if control_type == "transformers":
+        make_control = _transformers().TrainerControl
+    else:
+        make_control = TrainerControl
+
+    class ReturnsControl(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                return make_control(should_training_stop=True)
+            return None
+
+    result = _trainer([ReturnsControl()], _args(max_steps=10)).train()
+
+    assert result.step == 2
+
+
+# -- control flags -------------------------------------------------------------------
+
+
+class _SetsFlagAtTwo(TrainerCallback):
+    def __init__(self, *flags: str) -> None:
+        self.flags = flags
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 2:
+            for flag in self.flags:
+                setattr(control, flag, True)
+
+
+def _saved_steps(out_dir: Path) -> list[str]:
+    return sorted(p.name for p in (out_dir / "checkpoints").glob("step-*"))
+
+
+def test_abort_without_save_ends_the_run_with_no_checkpoint(tmp_path: Path):
+    aborter = _SetsFlagAtTwo("should_training_stop", "should_abort_without_save")
+    result = _trainer([aborter], _args(max_steps=10, output_dir=str(tmp_path))).train()
+
+    assert (result.step, result.exit_code) == (2, ExitCode.ABORTED)
+    assert _saved_steps(tmp_path) == []
+
+
+def test_training_stop_alone_saves_a_checkpoint(tmp_path: Path):
+    stopper = _SetsFlagAtTwo("should_training_stop")
+    result = _trainer([stopper], _args(max_steps=10, output_dir=str(tmp_path))).train()
+
+    assert (result.step, result.exit_code) == (2, ExitCode.OK)
+    assert _saved_steps(tmp_path) == ["step-00000002"]
+
+
+def test_should_evaluate_and_should_save_run_at_that_step(tmp_path: Path):
+    rec = HFRecorder()
+    asker = _SetsFlagAtTwo("should_evaluate", "should_save")
+    trainer = _trainer(
+        [asker, rec],
+        _args(max_steps=3, output_dir=str(tmp_path)),
+        eval_dataset=ToyData(n=4, seed=1),
+    )
+    trainer.train()
+
+    done = [e for e in rec.events if e[0] in ("on_evaluate", "on_save")]
+    assert done[:2] == [("on_evaluate", 2), ("on_save", 2)]
+    assert "step-00000002" in _saved_steps(tmp_path)
+
+
+def test_should_epoch_stop_warns_that_it_has_no_effect():
+    with pytest.warns(UserWarning, match="should_epoch_stop"):
+        result = _trainer([_SetsFlagAtTwo("should_epoch_stop")], _args(max_steps=3)).train()
+    assert result.step == 3
+
+
+# -- mixing with native callbacks ----------------------------------------------------
+
+
+def test_hf_and_native_callbacks_run_in_registration_order():
+    order: list[str] = []
+
+    class HFStep(TrainerCallback):
+        def __init__(self, label: str) -> None:
+            self.label = label
+
+        def on_step_end(self, args, state, control, **kwargs):
+            order.append(self.label)
+
+    class NativeStep(Callback):
+        def on_train_step_end(self, ctx):
+            order.append("native")
+
+    _trainer([HFStep("first"), NativeStep(), HFStep("last")], _args(max_steps=1)).train()
+
+    assert order == ["first", "native", "last"]
+
+
+def test_hf_callbacks_work_with_the_native_trainer(capsys: pytest.CaptureFixture[str]):
+    tc = _transformers()
+    cfg = Config()
+    cfg.data.batch_size = 4
+    cfg.train.device = "cpu"
+    cfg.train.max_steps = 2
+    cfg.train.log_every = 1
+    trainer = NativeTrainer(
+        TinyModel(),
+        train_data=ToyData(n=16),
+        loss_fn=TinyModel.loss_fn,
+        config=cfg,
+        callbacks=hf_callbacks([tc.PrinterCallback()]),
+    )
+    trainer.train()
+
+    assert capsys.readouterr().out.count("'loss':") == 2
+
+
+def test_args_and_config_translate_both_ways():
+    args = _args(max_steps=7, gradient_accumulation_steps=2, eval_strategy="steps", eval_steps=3)
+    cfg = args.to_config()
+    back = TrainingArguments.from_config(cfg)
+
+    assert (cfg.train.max_steps, cfg.train.grad_accum, cfg.train.eval_every) == (7, 2, 3)
+    assert (back.max_steps, back.gradient_accumulation_steps, back.eval_steps) == (7, 2, 3)
+    assert back.eval_strategy == "steps"
+
+
+# -- the seed's example --------------------------------------------------------------
+
+
+def test_seed_divergence_detector_example_runs_as_written():
+    code = example("004", ">>> detector = DivergenceDetector(", ">>> trainer.train()")
+    built: list[Trainer] = []
+
+    def trainer_for_example(*args: Any, callbacks: list[Any]) -> Trainer:
+        # The example writes Trainer(..., callbacks=[detector]): its ``...`` is the
+        # Ellipsis object, standing for the model and data, which we supply here.
+        assert args == (Ellipsis,)
+        trainer = _trainer(
+            callbacks,
+            _args(max_steps=40, logging_strategy="steps", logging_steps=1),
+            loss_fn=_diverging_after(12),
+        )
+        built.append(trainer)
+        return trainer
+
+    namespace = {"DivergenceDetector": DivergenceDetector, "Trainer": trainer_for_example}
+    for part in doctest.DocTestParser().get_examples(code):
+        exec(part.source, namespace)  # the seed's example, cut out of the seed at run time
+
+    (trainer,) = built
+    assert namespace["trainer"] is trainer
+    # The loss jumps at step 13; with patience 3 the third high observation aborts.
+    assert trainer.state.step == 15
+    assert trainer.state.stop_reason.startswith("abort")
+
+
+def _diverging_after(steps: int) -> Any:
+    """A loss that stays near 1 for ``steps`` steps, then jumps to 10 (gradients intact)."""
+    calls = iter(range(10**6))
+
+    def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        level = 1.0 if next(calls) < steps else 10.0
+        return outputs.sum() * 0 + level
+
+    return loss_fn
+
+
+# -- clear errors --------------------------------------------------------------------
+
+
+def test_bad_inputs_raise_errors_that_name_the_problem():
+    with pytest.raises(TypeError, match="neither a hookloop Callback nor an HF-style"):
+        _trainer([42], _args(max_steps=1))
+    with pytest.raises(TypeError, match="class NativeCb"):
+        _trainer([type("NativeCb", (Callback,), {})], _args(max_steps=1))
+    with pytest.raises(TypeError, match=r"args must be a TrainingArguments"):
+        Trainer(TinyModel(), {"max_steps": 1}, train_dataset=ToyData(n=8))
+    with pytest.raises(TypeError, match="use train_dataset instead of train_data"):
+        Trainer(TinyModel(), _args(), train_data=ToyData(n=8))
+    with pytest.raises(ValueError, match="optimizers must be a pair"):
+        Trainer(TinyModel(), _args(), train_dataset=ToyData(n=8), optimizers=None)
+    with pytest.raises(ValueError, match="eval_strategy must be one of no, steps, epoch"):
+        TrainingArguments(eval_strategy="sometimes")
+
+
+def test_a_handler_returning_something_else_than_a_control_is_named():
+    class ReturnsNumber(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            return 1
+
+    with pytest.raises(TypeError, match=r"ReturnsNumber\.on_step_end returned int"):
+        _trainer([ReturnsNumber()], _args(max_steps=1)).train()
+
+
+def test_a_handler_that_needs_a_keyword_no_event_passes_is_rejected_when_wrapped():
+    class NeedsMetrics(TrainerCallback):
+        def on_step_end(self, args, state, control, metrics):
+            pass
+
+    with pytest.raises(TypeError, match=r"NeedsMetrics\.on_step_end requires 'metrics'"):
+        _trainer([NeedsMetrics()], _args(max_steps=1))
+
+
+def test_a_misspelt_handler_warns_with_a_suggestion():
+    class Typo(TrainerCallback):
+        def on_step_ends(self, args, state, control, **kwargs):
+            pass
+
+        def on_step_end(self, args, state, control, **kwargs):
+            pass
+
+    with pytest.warns(UserWarning, match="Did you mean 'on_step_end'"):
+        _trainer([Typo()], _args(max_steps=1))
+
+
+def test_any_object_with_hf_handler_names_is_an_hf_callback():
+    class Plain:  # no base class at all
+        steps: list[int] = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.steps.append(state.global_step)
+
+    plain = Plain()
+    _trainer([plain, TrainerCallback()], _args(max_steps=2)).train()
+
+    assert plain.steps == [1, 2]
+
+
+def test_args_of_another_class_are_read_by_their_hf_names():
+    from types import SimpleNamespace
+
+    foreign = SimpleNamespace(
+        metric_for_best_model=None,
+        max_steps=3,
+        per_device_train_batch_size=4,
+        logging_strategy="no",
+        save_strategy="no",
+        use_cpu=True,
+    )
+    seen: list[Any] = []
+
+    class SeesArgs(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            seen.append((args, state.max_steps))
+
+    trainer = Trainer(TinyModel(), foreign, train_dataset=ToyData(n=64), loss_fn=TinyModel.loss_fn)
+    trainer.add_callback(SeesArgs)  # a class, instantiated as transformers does
+    result = trainer.train()
+
+    assert result.step == 3
+    assert seen == [(foreign, 3)]
