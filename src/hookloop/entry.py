@@ -98,8 +98,12 @@ def finetune(
 
 
 def load_weights(model: torch.nn.Module, path: str | Path) -> None:
-    """Load model weights from a ``.safetensors`` file or a checkpoint directory."""
-    from safetensors.torch import load_file
+    """Load model weights from a ``.safetensors`` file or a checkpoint directory.
+
+    Tied weights (a GPT's shared embedding and output matrix) are stored once,
+    as our checkpoints write them; ``load_model`` restores both names.
+    """
+    from safetensors.torch import load_model
 
     path = Path(path)
     if path.is_dir():
@@ -113,8 +117,8 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
         path = found
     if not path.is_file():
         raise FileNotFoundError(f"pretrained weights not found: {path}")
-    state = load_file(str(path))
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    device = next((str(p.device) for p in model.parameters()), "cpu")
+    missing, unexpected = load_model(model, str(path), strict=False, device=device)
     if missing or unexpected:
         raise ValueError(
             f"weights in {path} do not fit the model: missing {sorted(missing)}, "
