@@ -1,0 +1,5 @@
+"""Config functions in the seed's style: call one, get a ready :class:`hookloop.Config`."""
+
+from hookloop.compat.megatron_bridge.recipes.gpt import small_gpt_pretrain_config
+
+__all__ = ["small_gpt_pretrain_config"]

@@ -1,0 +1,1 @@
+"""Training side of the Megatron-Bridge dialect: callbacks, state, entry points, forward step."""

@@ -1,0 +1,745 @@
+"""The seed 000/002 dialect: seed examples run as written, context fields, order, bad input.
+
+Seed examples are cut out of the seed text at run time (``_seed_examples``) and
+only their ``megatron.bridge`` import lines are swapped for this package; the
+Qwen config function becomes ``small_gpt_pretrain_config``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from _seed_examples import example, with_imports
+from hookloop import Callback as NativeCallback
+from hookloop import Trainer
+from hookloop.compat.mapping import dialect_events
+from hookloop.compat.megatron_bridge.recipes import small_gpt_pretrain_config
+from hookloop.compat.megatron_bridge.training import callbacks as mb_callbacks
+from hookloop.compat.megatron_bridge.training.callbacks import (
+    Callback,
+    CallbackContext,
+    CallbackManager,
+)
+from hookloop.compat.megatron_bridge.training.finetune import finetune
+from hookloop.compat.megatron_bridge.training.gpt_step import forward_step
+from hookloop.compat.megatron_bridge.training.pretrain import pretrain
+from hookloop.compat.megatron_bridge.training.state import GlobalState
+from hookloop.testing import TinyModel, ToyData
+from test_trace import EXPECTED as NATIVE_EXPECTED
+from test_trace import _golden_run_config
+
+MB = "hookloop.compat.megatron_bridge"
+QWEN_IMPORT = "from megatron.bridge.recipes.qwen import qwen25_500m_pretrain_config"
+SMALL_GPT_IMPORT = (
+    f"from {MB}.recipes.gpt import small_gpt_pretrain_config as qwen25_500m_pretrain_config"
+)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The small GPT is overhead-bound: one thread is ~10x faster on a shared 2-core box."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def translated(code: str) -> str:
+    """``code`` with every ``megatron.bridge`` import pointed at this package (and nothing else)."""
+    swaps = {}
+    for line in code.splitlines():
+        stripped = line.strip()
+        if stripped == QWEN_IMPORT:
+            swaps[stripped] = SMALL_GPT_IMPORT
+        elif stripped.startswith("from megatron.bridge."):
+            swaps[stripped] = stripped.replace("megatron.bridge", MB, 1)
+    out = with_imports(code, swaps)
+    assert "megatron.bridge" not in out
+    return out
+
+
+def run(code: str, **names: Any) -> dict[str, Any]:
+    """Execute ``code`` in a fresh namespace holding ``names``; return the namespace."""
+    namespace: dict[str, Any] = {"__name__": "seed_example", **names}
+    exec(compile(code, "<seed example>", "exec"), namespace)
+    return namespace
+
+
+def printed(capsys: pytest.CaptureFixture[str]) -> list[str]:
+    return capsys.readouterr().out.splitlines()
+
+
+LOSS_DICT = r"\{'loss': tensor\([\d.]+\), 'lm loss': tensor\([\d.]+\)\}"
+
+
+# -- seed 000: every code example runs as written ------------------------------
+
+
+def test_class_based_quick_start_prints_start_each_step_and_duration(capsys):
+    run(
+        translated(
+            example(
+                "000", "import time", "pretrain(config, forward_step, callbacks=[MyCallback()])"
+            )
+        )
+    )
+
+    lines = printed(capsys)
+    assert lines[0] == "Training started at step 0"
+    for step, line in enumerate(lines[1:5], start=1):
+        assert re.fullmatch(rf"Step {step}: loss={LOSS_DICT}", line), line
+    assert re.fullmatch(r"Training completed in \d+\.\d\ds", lines[5])
+    assert len(lines) == 6
+
+
+def test_functional_callback_registered_on_a_manager_logs_every_step(capsys):
+    code = example(
+        "000",
+        "from megatron.bridge.training.callbacks import CallbackManager",
+        "pretrain(config, forward_step, callbacks=callback_manager)",
+    )
+    run(translated(code))
+
+    lines = printed(capsys)
+    assert len(lines) == 4
+    for step, line in enumerate(lines, start=1):
+        assert re.fullmatch(rf"Step {step}: {LOSS_DICT}", line), line
+
+
+def test_mixing_classes_and_functions_runs_all_of_them(capsys):
+    # The example uses MyCallback (defined by the quick-start example, run here from the
+    # seed), TimingCallback and MetricsCallback (never defined in the seed: ours, below).
+    namespace = run(
+        translated("from megatron.bridge.training.callbacks import Callback\nimport time\n")
+        + example(
+            "000", "class MyCallback(Callback):", 'print(f"Training completed in {elapsed:.2f}s")'
+        )
+    )
+    seen: list[str] = []
+
+    class TimingCallback(Callback):
+        def on_train_step_start(self, context):
+            seen.append(f"timing {context.state.train_state.step}")
+
+    class MetricsCallback(Callback):
+        def on_train_step_end(self, context):
+            seen.append(f"metrics {context.state.train_state.step}")
+
+    code = example(
+        "000",
+        "from megatron.bridge.training.callbacks import CallbackManager",
+        "pretrain(config, forward_step, callbacks=manager)",
+        occurrence=2,
+    )
+    run(
+        translated(code),
+        MyCallback=namespace["MyCallback"],
+        TimingCallback=TimingCallback,
+        MetricsCallback=MetricsCallback,
+    )
+
+    lines = printed(capsys)
+    assert lines[0] == "Training started at step 0"
+    assert lines.count("Evaluation complete!") == 2  # eval_interval=2 over 4 steps
+    assert re.fullmatch(r"Training completed in \d+\.\d\ds", lines[-1])
+    assert seen == [f"{kind} {step}" for step in range(1, 5) for kind in ("timing", "metrics")]
+
+
+def test_user_state_is_shared_across_a_callbacks_events(capsys):
+    code = example(
+        "000",
+        "class StepCounterCallback(Callback):",
+        "print(f\"Callback saw {context.user_state['callback_step_count']} steps\")",
+    )
+    namespace = run(code, Callback=Callback)
+    manager = CallbackManager()
+    manager.add(namespace["StepCounterCallback"]())
+
+    pretrain(small_gpt_pretrain_config(), forward_step, callbacks=manager)
+
+    assert printed(capsys) == ["Callback saw 4 steps"]
+    assert manager.user_state == {"callback_step_count": 4}
+
+
+def test_rank_zero_guard_runs_in_a_process_group(capsys, tmp_path):
+    import torch.distributed as dist
+
+    code = example(
+        "000",
+        "import torch.distributed as dist",
+        'print(f"Step {context.state.train_state.step} complete")',
+    )
+    namespace = run(code, Callback=Callback)
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        pretrain(
+            small_gpt_pretrain_config(), forward_step, callbacks=[namespace["RankZeroCallback"]()]
+        )
+    finally:
+        dist.destroy_process_group()
+
+    assert printed(capsys) == [f"Step {step} complete" for step in range(1, 5)]
+
+
+class _Service:
+    """Stands in for the seed's ``external_service`` (which the seed leaves undefined)."""
+
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+        self.logged: list[Any] = []
+
+    def log(self, payload: Any) -> None:
+        if self.fail:
+            raise ConnectionError("service unreachable")
+        self.logged.append(payload)
+
+
+def test_safe_callback_example_keeps_training_when_its_service_fails(capsys):
+    code = example(
+        "000", "def safe_callback(context):", "# Don't re-raise to avoid stopping training"
+    )
+    for fail in (True, False):
+        service = _Service(fail)
+        namespace = run(code, external_service=service)
+        manager = CallbackManager()
+        manager.register("on_train_step_end", namespace["safe_callback"])
+
+        result = pretrain(small_gpt_pretrain_config(), forward_step, callbacks=manager)
+
+        assert result.step == 4
+        if fail:
+            assert printed(capsys) == ["Callback failed: service unreachable"] * 4
+        else:
+            assert [sorted(d) for d in service.logged] == [["lm loss", "loss"]] * 4
+
+
+def test_introspection_example_reports_registered_callbacks_and_event_names(capsys):
+    code = example(
+        "000",
+        "manager = CallbackManager()",
+        "print(manager.events)  # frozenset of valid event names",
+        occurrence=2,
+    )
+    # my_fn is left undefined by the seed; any function does.
+    run(code, CallbackManager=CallbackManager, my_fn=lambda context: None)
+
+    lines = printed(capsys)
+    assert lines[:2] == ["Callbacks registered for on_train_start", "Found 1 callbacks"]
+    assert eval(lines[2]) == set(dialect_events_names())
+    assert len(lines) == 3
+
+
+def dialect_events_names() -> list[str]:
+    return [name for names in dialect_events("megatron_bridge").values() for name in names]
+
+
+def test_proprietary_metrics_example_sends_step_lm_loss_and_grad_norm(monkeypatch):
+    import os
+
+    code = example("000", "class ProprietaryMetricsCallback(Callback):", "})")
+    sent: list[dict[str, Any]] = []
+
+    class InternalMetricsClient:  # the seed's client is proprietary: a recorder stands in
+        def __init__(self, endpoint: str) -> None:
+            self.endpoint = endpoint
+
+        def send(self, payload: dict[str, Any]) -> None:
+            sent.append(payload)
+
+    namespace = run(code, Callback=Callback, InternalMetricsClient=InternalMetricsClient, os=os)
+    monkeypatch.setenv("CLUSTER_ID", "lab-7")
+
+    callback = namespace["ProprietaryMetricsCallback"]("https://metrics.invalid")
+    pretrain(small_gpt_pretrain_config(), forward_step, callbacks=[callback])
+
+    assert [p["step"] for p in sent] == [1, 2, 3, 4]
+    assert all(isinstance(p["loss"], torch.Tensor) and p["loss"] > 0 for p in sent)
+    assert all(isinstance(p["grad_norm"], torch.Tensor) for p in sent)
+    assert {p["cluster_id"] for p in sent} == {"lab-7"}
+
+
+# -- seed 002: the forward-step protocol ---------------------------------------
+
+
+def test_forward_step_signature_of_the_seed_matches_gpt_step():
+    # The seed annotates with names from its own framework and typing; they are given here
+    # (MegatronModule: a torch module). The example is a signature with a docstring only.
+    from collections.abc import Callable as CallableType
+    from typing import Any as AnyType
+
+    code = example("002", "def forward_step_func(", '"""')
+    namespace = run(
+        code,
+        GlobalState=GlobalState,
+        Iterable=Iterable,
+        MegatronModule=torch.nn.Module,
+        Any=AnyType,
+        Callable=CallableType,
+    )
+
+    seed = inspect.signature(namespace["forward_step_func"]).parameters
+    ours = inspect.signature(forward_step).parameters
+    assert [(p.name, p.default) for p in seed.values()] == [
+        (p.name, p.default) for p in ours.values()
+    ]
+
+
+def test_forward_step_receives_the_global_state_callbacks_see():
+    config = small_gpt_pretrain_config(train_iters=2, eval_interval=None)
+    seen: list[tuple[Any, int, bool]] = []
+
+    def my_forward_step(global_state, data_iterator, model, return_schedule_plan=False):
+        with_timer = global_state.timers("forward-step")
+        with_timer.start()
+        out = forward_step(global_state, data_iterator, model)
+        with_timer.stop()
+        seen.append((global_state, global_state.train_state.step, global_state.cfg is config))
+        return out
+
+    states: list[Any] = []
+    manager = CallbackManager()
+    manager.register("on_train_step_end", lambda context: states.append(context.state))
+
+    pretrain(config, my_forward_step, callbacks=manager)
+
+    assert [(step, same_cfg) for _, step, same_cfg in seen] == [(1, True), (2, True)]
+    assert all(state is seen[0][0] for state, _, _ in seen) and states == [seen[0][0]] * 2
+    assert states[0].timers.names() == ["forward-step"]
+
+
+def test_standard_loss_pattern_puts_its_meta_keys_in_loss_dict():
+    def mean_loss_step(global_state, data_iterator, model):
+        x, y = next(data_iterator)
+        logits = model(x)
+
+        def loss_func(output):
+            loss = F.cross_entropy(output.reshape(-1, output.shape[-1]), y.reshape(-1))
+            return loss, {"ce": loss.detach(), "double ce": 2 * loss.detach()}
+
+        return logits, loss_func
+
+    dicts: list[dict[str, Any]] = []
+    manager = CallbackManager()
+    manager.register("on_train_step_end", lambda context: dicts.append(context.loss_dict))
+
+    pretrain(small_gpt_pretrain_config(train_iters=2), mean_loss_step, callbacks=manager)
+
+    assert [sorted(d) for d in dicts] == [["ce", "double ce", "loss"]] * 2
+    assert all(torch.allclose(d["double ce"], 2 * d["ce"]) for d in dicts)
+
+
+def test_gpt_step_uses_the_token_aware_pattern_with_lm_loss():
+    from hookloop.recipes.gpt import GPT
+
+    config = small_gpt_pretrain_config()
+    model = GPT(config.model)
+    x = torch.randint(0, 256, (2, 8))
+    output, loss_func = forward_step(GlobalState(config), iter([(x, x)]), model)
+
+    loss_sum, num_tokens, meta = loss_func(output)
+    assert int(num_tokens) == 16
+    assert torch.allclose(meta["lm loss"], loss_sum / 16)
+
+
+def test_return_schedule_plan_true_is_refused_with_the_reason():
+    with pytest.raises(NotImplementedError, match="return_schedule_plan=False"):
+        forward_step(None, iter([]), torch.nn.Linear(1, 1), return_schedule_plan=True)
+
+
+# -- context fields -------------------------------------------------------------
+
+
+class FieldRecorder(Callback):
+    """Keeps what a callback author would read from the context at each event."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, int, dict[str, Any]]] = []
+
+    def _keep(self, event: str, context: CallbackContext) -> None:
+        self.rows.append(
+            (
+                event,
+                context.state.train_state.step,
+                {
+                    "model": context.model,
+                    "loss_dict": None if context.loss_dict is None else sorted(context.loss_dict),
+                    "grad_norm": context.grad_norm,
+                    "skipped_iter": context.skipped_iter,
+                    "total_loss_dict": context.total_loss_dict,
+                    "optimizer": context.optimizer,
+                    "checkpoint_path": context.checkpoint_path,
+                    "user_state": context.user_state,
+                },
+            )
+        )
+
+
+def _recording(event: str) -> Callable[[FieldRecorder, CallbackContext], None]:
+    def record(self: FieldRecorder, context: CallbackContext) -> None:
+        self._keep(event, context)
+
+    return record
+
+
+for _event in mb_callbacks.EVENT_NAMES:
+    setattr(FieldRecorder, _event, _recording(_event))
+del _event
+
+
+def _rows(recorder: FieldRecorder, event: str) -> list[tuple[int, dict[str, Any]]]:
+    return [(step, fields) for name, step, fields in recorder.rows if name == event]
+
+
+def test_train_step_end_carries_loss_dict_grad_norm_and_skipped_iter():
+    recorder = FieldRecorder()
+    pretrain(small_gpt_pretrain_config(), forward_step, callbacks=[recorder])
+
+    ends = _rows(recorder, "on_train_step_end")
+    assert [step for step, _ in ends] == [1, 2, 3, 4]
+    for _, fields in ends:
+        assert fields["loss_dict"] == ["lm loss", "loss"]
+        assert isinstance(fields["grad_norm"], torch.Tensor)
+        assert fields["skipped_iter"] is False
+        assert isinstance(fields["optimizer"], torch.optim.Optimizer)
+    # Outside the step end the per-step fields are unset.
+    for name in ("on_train_start", "on_train_step_start", "on_eval_end", "on_train_end"):
+        for _, fields in _rows(recorder, name):
+            assert fields["loss_dict"] is fields["grad_norm"] is fields["skipped_iter"] is None
+
+
+def test_model_is_a_list_holding_the_one_model_chunk():
+    recorder = FieldRecorder()
+    pretrain(small_gpt_pretrain_config(train_iters=1), forward_step, callbacks=[recorder])
+
+    models = [fields["model"] for _, _, fields in recorder.rows]
+    assert all(isinstance(m, list) and len(m) == 1 for m in models)
+    assert isinstance(models[0][0], torch.nn.Module)
+    assert all(m[0] is models[0][0] for m in models)
+
+
+def test_eval_end_carries_averaged_losses_under_the_seeds_keys():
+    recorder = FieldRecorder()
+    result = pretrain(small_gpt_pretrain_config(), forward_step, callbacks=[recorder])
+
+    ends = _rows(recorder, "on_eval_end")
+    assert [step for step, _ in ends] == [2, 4]
+    last = ends[-1][1]["total_loss_dict"]
+    assert set(last) == {"loss", "lm loss"}
+    assert last["loss"] == pytest.approx(result.metrics["eval_loss"])
+    assert all(fields["total_loss_dict"] is None for _, fields in _rows(recorder, "on_eval_start"))
+
+
+def _tiny_trainer(manager: CallbackManager, **kw: Any) -> Trainer:
+    """The golden run of tests/test_trace.py, with test data, serving ``manager``."""
+    return Trainer(
+        TinyModel(),
+        train_data=ToyData(n=16),
+        eval_data=ToyData(n=8, seed=1),
+        test_data=ToyData(n=8, seed=2),
+        loss_fn=TinyModel.loss_fn,
+        config=_golden_run_config(),
+        callbacks=manager.native,
+        **kw,
+    )
+
+
+def test_test_events_fire_on_trainer_test_with_total_loss_dict():
+    recorder = FieldRecorder()
+    manager = CallbackManager()
+    manager.add(recorder)
+    trainer = _tiny_trainer(manager)
+    trainer.train()
+    del recorder.rows[:]
+
+    metrics = trainer.test()
+
+    assert [(name, step) for name, step, _ in recorder.rows] == [
+        ("on_test_start", 4),
+        ("on_test_step_start", 4),
+        ("on_test_step_end", 4),
+        ("on_test_step_start", 4),
+        ("on_test_step_end", 4),
+        ("on_test_end", 4),
+    ]
+    assert recorder.rows[-1][2]["total_loss_dict"] == {"loss": metrics["test_loss"]}
+
+
+def test_checkpoint_save_and_load_events_fire_with_their_paths(tmp_path):
+    recorder = FieldRecorder()
+    config = small_gpt_pretrain_config(save_interval=2, eval_interval=None)
+    pretrain(config, forward_step, callbacks=[recorder], out_dir=tmp_path)
+
+    saves = _rows(recorder, "on_checkpoint_save")
+    assert [step for step, _ in saves] == [2, 4]
+    assert all(f["checkpoint_path"].parent == tmp_path / "checkpoints" for _, f in saves)
+
+    again = FieldRecorder()
+    longer = small_gpt_pretrain_config(train_iters=6, save_interval=2, eval_interval=None)
+    pretrain(longer, forward_step, callbacks=[again], out_dir=tmp_path, resume="auto")
+
+    assert [(name, step) for name, step, _ in again.rows][:3] == [
+        ("on_checkpoint_load", 4),
+        ("on_data_init_start", 4),
+        ("on_train_start", 4),
+    ]
+    assert again.rows[0][2]["checkpoint_path"].name == "step-00000004"
+    assert [step for step, _ in _rows(again, "on_checkpoint_save")] == [6]
+
+
+def _weights_at(manager: CallbackManager, event: str, into: list[float]) -> None:
+    def keep(context: CallbackContext) -> None:
+        into.append(sum(float(p.detach().sum()) for p in context.model[0].parameters()))
+
+    manager.register(event, keep)
+
+
+def test_finetune_starts_from_the_pretrained_weights(tmp_path):
+    # The small GPT ties its embedding and output weights: the checkpoint stores them once.
+    config = small_gpt_pretrain_config(train_iters=4)
+    pre: list[float] = []
+    manager = CallbackManager()
+    _weights_at(manager, "on_train_start", pre)
+    _weights_at(manager, "on_train_end", pre)
+    pretrain(config, forward_step, callbacks=manager, out_dir=tmp_path)
+
+    config.checkpoint.pretrained = str(tmp_path / "checkpoints")
+    tuned: list[float] = []
+    manager = CallbackManager()
+    _weights_at(manager, "on_train_start", tuned)
+    result = finetune(config, forward_step, callbacks=manager)
+
+    assert tuned == [pytest.approx(pre[1])] and pre[1] != pytest.approx(pre[0])
+    assert result.step == 4
+
+
+def test_finetune_without_pretrained_weights_says_which_key_is_missing():
+    with pytest.raises(ValueError, match=r"config\.checkpoint\.pretrained"):
+        finetune(small_gpt_pretrain_config(), forward_step)
+
+
+# -- golden trace -----------------------------------------------------------------
+
+
+# The run of tests/test_trace.py (2 epochs of 2 steps, grad_accum 2, log every 2, eval every
+# 3 and at each epoch end), then trainer.test(), seen through the dialect.
+EXPECTED = [
+    ("on_data_init_start", 0),
+    ("on_train_start", 0),
+    ("on_train_step_start", 1),
+    ("on_train_step_end", 1),
+    ("on_train_step_start", 2),
+    ("on_train_step_end", 2),
+    ("on_eval_start", 2),  # epoch-end evaluation
+    ("on_eval_step_start", 2),
+    ("on_eval_step_end", 2),
+    ("on_eval_step_start", 2),
+    ("on_eval_step_end", 2),
+    ("on_eval_end", 2),
+    ("on_train_step_start", 3),
+    ("on_train_step_end", 3),
+    ("on_eval_start", 3),  # eval_every=3
+    ("on_eval_step_start", 3),
+    ("on_eval_step_end", 3),
+    ("on_eval_step_start", 3),
+    ("on_eval_step_end", 3),
+    ("on_eval_end", 3),
+    ("on_train_step_start", 4),
+    ("on_train_step_end", 4),
+    ("on_eval_start", 4),  # epoch-end evaluation
+    ("on_eval_step_start", 4),
+    ("on_eval_step_end", 4),
+    ("on_eval_step_start", 4),
+    ("on_eval_step_end", 4),
+    ("on_eval_end", 4),
+    ("on_train_end", 4),
+    ("on_test_start", 4),  # trainer.test()
+    ("on_test_step_start", 4),
+    ("on_test_step_end", 4),
+    ("on_test_step_start", 4),
+    ("on_test_step_end", 4),
+    ("on_test_end", 4),
+]
+
+
+def test_dialect_event_order_matches_the_golden_trace():
+    recorder = FieldRecorder()
+    manager = CallbackManager()
+    manager.add(recorder)
+    trainer = _tiny_trainer(manager)
+    trainer.train()
+    trainer.test()
+
+    assert [(event, step) for event, step, _ in recorder.rows] == EXPECTED
+
+
+def test_golden_trace_is_the_native_one_seen_through_the_mapping():
+    table = dialect_events("megatron_bridge")
+    mapped = [(d, step) for native, step, _ in NATIVE_EXPECTED for d in table.get(native, ())]
+    assert EXPECTED[: len(mapped)] == mapped
+
+
+# -- manager behaviour -------------------------------------------------------------
+
+
+def test_callbacks_fire_in_registration_order_across_add_and_register():
+    order: list[str] = []
+
+    class Named(Callback):
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def on_train_start(self, context):
+            order.append(self.name)
+
+    manager = CallbackManager()
+    manager.add(Named("first"))
+    manager.register("on_train_start", lambda context: order.append("second"))
+    manager.add([Named("third"), Named("fourth")])
+    _tiny_trainer(manager).train()
+
+    assert order == ["first", "second", "third", "fourth"]
+    assert [getattr(fn, "__self__", None) for fn in manager.list_callbacks("on_train_start")] == [
+        manager.callbacks[0],
+        None,
+        manager.callbacks[1],
+        manager.callbacks[2],
+    ]
+
+
+def test_a_lower_priority_runs_before_earlier_registrations():
+    order: list[str] = []
+
+    class Early(Callback):
+        priority = 10
+
+        def on_train_end(self, context):
+            order.append("early")
+
+    manager = CallbackManager()
+    manager.register("on_train_end", lambda context: order.append("registered first"))
+    manager.add(Early())
+    _tiny_trainer(manager).train()
+
+    assert order == ["early", "registered first"]
+    assert manager.list_callbacks("on_train_end")[0].__self__ is manager.callbacks[0]
+
+
+def test_an_empty_manager_adds_no_native_handlers():
+    manager = CallbackManager()
+    assert not any(manager.native.index.values())
+    assert manager.events == frozenset(dialect_events_names())
+
+
+def test_native_callbacks_share_the_run_and_user_state():
+    class Native(NativeCallback):
+        def on_log(self, ctx):
+            ctx.user_state["logs"] = ctx.user_state.get("logs", 0) + 1
+
+    seen: list[int] = []
+    manager = CallbackManager()
+    manager.native.add(Native())
+    manager.register("on_train_end", lambda context: seen.append(context.user_state["logs"]))
+    _tiny_trainer(manager).train()
+
+    assert seen == [2]  # log_every=2 over 4 steps
+
+
+def test_an_exception_in_a_callback_propagates_naming_the_callback():
+    class Broken(Callback):
+        def on_train_step_end(self, context):
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom") as info:
+        pretrain(small_gpt_pretrain_config(), forward_step, callbacks=[Broken()])
+    assert any("Broken.on_train_step_end" in note for note in info.value.__notes__)
+
+
+# -- bad input ---------------------------------------------------------------------
+
+
+def test_registering_an_unknown_event_suggests_the_closest_name():
+    with pytest.raises(ValueError, match=r"Did you mean 'on_train_start'\?.*Valid events"):
+        CallbackManager().register("on_trian_start", print)
+
+
+def test_registering_a_native_only_event_points_to_the_native_manager():
+    with pytest.raises(ValueError, match=r"'on_before_log' is a native hookloop event.*native"):
+        CallbackManager().register("on_before_log", print)
+
+
+def test_registering_something_not_callable_is_refused():
+    with pytest.raises(TypeError, match=r"needs a callable fn\(context\).*got str"):
+        CallbackManager().register("on_train_start", "print")
+
+
+def test_a_misspelt_callback_method_is_refused_when_added():
+    class Typo(Callback):
+        def on_train_step_ends(self, context): ...
+
+    with pytest.raises(
+        ValueError, match=r"Typo.on_train_step_ends matches no event.*'on_train_step_end'"
+    ):
+        CallbackManager().add(Typo())
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (Callback, r"got the class Callback; write add\(Callback\(\)\)"),
+        (NativeCallback(), r"native hookloop.Callback; add it to manager.native"),
+        (print, r"takes a Callback or a list of them, got builtin_function_or_method"),
+        ([Callback(), 3], r"got int"),
+    ],
+)
+def test_adding_something_that_is_not_a_callback_says_what_is_expected(bad, message):
+    with pytest.raises(TypeError, match=message):
+        CallbackManager().add(bad)
+
+
+def test_adding_the_same_callback_twice_is_refused():
+    manager, callback = CallbackManager(), Callback()
+    manager.add(callback)
+    with pytest.raises(ValueError, match="already added"):
+        manager.add(callback)
+
+
+@pytest.mark.parametrize(
+    ("callbacks", "message"),
+    [
+        ("MyCallback", r"callbacks must be a list of megatron_bridge Callbacks"),
+        ({"on_train_start": print}, r"callbacks must be a list of megatron_bridge Callbacks"),
+        (mb_callbacks.NativeCallbackManager(), r"native hookloop.CallbackManager"),
+    ],
+)
+def test_pretrain_with_the_wrong_callbacks_type_says_what_is_allowed(callbacks, message):
+    with pytest.raises(TypeError, match=message):
+        pretrain(small_gpt_pretrain_config(), forward_step, callbacks=callbacks)
+
+
+def test_pretrain_checks_config_and_forward_step_first():
+    with pytest.raises(TypeError, match="config must be a hookloop Config"):
+        pretrain({"train_iters": 4}, forward_step)
+    with pytest.raises(TypeError, match=r"forward_step_func must be callable.*got NoneType"):
+        pretrain(small_gpt_pretrain_config(), None)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"train_iters": 0}, r"train_iters must be an int >= 1, got 0"),
+        ({"seq_length": 2.5}, r"seq_length must be an int >= 1, got 2.5"),
+        ({"eval_interval": -1}, r"eval_interval must be an int >= 1 or None, got -1"),
+        ({"lr": 0}, r"lr must be a number > 0, got 0"),
+    ],
+)
+def test_small_gpt_config_rejects_bad_overrides_by_name(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        small_gpt_pretrain_config(**overrides)
