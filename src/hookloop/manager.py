@@ -264,7 +264,7 @@ class CallbackManager:
         if getattr(exc, "_hookloop_attributed", False):
             return  # raised by a nested fire (e.g. an evaluation inside a step)
         label = next((r.label for r in self._registrations if r.call is handler), repr(handler))
-        _add_note(exc, f"hookloop: raised by callback {label!r} during event {event!r}")
+        add_note(exc, f"hookloop: raised by callback {label!r} during event {event!r}")
         exc._hookloop_attributed = True  # type: ignore[attr-defined]
         if event != "on_exception":
             self.fire_exception(ctx, exc)
@@ -283,7 +283,7 @@ class CallbackManager:
                     label = next(
                         (r.label for r in self._registrations if r.call is handler), repr(handler)
                     )
-                    _add_note(
+                    add_note(
                         exc,
                         f"hookloop: on_exception handler {label!r} also failed: "
                         f"{type(inner).__name__}: {inner}",
@@ -295,7 +295,8 @@ class CallbackManager:
 # -- helpers ---------------------------------------------------------------
 
 
-def _add_note(exc: BaseException, note: str) -> None:
+def add_note(exc: BaseException, note: str) -> None:
+    """Attach ``note`` to ``exc`` (shown under its traceback), on Python 3.10 too."""
     if hasattr(exc, "add_note"):
         exc.add_note(note)
     else:  # Python 3.10: keep the note where 3.11+ would put it

@@ -1,0 +1,55 @@
+"""Seed 001's callback dialect: ``TrainingCallback`` hooks that take ``(trainer, **fields)``.
+
+Code written for seed 001 runs with its import line changed to this package.
+A runner fires the seven events (:data:`EVENTS`) at callbacks in priority order,
+in a loop you write yourself:
+
+>>> class PrintVal(TrainingCallback):
+...     def on_val_end(self, trainer, epoch, val_loss, **kwargs):
+...         print(f"epoch {epoch}: val_loss {val_loss}")
+>>> runner = CallbackRunner([PrintVal()])
+>>> runner.fire("on_val_end", trainer=None, epoch=0, val_loss=0.25, metrics={})
+epoch 0: val_loss 0.25
+
+or inside a hookloop Trainer, next to native callbacks:
+``Trainer(..., callbacks=runner.native())``. There each seed callback becomes
+an :class:`HpoAdapter` with the same priority; its hooks get an
+:class:`HpoTrainer` (seed 001's ``trainer._<name>`` attributes, served from
+``ctx.user_state``) and the fields in :data:`FIELDS`. The nine seed built-ins
+are native hookloop callbacks, importable here under their seed names; a runner
+passes them through to the Trainer unchanged.
+"""
+
+from hookloop.callbacks.checkpoint_policy import CheckpointCallback
+from hookloop.callbacks.early_stopping import EarlyStoppingCallback
+from hookloop.callbacks.grad_monitor import GradientMonitorCallback
+from hookloop.callbacks.loss_prediction import LossPredictionCallback
+from hookloop.callbacks.nan_detection import NaNDetectionCallback
+from hookloop.callbacks.optimizer_mode import OptimizerModeCallback
+from hookloop.callbacks.optuna_pruning import PrunerCallback
+from hookloop.callbacks.overfit import OverfitDetectionCallback
+from hookloop.callbacks.wandb_logger import WandbLoggingCallback
+from hookloop.compat.hpo.adapter import FIELDS, HpoAdapter
+from hookloop.compat.hpo.callback import EVENTS, TrainingCallback
+from hookloop.compat.hpo.runner import CallbackRunner, as_native
+from hookloop.compat.hpo.trainer_view import CONVENTION, HpoTrainer
+
+__all__ = [
+    "CONVENTION",
+    "EVENTS",
+    "FIELDS",
+    "CallbackRunner",
+    "CheckpointCallback",
+    "EarlyStoppingCallback",
+    "GradientMonitorCallback",
+    "HpoAdapter",
+    "HpoTrainer",
+    "LossPredictionCallback",
+    "NaNDetectionCallback",
+    "OptimizerModeCallback",
+    "OverfitDetectionCallback",
+    "PrunerCallback",
+    "TrainingCallback",
+    "WandbLoggingCallback",
+    "as_native",
+]
