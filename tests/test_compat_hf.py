@@ -274,6 +274,40 @@ def test_transformers_early_stopping_stops_when_eval_stops_improving():
     )
 
 
+def test_load_best_model_at_end_restores_the_best_evaluations_weights(tmp_path: Path):
+    from safetensors.torch import load_file
+
+    tc = _transformers()
+    args = _args(
+        max_steps=4,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        metric_for_best_model="eval_loss",
+        load_best_model_at_end=True,
+        output_dir=str(tmp_path),
+    )
+    trainer = _trainer(
+        [tc.EarlyStoppingCallback(early_stopping_patience=5)],
+        args,
+        eval_dataset=ToyData(n=4, seed=1),
+        loss_fn=scripted_eval_loss([1.0, 0.8, 0.9, 0.85]),
+        out_dir=str(tmp_path),
+    )
+    trainer.train()
+
+    best = Path(trainer.hf.state.best_model_checkpoint)
+    assert trainer.hf.state.best_global_step == 2 and best.name.endswith("2")
+    saved = load_file(str(best / "model.safetensors"))
+    live = trainer.model.state_dict()
+    assert all(torch.equal(live[k], saved[k]) for k in saved)
+    final = load_file(
+        str(best.parent / best.parent.joinpath("latest").read_text().strip() / "model.safetensors")
+    )
+    assert not all(torch.equal(live[k], final[k]) for k in final)  # the run did move on
+
+
 def test_transformers_early_stopping_counter_and_best_metric_survive_resume(tmp_path: Path):
     tc = _transformers()
 

@@ -310,6 +310,25 @@ class _SessionFirst(Callback):
     def on_epoch_start(self, ctx: CallbackContext) -> None:
         self.session.control._new_epoch()
 
+    def on_train_end(self, ctx: CallbackContext) -> None:
+        """``load_best_model_at_end``: HF reloads the best weights before ``on_train_end``."""
+        args, state = self.session.args, self.session.state
+        if not getattr(args, "load_best_model_at_end", False):
+            return
+        if (ctx.state.stop_reason or "").startswith("abort"):
+            return  # an abort keeps the weights as they are, as a crash would
+        if state.best_model_checkpoint is None:
+            warnings.warn(
+                "load_best_model_at_end: no checkpoint was saved at the best evaluation step "
+                f"({state.best_global_step}); keeping the final weights. Save at every "
+                "evaluation step (save_steps a multiple of eval_steps) to have one.",
+                stacklevel=2,
+            )
+            return
+        from hookloop.entry import load_weights
+
+        load_weights(ctx.model, state.best_model_checkpoint)
+
     def on_train_step_start(self, ctx: CallbackContext) -> None:
         self.session.control._new_step()
 
