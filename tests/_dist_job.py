@@ -10,9 +10,21 @@ from pathlib import Path
 import torch
 
 from hookloop.config import apply_overrides
-from hookloop.distributed import init_from_env, rank_info
-from hookloop.entry import build_trainer
-from hookloop.recipes import default_config
+from hookloop.distributed import full_tensor, init_from_env, rank_info
+from hookloop.entry import build_trainer, seed_everything
+from hookloop.recipes import default_config, get_recipe
+from hookloop.trainer import Trainer
+
+
+def trainer_with_own_optimizer(cfg) -> Trainer:
+    """The Python-API path: the user builds the optimizer before the Trainer (and any sharding)."""
+    seed_everything(cfg.seed)
+    parts = get_recipe(cfg.recipe).build(cfg)
+    optimizer = torch.optim.SGD(
+        parts.model.parameters(), lr=cfg.optimizer.lr, momentum=cfg.optimizer.momentum
+    )
+    return Trainer(parts.model, optimizer, train_data=parts.train_data,
+                   eval_data=parts.eval_data, loss_fn=parts.loss_fn, config=cfg)  # fmt: skip
 
 
 def main() -> None:
@@ -21,8 +33,11 @@ def main() -> None:
     rank, _, world = rank_info()
     cfg = default_config("mlp-regression")
     apply_overrides(cfg, ["train.log_every=1", *overrides])
-    trainer = build_trainer(cfg, out_dir=out if mode != "plain" else None,
-                            resume="auto" if mode == "resume" else None)  # fmt: skip
+    if mode == "own-optimizer":
+        trainer = trainer_with_own_optimizer(cfg)
+    else:
+        trainer = build_trainer(cfg, out_dir=out if mode != "plain" else None,
+                                resume="auto" if mode == "resume" else None)  # fmt: skip
     losses: dict[int, float] = {}
 
     def record(ctx) -> None:
@@ -68,7 +83,8 @@ def main() -> None:
         "stop_reason": result.stop_reason,
         "skipped": trainer.state.skipped_steps,
         "losses": losses,
-        "params": [p.detach().flatten().tolist() for p in trainer.model.parameters()],
+        # Whole values (gathered from the shards under fsdp), so every rank reports the same.
+        "params": [full_tensor(p.detach()).flatten().tolist() for p in trainer.model.parameters()],
         "eval_loss": result.metrics.get("eval_loss"),
     }
     if mode == "diloco":

@@ -18,6 +18,14 @@ Layout under ``<out_dir>/checkpoints/``::
     step-00000070/  model.safetensors  optimizer.pt  trainer_state.pt
                     config.yaml        manifest.json
     latest          (text: the name of the newest complete checkpoint)
+
+A model sharded by FSDP2 (``train.parallel=fsdp``) has no single copy of its
+weights, so model and optimizer go through ``torch.distributed.checkpoint``
+instead: every rank writes its own shards into ``sharded/`` of the same
+staging directory, and the manifest lists those files like any other::
+
+    step-00000070/  sharded/.metadata  sharded/__0_0.distcp  sharded/__1_0.distcp
+                    trainer_state.pt   config.yaml           manifest.json
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ import numpy as np
 import torch
 import yaml
 
-from hookloop.distributed import barrier, gather_objects
+from hookloop.distributed import barrier, broadcast_object, gather_objects, is_sharded
 
 if TYPE_CHECKING:
     from hookloop.trainer import Trainer
@@ -52,6 +60,8 @@ FORMAT_VERSION = 1
 #: at that point of the save protocol (at the save of checkpoint STEP, if given).
 FAULT_ENV = "HOOKLOOP_CHECKPOINT_FAULT"
 FAULT_POINTS = ("files_written", "manifest_written", "renamed", "latest_staged", "committed")
+#: Subdirectory of a checkpoint holding a sharded model and optimizer (DCP format).
+SHARDED_DIR = "sharded"
 
 
 class CheckpointError(RuntimeError):
@@ -69,16 +79,42 @@ class CheckpointStorage:
 
     def commit(self, name: str, files: dict[str, bytes], meta: dict[str, Any]) -> Path:
         """Write ``files`` as checkpoint ``name`` atomically; return its final path."""
+        staging = self.stage(name)
+        return self.publish(name, staging, self.write(staging, files), meta)
+
+    def stage(self, name: str) -> Path:
+        """A fresh, empty staging directory for checkpoint ``name`` (leftovers removed)."""
         self.root.mkdir(parents=True, exist_ok=True)
         self.clean_incomplete()
         staging = self.root / f".staging-{name}-{os.getpid()}"
         if staging.exists():
             shutil.rmtree(staging)
         staging.mkdir()
+        return staging
+
+    def write(self, staging: Path, files: dict[str, bytes]) -> dict[str, dict[str, Any]]:
+        """Write and fsync ``files`` into ``staging``; return their manifest entries."""
         entries = {}
         for fname, data in files.items():
             _write_synced(staging / fname, data)
             entries[fname] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        return entries
+
+    def entries_on_disk(self, staging: Path, subdir: str) -> dict[str, dict[str, Any]]:
+        """Manifest entries of files other writers put under ``staging/subdir`` (fsynced)."""
+        entries = {}
+        for fpath in sorted((staging / subdir).rglob("*")):
+            if fpath.is_file():
+                _fsync_file(fpath)
+                key = fpath.relative_to(staging).as_posix()
+                entries[key] = {"size": fpath.stat().st_size, "sha256": _sha256(fpath)}
+        _fsync_dir(staging / subdir)
+        return entries
+
+    def publish(
+        self, name: str, staging: Path, entries: dict[str, dict[str, Any]], meta: dict[str, Any]
+    ) -> Path:
+        """Write the manifest last, rename ``staging`` into place, point ``latest`` at it."""
         _fault("files_written", meta.get("step"))
         manifest = {"format": FORMAT_VERSION, "name": name, "files": entries, **meta}
         _write_synced(staging / MANIFEST, json.dumps(manifest, indent=1).encode())
@@ -203,15 +239,12 @@ def capture(
     """Serialise everything needed to continue ``trainer`` exactly; return files and meta.
 
     ``rng_per_rank`` holds every rank's RNG states (gathered by the caller), so a
-    resumed multi-rank run draws the same dropout masks on every rank.
+    resumed multi-rank run draws the same dropout masks on every rank. A sharded
+    model's weights and optimizer are not among the files: every rank writes its
+    shards with :func:`save_sharded`.
     """
-    from safetensors.torch import save_model
-
     st = trainer.state
-    tmp = _scratch_file(trainer)
-    save_model(_unwrap(trainer.model), str(tmp))  # handles tied weights
-    model_bytes = tmp.read_bytes()
-    tmp.unlink()
+    files = {} if is_sharded(trainer.model) else _full_weights(trainer)
     state = {
         "train_state": st.state_dict(),
         "scheduler": trainer.scheduler.state_dict() if trainer.scheduler is not None else None,
@@ -226,32 +259,72 @@ def capture(
         },
         "log_pending": trainer._log_losses,
     }
-    files = {
-        "model.safetensors": model_bytes,
-        "optimizer.pt": _torch_bytes(trainer.optimizer.state_dict()),
-        "trainer_state.pt": _torch_bytes(state),
-        "config.yaml": yaml.safe_dump(trainer.config.to_dict(), sort_keys=False).encode(),
-    }
+    files["trainer_state.pt"] = _torch_bytes(state)
+    files["config.yaml"] = yaml.safe_dump(trainer.config.to_dict(), sort_keys=False).encode()
     meta = {"step": st.step, "epoch": st.epoch, "time": time.time()}
     return files, meta
 
 
+def _full_weights(trainer: Trainer) -> dict[str, bytes]:
+    from safetensors.torch import save_model
+
+    tmp = _scratch_file(trainer)
+    save_model(_unwrap(trainer.model), str(tmp))  # handles tied weights
+    model_bytes = tmp.read_bytes()
+    tmp.unlink()
+    return {
+        "model.safetensors": model_bytes,
+        "optimizer.pt": _torch_bytes(trainer.optimizer.state_dict()),
+    }
+
+
+def save_sharded(trainer: Trainer, directory: Path) -> None:
+    """Every rank writes its shards of model and optimizer into ``directory`` (DCP, fsynced)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer)
+    dcp.save(
+        {"model": model_state, "optimizer": optim_state},
+        storage_writer=dcp.FileSystemWriter(directory, sync_files=True),
+    )
+
+
+def load_sharded(trainer: Trainer, directory: Path) -> None:
+    """Every rank reads its shards of model and optimizer from ``directory`` (DCP)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer)
+    state = {"model": model_state, "optimizer": optim_state}
+    try:
+        dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
+    except dcp.CheckpointException as err:
+        raise CheckpointError(
+            f"{directory} does not fit the sharded model and optimizer: {err}"
+        ) from None
+    set_state_dict(
+        trainer.model,
+        trainer.optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+    )
+
+
 def restore(trainer: Trainer, path: Path, *, strict: bool = False) -> None:
     """Load a verified checkpoint directory into ``trainer``."""
-    from safetensors.torch import load_model
-
-    missing, unexpected = load_model(
-        _unwrap(trainer.model),
-        str(path / "model.safetensors"),
-        strict=False,
-        device=str(trainer.device),
-    )
-    if missing or unexpected:
+    sharded_checkpoint = (path / SHARDED_DIR).is_dir()
+    if is_sharded(trainer.model) != sharded_checkpoint:
+        saved, running = ("sharded", "full") if sharded_checkpoint else ("full", "sharded")
         raise CheckpointError(
-            f"{path / 'model.safetensors'} does not fit the model: missing {sorted(missing)}, "
-            f"unexpected {sorted(unexpected)}"
+            f"checkpoint {path} holds {saved} weights but this run's model is {running}: "
+            "resume with the train.parallel and number of ranks it was saved with ('fsdp' "
+            "with several ranks saves sharded weights, anything else full ones)"
         )
-    trainer.optimizer.load_state_dict(_torch_load(path / "optimizer.pt", trainer.device))
+    if sharded_checkpoint:
+        load_sharded(trainer, path / SHARDED_DIR)
+    else:
+        _load_full_weights(trainer, path)
     state = _torch_load(path / "trainer_state.pt", torch.device("cpu"))
     trainer.state.load_state_dict(state["train_state"])
     if trainer.scheduler is not None and state["scheduler"] is not None:
@@ -278,6 +351,23 @@ def restore(trainer: Trainer, path: Path, *, strict: bool = False) -> None:
                 stacklevel=3,
             )
         _set_rng_state(state["rng"])
+
+
+def _load_full_weights(trainer: Trainer, path: Path) -> None:
+    from safetensors.torch import load_model
+
+    missing, unexpected = load_model(
+        _unwrap(trainer.model),
+        str(path / "model.safetensors"),
+        strict=False,
+        device=str(trainer.device),
+    )
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path / 'model.safetensors'} does not fit the model: missing {sorted(missing)}, "
+            f"unexpected {sorted(unexpected)}"
+        )
+    trainer.optimizer.load_state_dict(_torch_load(path / "optimizer.pt", trainer.device))
 
 
 def _restore_callbacks(trainer: Trainer, saved: dict[str, Any], *, strict: bool) -> None:
@@ -351,9 +441,7 @@ class CheckpointManager:
     @classmethod
     def for_trainer(cls, trainer: Trainer) -> CheckpointManager:
         c = trainer.config.checkpoint
-        policy = SavePolicy(
-            c.every, c.keep_last, c.save_on_end, c.monitor, c.mode, c.keep_best
-        )
+        policy = SavePolicy(c.every, c.keep_last, c.save_on_end, c.monitor, c.mode, c.keep_best)
         base = Path(trainer.out_dir) if trainer.out_dir is not None else None
         if base is None:  # resume from a path without out_dir: save next to it
             resume = Path(str(trainer.resume))
@@ -391,12 +479,24 @@ class CheckpointManager:
         rng_per_rank = None
         if st.world_size > 1:  # as bytes: object collectives do not carry tensors reliably
             rng_per_rank = [_torch_loads(b) for b in gather_objects(_torch_bytes(_rng_state()))]
-        path = self.storage.root / f"step-{st.step:08d}"
+        name = f"step-{st.step:08d}"
+        staging = None
+        if is_sharded(trainer.model):  # every rank writes its shards into rank 0's staging dir
+            staging = Path(
+                broadcast_object(str(self.storage.stage(name)) if st.is_rank_zero else "")
+            )
+            save_sharded(trainer, staging / SHARDED_DIR)
+        path = self.storage.root / name
         if st.is_rank_zero:
             files, meta = capture(trainer, rng_per_rank)
             if self.policy.monitor:
                 meta["metric"] = _monitored(st.last_eval, self.policy.monitor)
-            path = self.storage.commit(path.name, files, meta)
+            if staging is None:
+                path = self.storage.commit(name, files, meta)
+            else:  # the shards are complete: DCP returns once every rank has written
+                entries = self.storage.entries_on_disk(staging, SHARDED_DIR)
+                entries.update(self.storage.write(staging, files))
+                path = self.storage.publish(name, staging, entries, meta)
             self._apply_retention()
         barrier()
         trainer.ctx.checkpoint_path = path
@@ -522,6 +622,14 @@ def _write_synced(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(path: Path) -> None:

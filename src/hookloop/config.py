@@ -94,8 +94,10 @@ class TrainConfig:
     clip_grad_norm: float | None = opt(1.0, "Clip the total gradient norm to this; null: off.")
     precision: Literal["fp32", "bf16", "fp16"] = opt("fp32", "Autocast precision.")
     device: str = opt("auto", "'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1'.")
-    parallel: Literal["ddp", "local"] = opt(
-        "ddp", "With several ranks: 'ddp' syncs gradients every step; 'local' never (DiLoCo)."
+    parallel: Literal["ddp", "fsdp", "local"] = opt(
+        "ddp",
+        "With several ranks: 'ddp' syncs gradients every step; 'fsdp' also shards weights "
+        "and optimizer state (FSDP2); 'local' never syncs (DiLoCo).",
     )
     log_every: int = opt(10, "Fire the logging events every N steps (0: never).")
     eval_every: int | None = opt(None, "Evaluate every N steps (null: not by steps).")
@@ -136,6 +138,12 @@ class TrainConfig:
         if any(s < 1 for s in self.iterations_to_skip):
             raise ValueError(
                 f"train.iterations_to_skip holds step numbers >= 1, got {self.iterations_to_skip}"
+            )
+        parallel_modes = typing.get_args(_type_hints(TrainConfig)["parallel"])
+        if self.parallel not in parallel_modes:
+            raise ValueError(
+                f"train.parallel must be one of {', '.join(map(repr, parallel_modes))}, "
+                f"got {self.parallel!r}"
             )
         dev = self.device
         if dev not in ("auto", "cpu", "cuda", "mps") and not dev.startswith("cuda:"):

@@ -1,18 +1,29 @@
-"""Rank helpers and the agreement of control decisions across ranks.
+"""Rank helpers, the agreement of control decisions, and how the model is parallelised.
 
 Every decision that changes control flow (stop, abort, save, evaluate, log,
 skip) is computed locally, agreed with one small collective, then acted on by
 every rank alike, so no rank waits forever in a collective the others skipped.
+
+``train.parallel`` picks what the training step runs (:func:`parallelize`):
+``ddp`` wraps the model in DistributedDataParallel, ``fsdp`` shards it in place
+with FSDP2 (its parameters become DTensors, each rank holding one slice), and
+``local`` leaves it alone (no per-step gradient sync, e.g. for DiLoCo).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch build without distributed support: nothing is ever sharded
+    DTensor = None  # type: ignore[assignment,misc]
 
 T = TypeVar("T")
 
@@ -90,6 +101,123 @@ def wrap_data_parallel(model: torch.nn.Module, device: torch.device) -> torch.nn
         return model
     ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=ids)
+
+
+def parallelize(
+    model: torch.nn.Module,
+    parallel: str,
+    device: torch.device,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> torch.nn.Module:
+    """The module the training step runs for ``train.parallel`` (``ddp``, ``fsdp`` or ``local``).
+
+    With ``fsdp`` the model is sharded in place (the returned module is ``model``
+    itself) and a given ``optimizer`` is pointed at the sharded parameters.
+    With one process every mode returns ``model`` unchanged.
+    """
+    if parallel == "ddp":
+        return wrap_data_parallel(model, device)
+    if parallel == "fsdp":
+        return shard_fully(model, optimizer)
+    if parallel == "local":
+        return model
+    raise ValueError(f"train.parallel must be 'ddp', 'fsdp' or 'local', got {parallel!r}")
+
+
+def shard_fully(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> torch.nn.Module:
+    """Shard ``model`` in place with FSDP2 over all ranks; return it.
+
+    Each unit of :func:`shard_units` becomes its own FSDP group (its parameters
+    are gathered just before it runs and freed after), then the root takes the
+    rest. ``fully_shard`` replaces every parameter with a DTensor, so an
+    ``optimizer`` built before this call is re-pointed at the new parameters; it
+    must not have stepped yet (its state would belong to the old tensors).
+    """
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if not is_distributed() or dist.get_world_size() == 1 or isinstance(model, FSDPModule):
+        return model
+    if optimizer is not None and optimizer.state:
+        raise ValueError(
+            "train.parallel='fsdp' shards the model's parameters, but the optimizer already "
+            "holds state for the unsharded ones: pass an optimizer that has not stepped yet "
+            "(or none, to build one from the config)"
+        )
+    # Which parameter each optimizer slot holds, by name: names survive sharding, tensors don't.
+    slots = _optimizer_slots(optimizer, model) if optimizer is not None else []
+    for unit in shard_units(model):
+        fully_shard(unit)
+    fully_shard(model)
+    if optimizer is not None:
+        sharded = dict(model.named_parameters())
+        for group, names in zip(optimizer.param_groups, slots, strict=True):
+            group["params"] = [sharded[name] for name in names]
+    return model
+
+
+def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The submodules FSDP2 shards as separate groups under the root.
+
+    Children that hold parameters, looking through ModuleList/ModuleDict (which
+    are never called, so they cannot gather their own parameters). A child that
+    shares a parameter with another (tied weights) is left to the root: a
+    parameter can belong to one group only.
+
+    >>> mlp = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1))
+    >>> [type(m).__name__ for m in shard_units(mlp)]
+    ['Linear', 'Linear']
+    """
+    units: list[torch.nn.Module] = []
+
+    def visit(module: torch.nn.Module) -> None:
+        for child in module.children():
+            if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+                visit(child)
+            elif next(child.parameters(), None) is not None:
+                units.append(child)
+
+    visit(model)
+    owners = Counter(id(p) for unit in units for p in unit.parameters())
+    return [u for u in units if all(owners[id(p)] == 1 for p in u.parameters())]
+
+
+def _optimizer_slots(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> list[list[str]]:
+    """The parameter names of each optimizer param group, in order."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    slots = []
+    for group in optimizer.param_groups:
+        if any(id(p) not in names for p in group["params"]):
+            raise ValueError(
+                "train.parallel='fsdp': the optimizer holds a tensor that is not a parameter "
+                "of the model; only the model's parameters can be sharded"
+            )
+        slots.append([names[id(p)] for p in group["params"]])
+    return slots
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` was sharded by FSDP2 (its weights are then saved through DCP)."""
+    if not dist.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def local_shards(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """This rank's slice of each DTensor (other tensors as they are), for per-rank checks."""
+    if DTensor is None:
+        return list(tensors)
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+
+
+def full_tensor(value: torch.Tensor) -> torch.Tensor:
+    """A plain tensor with the whole value of a DTensor (a collective if it is sharded)."""
+    if DTensor is not None and isinstance(value, DTensor):
+        return value.full_tensor()
+    return value
 
 
 def gather_objects(obj: Any) -> list[Any]:

@@ -32,9 +32,11 @@ from hookloop.data import EpochSampler, is_map_style, make_loader
 from hookloop.distributed import (
     agree_flags,
     all_reduce_mean,
+    full_tensor,
     gather_objects,
+    local_shards,
+    parallelize,
     rank_info,
-    wrap_data_parallel,
 )
 from hookloop.manager import CallbackManager
 from hookloop.optim import build_optimizer, build_scheduler
@@ -123,12 +125,13 @@ class Trainer:
         st = self.state
         st._rank, st._local_rank, st._world_size = rank_info()
         self.device = _resolve_device(cfg.device, st._local_rank)
-        self.model = model.to(self.device)  # what users and callbacks see: never wrapped
+        # What users and callbacks see: never wrapped (but sharded in place under fsdp,
+        # its parameters then DTensors).
+        self.model = model.to(self.device)
+        # What the training step runs: DDP-wrapped or FSDP2-sharded when there are several
+        # ranks. Sharding replaces the parameters, so the optimizer is built afterwards.
+        self._train_model = parallelize(self.model, cfg.parallel, self.device, optimizer)
         self.optimizer = optimizer or build_optimizer(self.config.optimizer, self.model)
-        # What the training step runs: DDP-wrapped when there are several ranks.
-        self._train_model = (
-            wrap_data_parallel(self.model, self.device) if cfg.parallel == "ddp" else self.model
-        )
         self.out_dir = out_dir
         self.resume = resume
         self.flops_per_sample = flops_per_sample
@@ -401,9 +404,10 @@ class Trainer:
             total_tokens = reducer.reduce_tokens_across_ranks(self.device)
             torch._foreach_div_(_grads(self.optimizer), total_tokens / self.state._world_size)
         if cfg.clip_grad_norm is not None:
-            return torch.nn.utils.clip_grad_norm_(
+            norm = torch.nn.utils.clip_grad_norm_(
                 self.model.parameters(), cfg.clip_grad_norm, foreach=True
             )
+            return full_tensor(norm)  # under fsdp a replicated DTensor: callbacks get a tensor
         return None
 
     def _optimizer_step(self, loss_dict: dict[str, Any], grad_norm: torch.Tensor | None) -> bool:
@@ -690,7 +694,12 @@ class FiniteCheck:
         self.fused = hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_")
 
     def any_nonfinite(self, tensors: list[torch.Tensor]) -> bool:
-        """``tensors`` must not require grad (detached losses, ``p.grad``)."""
+        """``tensors`` must not require grad (detached losses, ``p.grad``).
+
+        Sharded gradients are checked on this rank's slice; the caller agrees the
+        answer across ranks.
+        """
+        tensors = local_shards(tensors)
         if not self.fused:
             return not all(bool(torch.isfinite(t).all()) for t in tensors)
         self.found.zero_()
