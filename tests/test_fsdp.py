@@ -162,3 +162,22 @@ def test_stop_and_resume_of_a_two_rank_fsdp_run_gives_the_same_final_weights(tmp
     for ref, res in zip(reference, resumed, strict=True):
         assert ref["params"] == res["params"]
         assert res["losses"] == {s: v for s, v in ref["losses"].items() if int(s) > 10}
+
+
+@pytest.mark.slow
+def test_text_samples_under_fsdp_are_generated_by_every_rank_and_written_once(tmp_path):
+    # Each forward of a sharded model gathers weights from every rank: a callback that
+    # generated on rank 0 alone would hang the run at its first evaluation.
+    run = tmp_path / "run"
+    gpt = [
+        "--recipe", "gpt-stdlib", "train.parallel=fsdp", "train.max_steps=2",
+        "train.eval_every=2", "train.eval_max_batches=1", "data.max_bytes=200000",
+        "data.batch_size=4", "checkpoint.every=null", "callbacks.textgen=true",
+        "logging.progress=false", "control.enabled=false",
+    ]  # fmt: skip
+    cmd = [*TORCHRUN, "-m", "hookloop", "train", "--out", str(run), *gpt]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    samples = list(run.rglob("samples*"))
+    assert len(samples) == 1, samples
+    assert "step 2" in samples[0].read_text(encoding="utf-8").lower()

@@ -24,6 +24,7 @@ import torch
 import yaml
 
 from hookloop.callback import Callback
+from hookloop.distributed import is_sharded
 from hookloop.state import CallbackContext
 
 GenerateFn = Callable[..., str]
@@ -103,7 +104,13 @@ class TextgenCallback(Callback):
         self._written = self._file(ctx)  # known from the start, so a checkpoint records it
 
     def on_eval_end(self, ctx: CallbackContext) -> None:
-        if not ctx.state.is_rank_zero or ctx.model is None:
+        if ctx.model is None:
+            return
+        if not ctx.state.is_rank_zero:
+            # A sharded model gathers its weights in every forward: all ranks must generate
+            # together (same seeded generator, same tokens); only rank 0 keeps the text.
+            if is_sharded(ctx.model):
+                self.generate(ctx.model)
             return
         self.samples = [
             {"step": ctx.state.step, "prompt": p, "text": t}
