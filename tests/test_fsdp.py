@@ -91,15 +91,18 @@ def test_sharding_groups_each_called_child_and_leaves_tied_weights_to_the_root()
 
 
 @pytest.mark.slow
-def test_fsdp_on_two_ranks_matches_one_process_with_the_same_global_batch(tmp_path):
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_fsdp_on_two_ranks_matches_one_process_with_the_same_global_batch(tmp_path, grad_accum):
     # 2 ranks x 16 samples see the same 32 samples per step as 1 process x 32. FSDP2
     # reduce-scatters (averages) the gradients of the two per-rank means, so only the float
     # summation order differs: measured ~6e-8 after 24 SGD-momentum steps; 1e-5 leaves room
     # for other CPUs' kernels yet catches any real mistake (a missed or doubled reduction
     # moves the weights by 1e-2 or more). The 2-rank run passes its own optimizer, built
     # before sharding, so this also checks that it was pointed at the sharded parameters.
+    # With grad_accum=2 each rank runs 2 micro-batches of 8 and reduces only after the second.
+    accum = f"train.grad_accum={grad_accum}"
     single = launch("plain", tmp_path / "one", "data.batch_size=32", ranks=1)[0]
-    ranks = launch("own-optimizer", tmp_path / "two", "data.batch_size=16")
+    ranks = launch("own-optimizer", tmp_path / "two", f"data.batch_size={16 // grad_accum}", accum)
     assert ranks[0]["params"] == ranks[1]["params"]  # the same shards gathered on each rank
     for a, b in zip(single["params"], ranks[0]["params"], strict=True):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=1e-4)

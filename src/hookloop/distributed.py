@@ -12,9 +12,10 @@ with FSDP2 (its parameters become DTensors, each rank holding one slice), and
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -195,6 +196,29 @@ def _optimizer_slots(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -
             )
         slots.append([names[id(p)] for p in group["params"]])
     return slots
+
+
+def no_gradient_sync(model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
+    """Keep the gradients of the next backward on this rank (a micro-batch before the last).
+
+    DDP's ``no_sync()``; for an FSDP2 model, gradient reduction switched off for
+    the block (gradients then accumulate unsharded until the last micro-batch);
+    nothing for a model that does not synchronise.
+    """
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.no_sync()
+    if is_sharded(model):
+        return _fsdp_no_sync(model)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: Any) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

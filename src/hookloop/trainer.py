@@ -35,6 +35,7 @@ from hookloop.distributed import (
     full_tensor,
     gather_objects,
     local_shards,
+    no_gradient_sync,
     parallelize,
     rank_info,
 )
@@ -376,9 +377,9 @@ class Trainer:
             if hooks["on_micro_step_start"]:
                 ctx.batch = batch
                 self.callbacks.fire("on_micro_step_start", ctx)
-            # DDP all-reduces gradients only on the last micro-batch of the step.
-            sync = i == k - 1 or model is self.model
-            with self._autocast(), _NULL_CONTEXT if sync else model.no_sync():
+            # Gradients are reduced across ranks only on the last micro-batch of the step.
+            last = i == k - 1
+            with self._autocast(), _NULL_CONTEXT if last else no_gradient_sync(model):
                 output, loss_func = self._forward(st, data, model)
                 loss, _ = reducer.add(loss_func(output))
                 # (loss, meta): average over micro-batches. (loss_sum, tokens, meta): keep
