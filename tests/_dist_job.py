@@ -11,7 +11,7 @@ import torch
 
 from hookloop.config import apply_overrides
 from hookloop.distributed import full_tensor, init_from_env, rank_info
-from hookloop.entry import build_trainer, seed_everything
+from hookloop.entry import build_trainer, load_weights, seed_everything
 from hookloop.recipes import default_config, get_recipe
 from hookloop.trainer import Trainer
 
@@ -75,6 +75,10 @@ def main() -> None:
             return output, loss_func
 
         trainer._forward = poisoned
+    if mode == "load-weights":  # no training: report the weights read from <out>/weights-from
+        load_weights(trainer.model, (Path(out) / "weights-from").read_text())
+        finish(out, mode, rank, world, {"params": whole_params(trainer)})
+        return
     result = trainer.train()
     record = {
         "rank": rank,
@@ -83,13 +87,21 @@ def main() -> None:
         "stop_reason": result.stop_reason,
         "skipped": trainer.state.skipped_steps,
         "losses": losses,
-        # Whole values (gathered from the shards under fsdp), so every rank reports the same.
-        "params": [full_tensor(p.detach()).flatten().tolist() for p in trainer.model.parameters()],
+        "params": whole_params(trainer),
         "eval_loss": result.metrics.get("eval_loss"),
     }
     if mode == "diloco":
         record["synced"] = synced
         record["outer_steps"] = diloco.outer_steps
+    finish(out, mode, rank, world, record)
+
+
+def whole_params(trainer: Trainer) -> list[list[float]]:
+    """Whole values (gathered from the shards under fsdp), so every rank reports the same."""
+    return [full_tensor(p.detach()).flatten().tolist() for p in trainer.model.parameters()]
+
+
+def finish(out: str, mode: str, rank: int, world: int, record: dict) -> None:
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / f"result-{mode}-rank{rank}.json").write_text(json.dumps(record))
     torch.distributed.destroy_process_group() if world > 1 else None

@@ -10,11 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_model
 
 from hookloop import TrainConfig, Trainer
 from hookloop.checkpoint import FAULT_ENV, CheckpointError, CheckpointStorage
 from hookloop.config import Config, apply_overrides
 from hookloop.distributed import shard_units
+from hookloop.entry import load_weights
+from hookloop.recipes import default_config, get_recipe
 from hookloop.testing import TinyModel, ToyData
 
 JOB = str(Path(__file__).with_name("_dist_job.py"))
@@ -184,3 +187,26 @@ def test_text_samples_under_fsdp_are_generated_by_every_rank_and_written_once(tm
     samples = list(run.rglob("samples*"))
     assert len(samples) == 1, samples
     assert "step 2" in samples[0].read_text(encoding="utf-8").lower()
+
+
+@pytest.mark.slow
+def test_weights_of_a_sharded_checkpoint_load_into_a_plain_or_a_sharded_model(tmp_path):
+    trained = launch("train", tmp_path / "run")[0]  # ends with a sharded checkpoint at step 24
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert (checkpoints / CheckpointStorage(checkpoints).latest_name() / "sharded").is_dir()
+
+    cfg = default_config("mlp-regression")
+    apply_overrides(cfg, BASE)
+    plain = get_recipe("mlp-regression").build(cfg).model
+    load_weights(plain, checkpoints)  # one process, no process group
+    assert [p.detach().flatten().tolist() for p in plain.parameters()] == trained["params"]
+
+    # And from a full model.safetensors into a model sharded over two ranks.
+    save_model(plain, str(tmp_path / "full.safetensors"))
+    (tmp_path / "load").mkdir()
+    (tmp_path / "load" / "weights-from").write_text(str(tmp_path / "full.safetensors"))
+    for rank in launch("load-weights", tmp_path / "load"):
+        assert rank["params"] == trained["params"]
+    (tmp_path / "load" / "weights-from").write_text(str(checkpoints))
+    for rank in launch("load-weights", tmp_path / "load"):
+        assert rank["params"] == trained["params"]
