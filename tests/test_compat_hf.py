@@ -14,6 +14,7 @@ import pytest
 import torch
 from tests._seed_examples import example
 
+from _golden import golden_run_config
 from hookloop import Callback, Config, ExitCode
 from hookloop import Trainer as NativeTrainer
 from hookloop.compat.hf import (
@@ -162,18 +163,6 @@ EXPECTED_HF_TRACE = [
 ]
 
 
-def _golden_run_config() -> Config:
-    cfg = Config()
-    cfg.data.batch_size = 4
-    cfg.train.device = "cpu"
-    cfg.train.handle_signals = False
-    cfg.train.grad_accum = 2
-    cfg.train.max_epochs = 2
-    cfg.train.eval_every = 3
-    cfg.train.log_every = 2
-    return cfg
-
-
 def test_hf_event_order_matches_the_golden_trace():
     rec = HFRecorder()
     trainer = Trainer(
@@ -182,7 +171,7 @@ def test_hf_event_order_matches_the_golden_trace():
         eval_dataset=ToyData(n=8, seed=1),
         test_dataset=ToyData(n=8, seed=2),
         loss_fn=TinyModel.loss_fn,
-        config=_golden_run_config(),
+        config=golden_run_config(),
         callbacks=[rec],
     )
     trainer.train()

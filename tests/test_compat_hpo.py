@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import Dataset
 
 import hookloop.compat.hpo as hpo
+from _golden import golden_run_config
 from _seed_examples import example, with_imports
 from hookloop import Callback, CallbackManager, Trainer
 from hookloop.callbacks import JsonLogger, read_jsonl
@@ -29,7 +30,6 @@ from hookloop.compat.hpo import (
     as_native,
 )
 from hookloop.testing import TinyModel, ToyData
-from test_trace import _golden_run_config
 
 SEED_IMPORT = {"from callbacks import": "from hookloop.compat.hpo import TrainingCallback"}
 
@@ -444,7 +444,7 @@ def test_seed_event_order_matches_the_golden_trace():
         train_data=ToyData(n=16),
         eval_data=ToyData(n=8, seed=1),
         loss_fn=TinyModel.loss_fn,
-        config=_golden_run_config(),
+        config=golden_run_config(),
         callbacks=as_native(recorder),
     )
     result = trainer.train()

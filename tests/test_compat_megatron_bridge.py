@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from _golden import golden_run_config
 from _seed_examples import example, with_imports
 from hookloop import Callback as NativeCallback
 from hookloop import Trainer
@@ -33,7 +34,6 @@ from hookloop.compat.megatron_bridge.training.pretrain import pretrain
 from hookloop.compat.megatron_bridge.training.state import GlobalState
 from hookloop.testing import TinyModel, ToyData
 from test_trace import EXPECTED as NATIVE_EXPECTED
-from test_trace import _golden_run_config
 
 MB = "hookloop.compat.megatron_bridge"
 QWEN_IMPORT = "from megatron.bridge.recipes.qwen import qwen25_500m_pretrain_config"
@@ -445,7 +445,7 @@ def _tiny_trainer(manager: CallbackManager, **kw: Any) -> Trainer:
         eval_data=ToyData(n=8, seed=1),
         test_data=ToyData(n=8, seed=2),
         loss_fn=TinyModel.loss_fn,
-        config=_golden_run_config(),
+        config=golden_run_config(),
         callbacks=manager.native,
         **kw,
     )

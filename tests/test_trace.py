@@ -9,7 +9,8 @@ k x (micro start, micro end), before/after optimizer step, step end; then loggin
 
 from __future__ import annotations
 
-from hookloop import Config, Trainer
+from _golden import golden_run_config
+from hookloop import Trainer
 from hookloop.testing import RecordingCallback, TinyModel, ToyData
 
 EXPECTED = [
@@ -80,18 +81,6 @@ EXPECTED = [
 ]
 
 
-def _golden_run_config() -> Config:
-    cfg = Config()
-    cfg.data.batch_size = 4
-    cfg.train.device = "cpu"
-    cfg.train.handle_signals = False
-    cfg.train.grad_accum = 2
-    cfg.train.max_epochs = 2
-    cfg.train.eval_every = 3
-    cfg.train.log_every = 2
-    return cfg
-
-
 def test_native_event_order_matches_the_golden_trace():
     rec = RecordingCallback()
     trainer = Trainer(
@@ -99,7 +88,7 @@ def test_native_event_order_matches_the_golden_trace():
         train_data=ToyData(n=16),
         eval_data=ToyData(n=8, seed=1),
         loss_fn=TinyModel.loss_fn,
-        config=_golden_run_config(),
+        config=golden_run_config(),
         callbacks=[rec],
     )
     result = trainer.train()
@@ -116,7 +105,7 @@ def test_test_after_training_appends_only_test_events():
         eval_data=ToyData(n=8, seed=1),
         test_data=ToyData(n=8, seed=2),
         loss_fn=TinyModel.loss_fn,
-        config=_golden_run_config(),
+        config=golden_run_config(),
         callbacks=[rec],
     )
     trainer.train()
