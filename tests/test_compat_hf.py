@@ -126,6 +126,7 @@ EXPECTED_HF_TRACE = [
     ("on_log", 2),
     ("on_prediction_step", 2),  # epoch-end evaluation, before on_epoch_end
     ("on_prediction_step", 2),
+    ("on_log", 2),  # evaluation metrics, as HF logs them
     ("on_evaluate", 2),
     ("on_epoch_end", 2),
     ("on_epoch_begin", 2),
@@ -141,6 +142,7 @@ EXPECTED_HF_TRACE = [
     ("on_train_metrics", 3),
     ("on_prediction_step", 3),  # eval every 3 steps
     ("on_prediction_step", 3),
+    ("on_log", 3),  # evaluation metrics, as HF logs them
     ("on_evaluate", 3),
     ("on_step_begin", 3),
     ("on_forward_backward_begin", 3),
@@ -156,6 +158,7 @@ EXPECTED_HF_TRACE = [
     ("on_log", 4),
     ("on_prediction_step", 4),
     ("on_prediction_step", 4),
+    ("on_log", 4),  # evaluation metrics, as HF logs them
     ("on_evaluate", 4),
     ("on_epoch_end", 4),
     ("on_train_end", 4),
@@ -338,6 +341,23 @@ def test_transformers_printer_callback_prints_each_log(capsys: pytest.CaptureFix
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert len(lines) == 2
     assert all("'loss':" in line and "'epoch':" in line for line in lines)
+
+
+def test_transformers_printer_callback_also_prints_evaluation_metrics(
+    capsys: pytest.CaptureFixture[str],
+):
+    tc = _transformers()
+    args = _args(
+        max_steps=4, logging_strategy="steps", logging_steps=2, eval_strategy="steps", eval_steps=4
+    )
+    trainer = _trainer([tc.PrinterCallback()], args, eval_dataset=ToyData(n=8, seed=1))
+    metrics = trainer.train().metrics
+
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    # Train logs at steps 2 and 4, then the evaluation at step 4, in HF's order.
+    assert ["'loss':" in line for line in lines] == [True, True, False]
+    assert f"'eval_loss': '{metrics['eval_loss']:.4g}'" in lines[2]
+    assert "eval_loss" in metrics  # the printer popped from its own copy, not the metrics
 
 
 def test_handwritten_transformers_callback_stops_training_at_its_step():

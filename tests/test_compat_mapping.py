@@ -30,13 +30,20 @@ def test_each_dialect_has_the_event_count_its_seed_documents():
     assert len(dialect_event_names("hf")) == 19
 
 
-def test_no_dialect_event_is_fired_by_two_native_events():
+def test_only_hf_on_log_is_fired_by_two_native_events():
+    # HF's Trainer reports evaluation metrics through on_log as well as training logs.
+    shared = {}
     for dialect in DIALECTS:
-        seen: dict[str, str] = {}
+        seen: dict[str, list[str]] = {}
         for native, events in dialect_events(dialect).items():
             for event in events:
-                assert event not in seen, f"{dialect}: {event} from {seen.get(event)} and {native}"
-                seen[event] = native
+                seen.setdefault(event, []).append(native)
+        shared[dialect] = {e: n for e, n in seen.items() if len(n) > 1}
+    assert shared == {
+        "megatron_bridge": {},
+        "hpo": {},
+        "hf": {"on_log": ["on_log", "on_eval_end"]},
+    }
 
 
 def test_an_unknown_dialect_is_refused_with_the_known_ones_listed():

@@ -52,10 +52,12 @@ _TABLE: dict[str, dict[str, tuple[str, ...]]] = {
         "megatron_bridge": ("on_eval_step_end",),
         "hf": ("on_prediction_step",),
     },
+    # HF's Trainer also reports evaluation metrics through on_log, just before on_evaluate,
+    # so loggers written for it (PrinterCallback, integrations) see them.
     "on_eval_end": {
         "megatron_bridge": ("on_eval_end",),
         "hpo": ("on_val_end",),
-        "hf": ("on_evaluate",),
+        "hf": ("on_log", "on_evaluate"),
     },
     "on_test_start": {"megatron_bridge": ("on_test_start",)},
     "on_test_step_start": {"megatron_bridge": ("on_test_step_start",)},

@@ -229,7 +229,7 @@ class _HFAdapter(Callback):
             call = self._calls.get(event)
             if call is None or (event == "on_substep_end" and _last_micro_step(ctx)):
                 continue
-            extra = _extra_kwargs(event, ctx)
+            extra = _extra_kwargs(event, native_event, ctx, session.state)
             before = session.control.flags()
             result = call(session.args, session.state, session.control, {**session.kwargs, **extra})
             session.adopt(result, self._label, event)
@@ -450,7 +450,13 @@ def _check_required(params: list[inspect.Parameter], offered: set[str], where: s
         )
 
 
-def _extra_kwargs(event: str, ctx: CallbackContext) -> dict[str, Any]:
+def _extra_kwargs(
+    event: str, native_event: str, ctx: CallbackContext, state: TrainerState
+) -> dict[str, Any]:
+    if event == "on_log" and native_event == "on_eval_end":  # HF logs evaluation metrics too
+        # A fresh dict per handler, as HF's Trainer.log builds: the metrics plus the epoch
+        # (a handler that pops from it, like PrinterCallback, leaves the metrics alone).
+        return {"logs": {**(ctx.metrics or {}), "epoch": state.epoch}}
     if event in ("on_log_step", "on_log"):
         return {"logs": ctx.logs}
     if event in ("on_evaluate", "on_predict"):
