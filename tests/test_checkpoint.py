@@ -142,8 +142,12 @@ def test_crash_inside_the_save_protocol_never_leaves_a_loadable_partial(
 
 @pytest.mark.slow
 def test_sigterm_saves_at_the_current_step_exits_143_and_resume_is_exact(tmp_path):
-    args = ["train.max_steps=150", "checkpoint.every=null", "train.eval_every=1000",
-            "data.train_samples=4096"]
+    args = [
+        "train.max_steps=150",
+        "checkpoint.every=null",
+        "train.eval_every=1000",
+        "data.train_samples=4096",
+    ]
     ref = tmp_path / "ref"
     hookloop(ref, *args)
     run = tmp_path / "run"
@@ -347,9 +351,7 @@ def test_retention_keeps_the_newest_and_the_best():
         for s, m in [(1, 0.9), (2, 0.2), (3, 0.5), (4, 0.7), (5, 0.6)]
     ]
     assert policy.to_keep(manifests, latest="step-5") == {"step-4", "step-5", "step-2"}
-    assert SavePolicy(keep_last=None).to_keep(manifests, None) == {
-        f"step-{s}" for s in range(1, 6)
-    }
+    assert SavePolicy(keep_last=None).to_keep(manifests, None) == {f"step-{s}" for s in range(1, 6)}
 
 
 def test_save_request_from_a_callback_writes_a_checkpoint_at_that_step(tmp_path):
@@ -357,9 +359,7 @@ def test_save_request_from_a_callback_writes_a_checkpoint_at_that_step(tmp_path)
     cfg.checkpoint.save_on_end = False
     trainer = Trainer(TinyModel(), train_data=ToyData(n=32), loss_fn=TinyModel.loss_fn,
                       config=cfg, out_dir=str(tmp_path))  # fmt: skip
-    trainer.callbacks.register(
-        "on_train_step_end", lambda ctx: ctx.control.request_save(), once=3
-    )
+    trainer.callbacks.register("on_train_step_end", lambda ctx: ctx.control.request_save(), once=3)
     saved = []
     trainer.callbacks.register("on_checkpoint_save", lambda ctx: saved.append(ctx.state.step))
     trainer.train()
