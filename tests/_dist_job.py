@@ -104,7 +104,11 @@ def whole_params(trainer: Trainer) -> list[list[float]]:
 def finish(out: str, mode: str, rank: int, world: int, record: dict) -> None:
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / f"result-{mode}-rank{rank}.json").write_text(json.dumps(record))
-    torch.distributed.destroy_process_group() if world > 1 else None
+    if world > 1:
+        # Every rank done with its collectives before any tears the group down: a rank that
+        # destroyed it while another was still finishing once died with SIGABRT in gloo.
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
