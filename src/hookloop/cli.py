@@ -116,11 +116,17 @@ def _run_dir(out: str | None, recipe: str, resume: str | None) -> Path:
 
 def _train(args: argparse.Namespace) -> int:
     from hookloop.callbacks.defaults import default_callbacks
-    from hookloop.distributed import broadcast_object, init_from_env, rank_info
+    from hookloop.distributed import (
+        broadcast_object,
+        init_from_env,
+        is_distributed,
+        leave_process_group,
+        rank_info,
+    )
     from hookloop.entry import build_trainer
 
     cfg = resolve_config(args.recipe, args.config, args.overrides)
-    init_from_env()  # under torchrun: join the process group (gloo on CPU, nccl on GPU)
+    joined = not is_distributed() and init_from_env()  # under torchrun: gloo on CPU, nccl on GPU
     # Rank 0 decides the run directory (and refuses a used one); every rank gets its answer.
     decision: tuple[str | None, str | None] = (None, None)
     if rank_info()[0] == 0:
@@ -146,6 +152,8 @@ def _train(args: argparse.Namespace) -> int:
         print(f"hookloop: recipe {cfg.recipe}, run directory {run_dir}", file=sys.stderr)
     trainer = build_trainer(cfg, callbacks=callbacks, out_dir=run_dir, resume=args.resume)
     result = trainer.train()
+    if joined:
+        leave_process_group()  # every rank ended at the same step: a clean torchrun exit
     summary = ", ".join(f"{k} {v:.4f}" for k, v in result.metrics.items())
     if rank == 0:
         print(

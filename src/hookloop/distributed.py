@@ -92,6 +92,17 @@ def init_from_env() -> bool:
     return True
 
 
+def leave_process_group() -> None:
+    """Wait for every rank, then destroy the default process group (if there is one).
+
+    For the end of a run that every rank reached: destroying the group while a
+    peer is still in a collective can kill that peer.
+    """
+    if is_distributed():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def wrap_data_parallel(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """DDP-wrap ``model`` when there is more than one rank; otherwise return it as is."""
     from torch.nn.parallel import DistributedDataParallel
