@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-JOB = str(Path(__file__).with_name("_dist_job.py"))
+from _dist_launch import JOB, run_job, torchrun
+
 BASE = ["data.train_samples=512", "data.eval_samples=64", "train.max_steps=24",
         "train.eval_every=8", "checkpoint.every=4"]  # fmt: skip
 
@@ -18,14 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 def launch(mode: str, out: Path, *overrides: str, ranks: int = 2) -> list[dict]:
-    if ranks == 1:
-        cmd = [sys.executable, JOB, mode, str(out), *BASE, *overrides]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={ranks}", JOB, mode, str(out), *BASE, *overrides]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads((out / f"result-{mode}-rank{r}.json").read_text()) for r in range(ranks)]
+    return run_job(mode, out, *BASE, *overrides, ranks=ranks)
 
 
 def test_two_ranks_match_one_process_with_the_same_global_batch(tmp_path):
@@ -85,8 +77,7 @@ def test_diloco_with_two_workers_lowers_the_loss_and_keeps_workers_identical_aft
 
 
 def test_diloco_refuses_per_step_gradient_sync(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           JOB, "diloco", str(tmp_path), *BASE, "data.batch_size=16"]  # fmt: skip
+    cmd = [*torchrun(2), JOB, "diloco", str(tmp_path), *BASE, "data.batch_size=16"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0
     assert "train.parallel='local'" in proc.stderr

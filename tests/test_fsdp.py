@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_model
 
+from _dist_launch import run_job, torchrun
 from hookloop import TrainConfig, Trainer
 from hookloop.checkpoint import FAULT_ENV, CheckpointError, CheckpointStorage
 from hookloop.config import Config, apply_overrides
@@ -20,7 +19,6 @@ from hookloop.entry import load_weights
 from hookloop.recipes import default_config, get_recipe
 from hookloop.testing import TinyModel, ToyData
 
-JOB = str(Path(__file__).with_name("_dist_job.py"))
 BASE = ["data.train_samples=512", "data.eval_samples=64", "train.max_steps=24",
         "train.eval_every=8", "checkpoint.every=4", "train.parallel=fsdp"]  # fmt: skip
 CLI_RUN = [
@@ -29,22 +27,17 @@ CLI_RUN = [
     "data.train_samples=256", "data.eval_samples=64", "data.batch_size=16",
     "logging.progress=false", "control.enabled=false",
 ]  # fmt: skip
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+TORCHRUN = torchrun(2)
 
 
 def launch(mode: str, out: Path, *overrides: str, ranks: int = 2) -> list[dict]:
-    prefix = [sys.executable] if ranks == 1 else TORCHRUN
-    cmd = [*prefix, JOB, mode, str(out), *BASE, *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads((out / f"result-{mode}-rank{r}.json").read_text()) for r in range(ranks)]
+    return run_job(mode, out, *BASE, *overrides, ranks=ranks)
 
 
 def hookloop_train(
     out: Path, *extra: str, ranks: int = 2, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    prefix = [sys.executable] if ranks == 1 else TORCHRUN
-    cmd = [*prefix, "-m", "hookloop", "train", "--out", str(out), *CLI_RUN, *extra]
+    cmd = [*torchrun(ranks), "-m", "hookloop", "train", "--out", str(out), *CLI_RUN, *extra]
     env = {**os.environ, **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
 

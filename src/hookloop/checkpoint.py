@@ -105,10 +105,10 @@ class CheckpointStorage:
         entries = {}
         for fpath in sorted((staging / subdir).rglob("*")):
             if fpath.is_file():
-                _fsync_file(fpath)
+                _fsync(fpath)
                 key = fpath.relative_to(staging).as_posix()
                 entries[key] = {"size": fpath.stat().st_size, "sha256": _sha256(fpath)}
-        _fsync_dir(staging / subdir)
+        _fsync(staging / subdir)
         return entries
 
     def publish(
@@ -118,19 +118,19 @@ class CheckpointStorage:
         _fault("files_written", meta.get("step"))
         manifest = {"format": FORMAT_VERSION, "name": name, "files": entries, **meta}
         _write_synced(staging / MANIFEST, json.dumps(manifest, indent=1).encode())
-        _fsync_dir(staging)
+        _fsync(staging)
         _fault("manifest_written", meta.get("step"))
         final = self.root / name
         if final.exists():  # same step saved again (e.g. on request, then at the end)
             shutil.rmtree(final)
         os.replace(staging, final)
-        _fsync_dir(self.root)
+        _fsync(self.root)
         _fault("renamed", meta.get("step"))
         pointer = self.root / f".{LATEST}.tmp"
         _write_synced(pointer, name.encode())
         _fault("latest_staged", meta.get("step"))
         os.replace(pointer, self.root / LATEST)
-        _fsync_dir(self.root)
+        _fsync(self.root)
         _fault("committed", meta.get("step"))
         return final
 
@@ -624,15 +624,8 @@ def _write_synced(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a directory's entries, to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

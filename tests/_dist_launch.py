@@ -1,0 +1,26 @@
+"""Launch ``tests/_dist_job.py`` on 1 or N ranks and read back each rank's result."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+JOB = str(Path(__file__).with_name("_dist_job.py"))
+
+
+def torchrun(ranks: int) -> list[str]:
+    """The command prefix that starts ``ranks`` processes (plain python for one)."""
+    if ranks == 1:
+        return [sys.executable]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={ranks}"]  # fmt: skip
+
+
+def run_job(mode: str, out: Path, *overrides: str, ranks: int = 2) -> list[dict]:
+    """Run the job in ``mode``; returns the result record of every rank, in rank order."""
+    cmd = [*torchrun(ranks), JOB, mode, str(out), *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((out / f"result-{mode}-rank{r}.json").read_text()) for r in range(ranks)]
