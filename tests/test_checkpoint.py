@@ -429,6 +429,22 @@ def test_save_request_from_a_callback_writes_a_checkpoint_at_that_step(tmp_path)
     ]  # fmt: skip
 
 
+def test_on_checkpoint_save_says_how_long_the_save_took(tmp_path):
+    trainer = toy_trainer(tmp_path, max_steps=4)
+    seen = []
+
+    def record(ctx):
+        seen.append(ctx.checkpoint_timing)
+
+    trainer.callbacks.register("on_checkpoint_save", record)
+    trainer.callbacks.register("on_train_end", lambda ctx: seen.append(ctx.checkpoint_timing))
+    trainer.train()
+    *saves, after = seen
+    assert saves and after is None
+    for timing in saves:
+        assert 0 < timing.blocked_seconds <= timing.seconds < 30
+
+
 def test_abort_saves_nothing(tmp_path):
     trainer = toy_trainer(tmp_path, max_steps=50)
     trainer.config.checkpoint.every = None

@@ -386,6 +386,17 @@ class RunInfo:
         return self.resume is not None
 
 
+@dataclass(frozen=True)
+class SaveTiming:
+    """How long one checkpoint save took, and how much of it training waited for.
+
+    ``blocked_seconds`` equals ``seconds`` for a synchronous save; an asynchronous
+    save blocks only while state is copied off the training tensors."""
+
+    seconds: float
+    blocked_seconds: float
+
+
 class CallbackContext:
     """The one object every handler receives.
 
@@ -402,12 +413,14 @@ class CallbackContext:
     - ``logs``: the mutable dict of numbers for this log event (``on_before_log``, ``on_log``)
     - ``metrics`` (alias ``total_loss_dict``): evaluation results (``on_eval_end``, ``on_test_end``)
     - ``checkpoint_path``: the directory saved or loaded (``on_checkpoint_*``)
+    - ``checkpoint_timing``: :class:`SaveTiming` of the save just committed (``on_checkpoint_save``)
     - ``exception``: the exception being raised (``on_exception``)
     """
 
     __slots__ = (
         "batch",
         "checkpoint_path",
+        "checkpoint_timing",
         "config",
         "control",
         "exception",
@@ -458,13 +471,14 @@ class CallbackContext:
         self.logs: dict[str, Any] | None = None
         self.metrics: dict[str, float] | None = None
         self.checkpoint_path: Any = None
+        self.checkpoint_timing: SaveTiming | None = None
         self.exception: BaseException | None = None
 
     def clear_event_fields(self) -> None:
         """Reset every per-event field to None."""
         self.batch = self.outputs = self.loss = self.loss_dict = self.grad_norm = None
         self.skipped_iter = self.logs = self.metrics = self.checkpoint_path = None
-        self.exception = None
+        self.checkpoint_timing = self.exception = None
 
     @property
     def total_loss_dict(self) -> dict[str, float] | None:

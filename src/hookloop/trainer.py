@@ -56,7 +56,7 @@ from hookloop.precision import Precision
 from hookloop.result import ExitCode, TrainResult
 from hookloop.rundir import RunDir
 from hookloop.runlock import RunDirLocked, run_lock
-from hookloop.state import CallbackContext, Control, Requests, RunInfo, TrainState
+from hookloop.state import CallbackContext, Control, Requests, RunInfo, SaveTiming, TrainState
 from hookloop.step import (
     LossReducer,
     LossWindow,
@@ -611,6 +611,7 @@ class Trainer:
             raise ValueError("save_checkpoint() needs a run directory: pass out_dir to Trainer")
         st = self.state
         self._sync_tokens()
+        started = time.perf_counter()
         path = self.checkpoints.save(
             self._checkpoint_state(),
             step=st._step,
@@ -619,6 +620,8 @@ class Trainer:
             metrics=st._last_eval,
         )
         if path is not None:
+            took = time.perf_counter() - started
+            self.ctx.checkpoint_timing = SaveTiming(seconds=took, blocked_seconds=took)
             self._fire_checkpoint_event("on_checkpoint_save", path)
         return path
 
@@ -636,7 +639,7 @@ class Trainer:
     def _fire_checkpoint_event(self, event: str, path: Path) -> None:
         self.ctx.checkpoint_path = path
         self._fire(event)
-        self.ctx.checkpoint_path = None
+        self.ctx.checkpoint_path = self.ctx.checkpoint_timing = None
 
     # -- evaluation and testing ------------------------------------------------
     def _evaluate_in_training(self) -> None:
