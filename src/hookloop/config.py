@@ -210,12 +210,23 @@ class CallbacksConfig:
     early_stopping_patience: int | None = opt(
         None, "Stop after N evaluations without a better eval_loss (null: off)."
     )
+    straggler_every: int | None = opt(
+        None, "Every N steps, name ranks slower than the median (StragglerDetection; null: off)."
+    )
+    straggler_threshold: float = opt(
+        1.4, "A rank slower than this many times the median step time is a straggler."
+    )
 
     def validate(self) -> None:
         if self.peak_flops is not None and not self.peak_flops > 0:
             raise ValueError(f"callbacks.peak_flops must be > 0 or null, got {self.peak_flops!r}")
         if self.early_stopping_patience is not None:
             _positive(self, "early_stopping_patience", "callbacks")
+        if self.straggler_every is not None:
+            _positive(self, "straggler_every", "callbacks")
+        st = self.straggler_threshold
+        if isinstance(st, bool) or not isinstance(st, (int, float)) or not st > 1:
+            raise ValueError(f"callbacks.straggler_threshold must be a number > 1, got {st!r}")
 
 
 @dataclass

@@ -295,6 +295,15 @@ def gather_objects(obj: Any) -> list[Any]:
     return out
 
 
+def all_gather_tensor(value: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``value`` stacked in rank order (shape ``(world, *value.shape)``)."""
+    if not is_distributed():
+        return value.unsqueeze(0)
+    out = [torch.empty_like(value) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, value.contiguous())
+    return torch.stack(out)
+
+
 def barrier() -> None:
     if is_distributed():
         dist.barrier()

@@ -4,8 +4,8 @@ Native names, with the seed documents' names as aliases where they differ so
 that code written against those APIs reads the same. Optional libraries
 (optuna, wandb, tensorboard) are imported only when their callback is built.
 
-Priorities (lower runs earlier): InfoCallback 1, NaNDetection 5, OptimizerMode
-10, GradientMonitor 12, ProfilerCallback 15, DiLoCo 15, DefaultMetrics 20,
+Priorities (lower runs earlier): InfoCallback 1, StragglerDetection 2, NaNDetection 5,
+OptimizerMode 10, GradientMonitor 12, ProfilerCallback 15, DiLoCo 15, DefaultMetrics 20,
 norm loggers 25, PeakMemory 30, TextgenCallback 60, LossPrediction 70,
 OverfitDetection 75, DivergenceDetector 80, WandbLoggingCallback 80,
 OptunaPruning 85, EarlyStopping 90, CheckpointPolicy 95, JsonLogger 100,
@@ -31,6 +31,7 @@ from hookloop.callbacks.optuna_pruning import OptunaPruning, PrunerCallback
 from hookloop.callbacks.overfit import OverfitDetection, OverfitDetectionCallback
 from hookloop.callbacks.profiler import ProfilerCallback
 from hookloop.callbacks.progress import ProgressBar, ProgressCallback, format_metrics
+from hookloop.callbacks.straggler import StragglerDetection
 from hookloop.callbacks.tensorboard import ResumableSummaryWriter, TBLogger
 from hookloop.callbacks.textgen import TextgenCallback
 from hookloop.callbacks.wandb_logger import WandbLoggingCallback
@@ -67,6 +68,7 @@ __all__ = [
     "PrunerCallback",
     "ResumableSummaryWriter",
     "SpikeTracker",
+    "StragglerDetection",
     "TBLogger",
     "TextgenCallback",
     "WandbLoggingCallback",

@@ -9,6 +9,7 @@ DefaultMetrics               20  callbacks.metrics (callbacks.peak_flops for MFU
 TextgenCallback              60  callbacks.textgen (text recipes)
 DivergenceDetector           80  callbacks.divergence
 EarlyStopping                90  callbacks.early_stopping_patience
+StragglerDetection            2  callbacks.straggler_every (off by default)
 JsonLogger                  100  logging.json
 TBLogger                    100  logging.tensorboard
 WandbLoggingCallback         80  logging.wandb
@@ -62,6 +63,12 @@ def default_callbacks(cfg: Config, run_dir: str | Path | None) -> list[Callback]
         from hookloop.callbacks.early_stopping import EarlyStopping
 
         callbacks.append(EarlyStopping(patience=on.early_stopping_patience))
+    if on.straggler_every is not None:
+        from hookloop.callbacks.straggler import StragglerDetection
+
+        callbacks.append(
+            StragglerDetection(every=on.straggler_every, threshold=on.straggler_threshold)
+        )
     if log.json and run is not None:
         callbacks.append(JsonLogger(run.metrics))
     if log.tensorboard and run is not None:

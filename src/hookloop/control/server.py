@@ -309,12 +309,14 @@ class ControlServer(Callback):
         self._record: JobRecord | None = None
         self._can_save = False
         self._can_evaluate = False
+        self._user_state: dict[str, Any] = {}
 
     # -- events (training thread) ----------------------------------------------
     def on_train_start(self, ctx: CallbackContext) -> None:
         if not self.enable_http or not ctx.state.is_rank_zero or self._thread is not None:
             return
         self._state, self._control = ctx.state, ctx.control
+        self._user_state = ctx.user_state  # what other callbacks publish (e.g. stragglers)
         self._can_save = ctx.run.can_checkpoint
         self._can_evaluate = ctx.run.has_eval_data
         self._snapshot = _Snapshot()
@@ -661,6 +663,8 @@ class ControlServer(Callback):
                 "eval": snap.eval,
                 "eval_step": snap.eval_step,
                 "checkpoint": snap.checkpoint,
+                # StragglerDetection's latest report (replaced whole, never mutated), or None
+                "stragglers": self._user_state.get("stragglers"),
                 "stopping": snap.stopping,
                 "history_seq": snap.seq,
                 "recent_commands": list(snap.filed),
