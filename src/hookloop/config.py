@@ -173,6 +173,12 @@ class CheckpointConfig:
         False, "resume=auto with every checkpoint damaged starts over (default: refuse)."
     )
     pretrained: str | None = opt(None, "Weights to start from (finetune): a checkpoint or file.")
+    local_every: int | None = opt(
+        None, "Also save a local (non-persistent) checkpoint every N steps (null: off)."
+    )
+    local_dir: str | None = opt(
+        None, "Where local checkpoints go (null: local_checkpoints/ in the run directory)."
+    )
 
     def validate(self) -> None:
         if self.every is not None:
@@ -180,6 +186,19 @@ class CheckpointConfig:
         if self.keep_last is not None:
             _positive(self, "keep_last", "checkpoint")
         _positive(self, "keep_best", "checkpoint")
+        if self.local_every is not None:
+            _positive(self, "local_every", "checkpoint")
+        if self.local_dir is not None and (
+            not isinstance(self.local_dir, str) or not self.local_dir
+        ):
+            raise ValueError(
+                f"checkpoint.local_dir must be a directory path or null, got {self.local_dir!r}"
+            )
+        if self.local_dir is not None and self.local_every is None:
+            raise ValueError(
+                "checkpoint.local_dir is set but checkpoint.local_every is null, so no local "
+                "checkpoint would be written; set checkpoint.local_every=N (steps) as well"
+            )
 
 
 @dataclass

@@ -50,6 +50,7 @@ from hookloop.distributed import (
     parallelize,
     rank_info,
 )
+from hookloop.local_checkpoints import find_resume, local_manager, restore
 from hookloop.manager import CallbackManager
 from hookloop.optim import build_optimizer, build_scheduler
 from hookloop.precision import Precision
@@ -131,6 +132,7 @@ class Trainer:
         )
         self.precision = Precision(self.config.train.precision, self.device)
         self.checkpoints = self._checkpoint_manager()
+        self.local_checkpoints = self._local_checkpoint_manager()
         self.ctx = CallbackContext(
             trainer=self,
             state=st,
@@ -219,6 +221,13 @@ class Trainer:
         return CheckpointManager.from_config(
             self.config.checkpoint, run.checkpoints, resuming=self.resume is not None
         )
+
+    def _local_checkpoint_manager(self) -> CheckpointManager | None:
+        """Local checkpoints (``checkpoint.local_every``) go beside the persistent ones."""
+        if self.checkpoints is None:
+            return None
+        run = RunDir.of_checkpoint(self.checkpoints.storage.root)
+        return local_manager(self.config.checkpoint, run, resuming=self.resume is not None)
 
     def _run_info(self) -> RunInfo:
         limit = self.config.train.eval_max_batches
@@ -481,6 +490,8 @@ class Trainer:
         checkpoints = self.checkpoints
         if not stopping and checkpoints and checkpoints.due(st._step, requested=requests.save):
             self.save_checkpoint()
+        elif not stopping and self.local_checkpoints and self.local_checkpoints.due(st._step):
+            self._save_local_checkpoint()
         return stopping
 
     def _epoch_boundary(self) -> None:
@@ -625,13 +636,26 @@ class Trainer:
             self._fire_checkpoint_event("on_checkpoint_save", path)
         return path
 
+    def _save_local_checkpoint(self) -> None:
+        """A local checkpoint: the same state, kept only until the next (no event fired)."""
+        st = self.state
+        self._sync_tokens()
+        self.local_checkpoints.save(  # type: ignore[union-attr]
+            self._checkpoint_state(),
+            step=st._step,
+            epoch=st._epoch,
+            config=self.config.to_dict(),
+            metrics=st._last_eval,
+        )
+
     def load_checkpoint(self, target: str) -> Path | None:
         """Restore from ``"auto"`` (the newest intact checkpoint) or a path, and fire
         ``on_checkpoint_load``. None when ``"auto"`` finds nothing to resume."""
         if self.checkpoints is None:
             raise ValueError("load_checkpoint() needs out_dir or resume: pass one to Trainer")
-        path = self.checkpoints.load(target, self._checkpoint_state())
+        path, owner = find_resume(target, self.checkpoints, self.local_checkpoints)
         if path is not None:
+            restore(path, owner, self._checkpoint_state(), self.checkpoints, self.local_checkpoints)
             self.ctx.run = replace(self.ctx.run, resumed_from=path)
             self._fire_checkpoint_event("on_checkpoint_load", path)
         return path
