@@ -18,16 +18,23 @@ it names some of them elsewhere (seed 004's ``on_log_step(self, state, logs,
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import logging
 import time
 import warnings
-from collections.abc import Callable, Iterable
-from functools import cache
+from collections.abc import Callable
 from typing import Any
 
 from hookloop.callback import Callback
+from hookloop.compat._toolkit import (
+    DialectAdapter,
+    adapt,
+    as_list,
+    is_stateful,
+    label,
+    scan_hooks,
+    stray_message,
+)
 from hookloop.compat.hf import flow, layout
 from hookloop.compat.hf.callback import TrainerCallback
 from hookloop.compat.hf.handler import is_exportable
@@ -135,12 +142,14 @@ class HFSession:
 
         The session's own two bookkeeping callbacks come with the first call.
         """
-        items = _as_list(callbacks)
-        wrapped = [self._wrap_one(item) for item in items]
-        for native in wrapped:
+        items = as_list(callbacks)
+        wrapped = []
+        for item in items:
+            native = self._wrap_one(item)
             member = getattr(native, "hf_callback", native)
             self.members.append(member)
             self.native_of[id(member)] = native
+            wrapped.append(native)
         if self._bookkeeping is None:
             self._bookkeeping = [_SessionFirst(self), _SessionLast(self)]
             wrapped = [self._bookkeeping[0], *wrapped, self._bookkeeping[1]]
@@ -163,7 +172,23 @@ class HFSession:
                 f"(an object with handlers named {', '.join(HF_EVENTS[:3])}, ...)"
             )
         calls = {event: _caller(getattr(item, event), event, item) for event in handlers}
-        return _adapter_class(frozenset(calls), _has_state_dict(item))(self, item, calls)
+        natives = [native for native, hf in NATIVE_TO_HF.items() if calls.keys() & set(hf)]
+        return adapt(_HFAdapter, item, natives, self, calls, self._state_key(item))
+
+    def _state_key(self, item: Any) -> str:
+        """The name ``item``'s ``state_dict`` is checkpointed under: its label, and for a
+        second (third, ...) stateful callback with that label ``label#2`` (``#3``, ...),
+        so several instances of one class each resume their own state (the numbers
+        follow the order the callbacks are given in, as a resumed run gives them)."""
+        own = label(item)
+        if not is_stateful(item):
+            return own
+        taken = {n.name for n in self.native_of.values() if is_stateful(n)}
+        n, key = 1, own
+        while key in taken:
+            n += 1
+            key = f"{own}#{n}"
+        return key
 
     def unwrap(self, member: Any) -> Callback:
         """Forget a member (an HF-style or native callback); returns its native callback."""
@@ -303,25 +328,37 @@ class HFSession:
             setattr(self.control, name, bool(getattr(result, name, False)))
 
 
-class _HFAdapter(Callback):
-    """One HF-style callback, seen by the engine as a native callback."""
+class _HFAdapter(DialectAdapter):
+    """One HF-style callback, seen by the engine as a native callback (built by
+    :meth:`HFSession.wrap`). Seed 004's ``state_dict``/``load_state_dict`` is
+    checkpointed under ``name``; HF's ``ExportableState`` goes into
+    ``TrainerState.stateful_callbacks`` instead."""
 
-    def __init__(self, session: HFSession, hf_callback: Any, calls: dict[str, Any]) -> None:
+    built_by = "HFSession.wrap([callback])"
+
+    def __init__(
+        self, hf_callback: Any, session: HFSession, calls: dict[str, Any], key: str
+    ) -> None:
+        super().__init__(hf_callback)
         self.session = session
-        self.hf_callback = hf_callback
         self._calls = calls
-        self._label = _label(hf_callback)
+        self._label = label(hf_callback)
+        self._key = key
         priority = getattr(hf_callback, "priority", 50)
         self.priority = priority if isinstance(priority, int) else 50
 
     @property
+    def hf_callback(self) -> Any:
+        return self.wrapped
+
+    @property
     def name(self) -> str:
-        return self._label
+        return self._key
 
     def __repr__(self) -> str:
         return f"HF({self._label})"
 
-    def _dispatch(self, native_event: str, ctx: CallbackContext) -> None:
+    def dispatch(self, native_event: str, ctx: CallbackContext) -> None:
         session = self.session
         session.refresh(ctx, native_event)
         for event in NATIVE_TO_HF[native_event]:
@@ -335,48 +372,7 @@ class _HFAdapter(Callback):
             session.apply(before, ctx, self._label)
 
 
-@cache
-def _adapter_class(native_events: frozenset[str], stateful: bool) -> type[_HFAdapter]:
-    """An adapter class defining exactly the native handlers it needs.
-
-    The manager calls only handlers a class overrides, so an HF callback that
-    handles no micro-step event costs nothing per micro-step.
-    """
-    body: dict[str, Any] = {}
-    for native, hf_events in NATIVE_TO_HF.items():
-        if native_events.intersection(hf_events):
-            body[native] = _native_handler(native)
-    if stateful:
-        body["state_dict"] = _state_dict
-        body["load_state_dict"] = _load_state_dict
-    return type("HFCallbackAdapter", (_HFAdapter,), body)
-
-
-def _native_handler(native_event: str) -> Callable[[_HFAdapter, CallbackContext], None]:
-    def handler(self: _HFAdapter, ctx: CallbackContext) -> None:
-        self._dispatch(native_event, ctx)
-
-    handler.__name__ = handler.__qualname__ = native_event
-    return handler
-
-
-# -- checkpoint state of stateful HF callbacks -----------------------------------
-# Seed 004's style (state_dict/load_state_dict) is a native callback state of the
-# adapter; HF's ExportableState goes into TrainerState.stateful_callbacks instead.
-def _has_state_dict(cb: Any) -> bool:
-    return callable(getattr(cb, "state_dict", None)) and callable(
-        getattr(cb, "load_state_dict", None)
-    )
-
-
-def _state_dict(self: _HFAdapter) -> dict[str, Any]:
-    return self.hf_callback.state_dict()
-
-
-def _load_state_dict(self: _HFAdapter, state: dict[str, Any]) -> None:
-    self.hf_callback.load_state_dict(state)
-
-
+# -- HF's ExportableState -----------------------------------------------------------
 def _rebuild_in_place(cb: Any, saved: dict[str, Any]) -> None:
     """``cb`` as ``type(cb)(**args)`` with the saved attributes; the object the user
     holds stays the one the trainer runs."""
@@ -664,42 +660,19 @@ def _handled_events(cb: Any) -> list[str]:
 
     Warns about ``on_*`` methods that match no dialect event: they would never run.
     """
-    cls = type(cb)
-    handled = []
-    for name in dir(cb):
-        if not name.startswith("on_") or not callable(getattr(cb, name, None)):
-            continue
-        owner = next((k for k in cls.__mro__ if name in vars(k)), None)
-        if owner is not None and (owner.__module__, owner.__name__) in _HF_BASES:
-            continue
-        if name in HF_EVENTS:
-            handled.append(name)
-        elif name not in _KNOWN_UNUSED:
-            close = difflib.get_close_matches(name, HF_EVENTS, n=1, cutoff=0.6)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
+    handled, stray = scan_hooks(cb, HF_EVENTS, _is_hf_base)
+    for name in stray:
+        if name not in _KNOWN_UNUSED:
             warnings.warn(
-                f"{cls.__name__}.{name} matches no HF dialect event, so it never runs.{hint} "
-                f"The events are: {', '.join(HF_EVENTS)}.",
-                stacklevel=4,
+                stray_message(type(cb).__name__, name, HF_EVENTS, "HF dialect"), stacklevel=4
             )
-    return sorted(handled, key=HF_EVENTS.index)
+    return handled
+
+
+def _is_hf_base(owner: type) -> bool:
+    return (owner.__module__, owner.__name__) in _HF_BASES
 
 
 def _is_hf_callback(cb: Any) -> bool:
     """An instance of an HF base class (which may handle no event at all)."""
-    return any((k.__module__, k.__name__) in _HF_BASES for k in type(cb).__mro__)
-
-
-def _label(cb: Any) -> str:
-    name = getattr(cb, "name", None)
-    return name if isinstance(name, str) and name else type(cb).__name__
-
-
-def _as_list(callbacks: Any) -> list[Any]:
-    if callbacks is None:
-        return []
-    if isinstance(callbacks, (str, bytes)):
-        raise TypeError(f"callbacks must be callback objects, got the string {callbacks!r}")
-    if isinstance(callbacks, Callback) or not isinstance(callbacks, Iterable):
-        return [callbacks]  # one callback given on its own
-    return list(callbacks)
+    return any(_is_hf_base(k) for k in type(cb).__mro__)

@@ -31,7 +31,7 @@ from hookloop.callbacks.optimizer_mode import OptimizerModeCallback
 from hookloop.callbacks.optuna_pruning import PrunerCallback
 from hookloop.callbacks.overfit import OverfitDetectionCallback
 from hookloop.callbacks.wandb_logger import WandbLoggingCallback
-from hookloop.compat.hpo.adapter import FIELDS, HpoAdapter
+from hookloop.compat.hpo.adapter import FIELDS, HpoAdapter, adapt
 from hookloop.compat.hpo.builtins import (
     CheckpointCallback,
     EarlyStoppingCallback,
@@ -60,6 +60,7 @@ __all__ = [
     "PrunerCallback",
     "TrainingCallback",
     "WandbLoggingCallback",
+    "adapt",
     "as_native",
     "early_stopping_from_config",
 ]

@@ -7,8 +7,10 @@ native event fires, the adapter calls the seed hooks that
 :mod:`hookloop.compat.hpo.trainer_view` and the keyword fields of :data:`FIELDS`.
 
 Each adapter handles only the native events its seed callback needs (its class
-is made for that set of hooks), so an unused hook costs nothing per step and
-``describe_events()`` shows exactly where it runs.
+is made for that set of hooks by :func:`hookloop.compat._toolkit.adapt`, the one
+adapter mechanism of every dialect), so an unused hook costs nothing per step
+and ``describe_events()`` shows exactly where it runs. Build one with
+:func:`adapt` (or ``as_native`` / ``CallbackRunner.native()``).
 
 Stop: seed 001's trainer ends training once a callback sets ``should_stop`` or
 ``nan_detected``. After each hook the adapter checks both and turns either into
@@ -19,15 +21,15 @@ step (or epoch). A ``nan_detected`` stop reason carries NaNDetection's prefix, s
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
 import torch
 
-from hookloop.callback import Callback
 from hookloop.callbacks.nan_detection import REASON_PREFIX as NAN_PREFIX
+from hookloop.compat._toolkit import DialectAdapter
+from hookloop.compat._toolkit import adapt as _adapt
 from hookloop.compat.hpo.callback import (
     EVENTS,
     TrainingCallback,
@@ -90,24 +92,20 @@ class _EpochTotals:
         return None if self.loss_sum is None else to_float(self.loss_sum) / self.steps
 
 
-class HpoAdapter(Callback):
+class HpoAdapter(DialectAdapter):
     """One seed-001 callback as a native hookloop callback (same priority, same name).
 
-    ``HpoAdapter(callback)`` returns an instance of a subclass that handles just
-    the native events ``callback`` needs. A seed callback with
-    ``state_dict()``/``load_state_dict()`` is saved and restored in checkpoints
-    under its class name (or its ``name`` attribute, when it has one).
+    ``adapt(callback)`` builds one that handles just the native events
+    ``callback`` needs. A seed callback with ``state_dict()``/``load_state_dict()``
+    is saved and restored in checkpoints under its class name (or its ``name``
+    attribute, when it has one).
     """
 
-    def __new__(cls, callback: TrainingCallback) -> HpoAdapter:
-        if cls is HpoAdapter:
-            _check(callback)
-            cls = _adapter_class(_native_events(overridden_hooks(callback)), _stateful(callback))
-        return super().__new__(cls)
+    built_by = "hookloop.compat.hpo.adapt(callback) (or as_native, CallbackRunner.native())"
 
     def __init__(self, callback: TrainingCallback) -> None:
         _check(callback)
-        self.callback = callback
+        super().__init__(callback)
         self.priority = callback.priority
         self.hooks = overridden_hooks(callback)
         self.written: dict[str, None] = {}  # user_state keys the seed callback wrote
@@ -115,9 +113,9 @@ class HpoAdapter(Callback):
         self._epoch = _EpochTotals()
 
     @property
-    def name(self) -> str:
-        own = getattr(self.callback, "name", None)
-        return own if isinstance(own, str) and own else type(self.callback).__name__
+    def callback(self) -> TrainingCallback:
+        """The seed callback this adapter runs."""
+        return self.wrapped
 
     def __repr__(self) -> str:
         return f"HpoAdapter({self.callback!r})"
@@ -129,7 +127,7 @@ class HpoAdapter(Callback):
         return self._view
 
     # -- dispatch --------------------------------------------------------------
-    def _on_native(self, native: str, ctx: CallbackContext) -> None:
+    def dispatch(self, native: str, ctx: CallbackContext) -> None:
         """Keep the epoch's totals, then call the seed hooks mapped to ``native``."""
         if native == "on_epoch_start":
             self._epoch.reset()
@@ -196,6 +194,12 @@ class HpoAdapter(Callback):
                 ctx.logs.setdefault(key, value)
 
 
+def adapt(callback: TrainingCallback) -> HpoAdapter:
+    """The native callback for one seed-001 callback."""
+    _check(callback)
+    return _adapt(HpoAdapter, callback, _native_events(overridden_hooks(callback)))
+
+
 def _check(callback: object) -> None:
     if not isinstance(callback, TrainingCallback):
         raise TypeError(
@@ -210,27 +214,3 @@ def _native_events(hooks: frozenset[str]) -> frozenset[str]:
     if "on_epoch_end" in hooks:
         natives |= _EPOCH_TOTALS
     return frozenset(natives)
-
-
-def _stateful(callback: object) -> bool:
-    return callable(getattr(callback, "state_dict", None)) and callable(
-        getattr(callback, "load_state_dict", None)
-    )
-
-
-@functools.cache
-def _adapter_class(natives: frozenset[str], stateful: bool) -> type[HpoAdapter]:
-    """An ``HpoAdapter`` subclass with a handler for each of ``natives`` (made once per set)."""
-    namespace: dict[str, Any] = {native: _relay(native) for native in sorted(natives)}
-    if stateful:
-        namespace["state_dict"] = lambda self: self.callback.state_dict()
-        namespace["load_state_dict"] = lambda self, state: self.callback.load_state_dict(state)
-    return type("HpoAdapter", (HpoAdapter,), namespace)
-
-
-def _relay(native: str) -> Any:
-    def relay(self: HpoAdapter, ctx: CallbackContext) -> None:
-        self._on_native(native, ctx)
-
-    relay.__name__ = relay.__qualname__ = native
-    return relay

@@ -16,9 +16,9 @@ on_train_end
 
 from __future__ import annotations
 
-import difflib
 from typing import Any
 
+from hookloop.compat._toolkit import check_priority, scan_hooks, stray_message, unknown_name
 from hookloop.compat.mapping import dialect_event_names, dialect_events
 
 #: The seed-001 events, in firing order.
@@ -77,34 +77,28 @@ def check_event(name: object) -> str:
 
 
 def unknown_event_message(name: object) -> str:
-    hint = ""
-    if isinstance(name, str):
-        counterpart = dialect_events("hpo").get(name)
-        close = difflib.get_close_matches(name, EVENTS, n=1, cutoff=0.6)
-        if counterpart:
-            hint = f" {name!r} is a native hookloop event; seed 001 calls it {counterpart[0]!r}."
-        elif close:
-            hint = f" Did you mean {close[0]!r}?"
-    return f"unknown seed-001 event {name!r}.{hint} The events are: {', '.join(EVENTS)}."
+    counterpart = dialect_events("hpo").get(name) if isinstance(name, str) else None
+    native = (
+        f" {name!r} is a native hookloop event; seed 001 calls it {counterpart[0]!r}."
+        if counterpart
+        else ""
+    )
+    return unknown_name("seed-001 event", name, EVENTS, listed="The events are", first=native)
 
 
 def overridden_hooks(callback: TrainingCallback) -> frozenset[str]:
-    """The events whose hook ``callback``'s class overrides (the others are no-ops)."""
-    cls = type(callback)
-    return frozenset(e for e in EVENTS if getattr(cls, e) is not getattr(TrainingCallback, e))
+    """The events whose hook ``callback`` overrides (the base class's are no-ops)."""
+    return frozenset(scan_hooks(callback, EVENTS, _is_base)[0])
 
 
 def check_training_callback(callback: TrainingCallback) -> None:
     """Reject a non-int ``priority``, and ``on_*`` methods that match no event (typos never run)."""
     name = type(callback).__name__
-    priority = getattr(callback, "priority", None)
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        raise ValueError(f"{name}.priority must be an int (lower runs earlier), got {priority!r}")
-    for attr in dir(type(callback)):
-        if attr.startswith("on_") and attr not in EVENTS and callable(getattr(callback, attr)):
-            close = difflib.get_close_matches(attr, EVENTS, n=1, cutoff=0.6)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ValueError(
-                f"{name}.{attr} matches no seed-001 event, so it would never run.{hint} "
-                f"The events are: {', '.join(EVENTS)}."
-            )
+    check_priority(getattr(callback, "priority", None), f"{name}.priority")
+    stray = scan_hooks(callback, EVENTS, _is_base)[1]
+    if stray:
+        raise ValueError(stray_message(name, stray[0], EVENTS, "seed-001"))
+
+
+def _is_base(owner: type) -> bool:
+    return owner is TrainingCallback

@@ -52,6 +52,7 @@ from hookloop.callbacks.optuna_pruning import REASON_PREFIX as PRUNE_PREFIX
 from hookloop.callbacks.optuna_pruning import OptunaPruning
 from hookloop.callbacks.overfit import OverfitDetection, OverfitWarning, gap_ratio, is_diverging
 from hookloop.callbacks.wandb_logger import WandbLoggingCallback
+from hookloop.compat._toolkit import is_stateful
 from hookloop.compat.hpo.callback import TrainingCallback
 
 #: The W&B logger's console summary comes every this many epochs (epochs 0, 10, 20 …).
@@ -365,9 +366,7 @@ class CheckpointFace(Face):
         stateful = {
             getattr(cb, "name", type(cb).__name__): cb
             for cb in self.peers
-            if cb is not native
-            and callable(getattr(cb, "state_dict", None))
-            and callable(getattr(cb, "load_state_dict", None))
+            if cb is not native and is_stateful(cb)
         }
         if stateful:
             state["callbacks"] = CallbackStates(stateful)

@@ -10,7 +10,8 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from hookloop.callback import Callback
-from hookloop.compat.hpo.adapter import HpoAdapter
+from hookloop.compat._toolkit import check_priority
+from hookloop.compat.hpo.adapter import adapt
 from hookloop.compat.hpo.callback import (
     EVENTS,
     TrainingCallback,
@@ -106,7 +107,7 @@ class CallbackRunner:
         Each ``TrainingCallback`` becomes an :class:`HpoAdapter` with the same
         priority; native callbacks pass through unchanged. Each call makes new adapters.
         """
-        return [cb if isinstance(cb, Callback) else HpoAdapter(cb) for cb in self.callbacks]
+        return [cb if isinstance(cb, Callback) else adapt(cb) for cb in self.callbacks]
 
     def __iter__(self) -> Iterator[TrainingCallback | Callback]:
         return iter(self.callbacks)
@@ -136,12 +137,7 @@ def _check_item(item: object) -> None:
     if isinstance(item, TrainingCallback):
         check_training_callback(item)
     elif isinstance(item, Callback):
-        priority = getattr(item, "priority", None)
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(
-                f"{type(item).__name__}.priority must be an int (lower runs earlier), "
-                f"got {priority!r}"
-            )
+        check_priority(getattr(item, "priority", None), f"{type(item).__name__}.priority")
     else:
         raise TypeError(
             "CallbackRunner takes seed-001 TrainingCallback objects (or native hookloop "
