@@ -33,6 +33,7 @@ from hookloop.compat.megatron_bridge.training.gpt_step import forward_step
 from hookloop.compat.megatron_bridge.training.pretrain import pretrain
 from hookloop.compat.megatron_bridge.training.state import GlobalState
 from hookloop.testing import TinyModel, ToyData
+from hookloop.timers import LOOP_TIMERS
 from test_trace import EXPECTED as NATIVE_EXPECTED
 
 MB = "hookloop.compat.megatron_bridge"
@@ -312,7 +313,7 @@ def test_forward_step_receives_the_global_state_callbacks_see():
 
     assert [(step, same_cfg) for _, step, same_cfg in seen] == [(1, True), (2, True)]
     assert all(state is seen[0][0] for state, _, _ in seen) and states == [seen[0][0]] * 2
-    assert states[0].timers.names() == ["forward-step"]
+    assert states[0].timers.names() == [*LOOP_TIMERS, "forward-step"]  # the loop's, then ours
 
 
 def test_standard_loss_pattern_puts_its_meta_keys_in_loss_dict():

@@ -115,6 +115,17 @@ class TrainConfig:
     iterations_to_skip: list[int] = opt([], "Steps whose data is consumed without computing.")
     handle_signals: bool = opt(True, "On SIGTERM/SIGINT finish the step, save, exit.")
     deterministic: bool = opt(False, "torch.use_deterministic_algorithms(True).")
+    flops_per_sample: float | None = opt(
+        None, "Training FLOPs per sample, for throughput (null: the recipe's estimate)."
+    )
+    gc_every: int | None = opt(
+        None, "Automatic GC off in training; gc.collect() every N steps on every rank (null: off)."
+    )
+    timers: Literal["off", "on", "sync"] = opt(
+        "on", "Loop timers in state.timers: 'on' host clock, 'sync' waits for the device too."
+    )
+    log_timers: bool = opt(False, "Add the loop timers (ms per step) to each log.")
+    log_num_zeros_in_grad: bool = opt(False, "Log the count of zero gradient elements.")
 
     def validate(self) -> None:
         for name in (
@@ -146,6 +157,23 @@ class TrainConfig:
         if any(s < 1 for s in self.iterations_to_skip):
             raise ValueError(
                 f"train.iterations_to_skip holds step numbers >= 1, got {self.iterations_to_skip}"
+            )
+        if self.gc_every is not None:
+            _positive(self, "gc_every", "train")
+        if self.flops_per_sample is not None and not (
+            isinstance(self.flops_per_sample, (int, float))
+            and not isinstance(self.flops_per_sample, bool)
+            and 0 < self.flops_per_sample < float("inf")
+        ):
+            raise ValueError(
+                "train.flops_per_sample must be a finite number > 0 or null, "
+                f"got {self.flops_per_sample!r}"
+            )
+        if self.timers not in ("off", "on", "sync"):
+            raise ValueError(f"train.timers must be 'off', 'on' or 'sync', got {self.timers!r}")
+        if self.log_timers and self.timers == "off":
+            raise ValueError(
+                "train.log_timers needs the timers: set train.timers to 'on' or 'sync'"
             )
         parallel_modes = typing.get_args(_type_hints(TrainConfig)["parallel"])
         if self.parallel not in parallel_modes:
@@ -205,6 +233,9 @@ class CheckpointConfig:
 class LoggingConfig:
     progress: bool = opt(True, "Show a progress bar (plain lines when not on a terminal).")
     json: bool = opt(True, "Write metrics.jsonl in the run directory.")
+    progress_log: bool = opt(
+        True, "Append job starts and per-save throughput to progress.txt (Megatron format)."
+    )
     tensorboard: bool = opt(True, "Write TensorBoard events under tb/ (needs the extra).")
     wandb: bool = opt(False, "Log to Weights & Biases (offline unless WANDB_MODE says).")
     wandb_project: str = opt("hookloop", "W&B project name.")

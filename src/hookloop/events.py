@@ -120,7 +120,7 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     "on_log": ("logs",),
     "on_eval_step_start": ("batch",),
     "on_eval_step_end": ("batch", "outputs", "loss"),
-    "on_eval_end": ("metrics", "total_loss_dict"),
+    "on_eval_end": ("metrics", "total_loss_dict", "non_loss_data"),
     "on_test_step_start": ("batch",),
     "on_test_step_end": ("batch", "outputs", "loss"),
     "on_test_end": ("metrics", "total_loss_dict"),

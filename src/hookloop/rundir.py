@@ -8,6 +8,7 @@ Everything one training run leaves behind lives under one directory::
       tb/              TensorBoard event files
       checkpoints/     step-XXXXXXXX/ checkpoint directories and the "latest" pointer
       samples.txt      text generated during training (text-generation recipes)
+      progress.txt     Megatron-style progress log: job starts, throughput at each save
       plots/           figures from `hookloop plot`
       profile/         torch.profiler traces and summary tables
       wandb/           Weights & Biases files
@@ -28,6 +29,7 @@ METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
 CHECKPOINTS_DIR = "checkpoints"
 SAMPLES_FILE = "samples.txt"
+PROGRESS_FILE = "progress.txt"
 PLOTS_DIR = "plots"
 PROFILE_DIR = "profile"
 WANDB_DIR = "wandb"
@@ -62,6 +64,10 @@ class RunDir:
     @property
     def samples(self) -> Path:
         return self.root / SAMPLES_FILE
+
+    @property
+    def progress_log(self) -> Path:
+        return self.root / PROGRESS_FILE
 
     @property
     def plots(self) -> Path:

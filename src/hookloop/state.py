@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from hookloop.distributed import agree_flags, gather_objects
 from hookloop.rundir import RunDir
+from hookloop.timers import Timers
 
 if TYPE_CHECKING:
     import torch
@@ -56,6 +57,7 @@ class TrainState:
         "_step",
         "_steps_per_epoch",
         "_stop_reason",
+        "_timers",
         "_tokens",
         "_will_log",
         "_world_size",
@@ -88,6 +90,11 @@ class TrainState:
         "in_training", "Inside train(), from on_train_start on (False for a direct evaluate())."
     )
     last_eval = _read_only("last_eval", "Metrics of the latest evaluation (a dict).")
+    timers = _read_only(
+        "timers",
+        "Named timers (hookloop.timers.Timers): the loop fills 'data-iterator', "
+        "'forward-backward', 'optimizer', 'eval' and 'checkpoint-save' (train.timers).",
+    )
     will_log = _read_only(
         "will_log",
         "Whether the current step ends with a log (scheduled, or requested before the step "
@@ -116,6 +123,7 @@ class TrainState:
         self._failed = False
         self._will_log = False
         self._last_eval: dict[str, float] = {}
+        self._timers = Timers()
 
     @property
     def is_rank_zero(self) -> bool:
@@ -414,6 +422,7 @@ class CallbackContext:
     - ``metrics`` (alias ``total_loss_dict``): evaluation results (``on_eval_end``, ``on_test_end``)
     - ``checkpoint_path``: the directory saved or loaded (``on_checkpoint_*``)
     - ``checkpoint_timing``: :class:`SaveTiming` of the save just committed (``on_checkpoint_save``)
+    - ``non_loss_data``: what ``non_loss_data_func(model)`` returned (``on_eval_end``)
     - ``exception``: the exception being raised (``on_exception``)
     """
 
@@ -430,6 +439,7 @@ class CallbackContext:
         "loss_dict",
         "metrics",
         "model",
+        "non_loss_data",
         "optimizer",
         "outputs",
         "run",
@@ -472,13 +482,14 @@ class CallbackContext:
         self.metrics: dict[str, float] | None = None
         self.checkpoint_path: Any = None
         self.checkpoint_timing: SaveTiming | None = None
+        self.non_loss_data: Any = None
         self.exception: BaseException | None = None
 
     def clear_event_fields(self) -> None:
         """Reset every per-event field to None."""
         self.batch = self.outputs = self.loss = self.loss_dict = self.grad_norm = None
         self.skipped_iter = self.logs = self.metrics = self.checkpoint_path = None
-        self.checkpoint_timing = self.exception = None
+        self.checkpoint_timing = self.exception = self.non_loss_data = None
 
     @property
     def total_loss_dict(self) -> dict[str, float] | None:

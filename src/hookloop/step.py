@@ -281,6 +281,21 @@ def _stack64(values: list[Any], device: torch.device | None) -> torch.Tensor:
     return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
 
 
+def count_zeros(grads: list[torch.Tensor], *, sharded: bool = False) -> torch.Tensor:
+    """Zero elements over ``grads``: Megatron's ``num_zeros_in_grad``, as a device tensor.
+
+    ``sharded``: each rank holds a slice of every gradient (FSDP); the slices'
+    counts are summed over ranks. Replicated (DDP) gradients are counted once.
+    """
+    from hookloop.distributed import all_reduce_sum, local_shards
+
+    shards = local_shards(grads)
+    if not shards:
+        return torch.zeros((), dtype=torch.int64)
+    total = torch.stack([(g == 0).sum() for g in shards]).sum()
+    return all_reduce_sum(total) if sharded else total
+
+
 def to_float(value: Any) -> float:
     """A Python float from a tensor or number (this is where a device sync happens)."""
     if isinstance(value, torch.Tensor):

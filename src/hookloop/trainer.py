@@ -50,6 +50,7 @@ from hookloop.distributed import (
     parallelize,
     rank_info,
 )
+from hookloop.gcpolicy import GCPolicy
 from hookloop.local_checkpoints import find_resume, local_manager, restore
 from hookloop.manager import CallbackManager
 from hookloop.optim import build_optimizer, build_scheduler
@@ -63,9 +64,11 @@ from hookloop.step import (
     LossWindow,
     batch_size_of,
     bind_forward_step,
+    count_zeros,
     default_forward_step,
     to_float,
 )
+from hookloop.timers import LOOP_TIMERS, NULL_TIMER, Timers, per_step_ms
 
 __all__ = ["ExitCode", "TrainResult", "Trainer"]  # ExitCode, TrainResult: from hookloop.result
 
@@ -108,8 +111,13 @@ class Trainer:
         out_dir: str | Path | None = None,
         resume: str | None = None,
         flops_per_sample: float | None = None,
+        non_loss_data_func: Any = None,
     ) -> None:
         _check_arguments(model, optimizer, forward_step, loss_fn)
+        if non_loss_data_func is not None and not callable(non_loss_data_func):
+            raise TypeError(
+                f"non_loss_data_func must be callable(model), got {non_loss_data_func!r}"
+            )
         self.config = _as_config(config).validate()
         self.callbacks = _as_manager(callbacks)
         self.callbacks.check_requirements()
@@ -119,7 +127,9 @@ class Trainer:
         self._place_model(model, optimizer)
         self.out_dir = None if out_dir is None else str(out_dir)
         self.resume = resume
-        self.flops_per_sample = flops_per_sample
+        # A figure in the config is the user's own: it wins over the recipe's estimate.
+        self.flops_per_sample = _check_flops(self.config.train.flops_per_sample or flops_per_sample)
+        self.non_loss_data_func = non_loss_data_func
         self.control = Control()
         self._open_data(train_data, eval_data, test_data)
         self.scheduler = (
@@ -153,6 +163,9 @@ class Trainer:
         self._last_logs: dict[str, float] = {}
         self._last_eval_step = -1
         self._pending_tokens: list[Any] = []  # token counts not yet read back from the device
+        self._gc = GCPolicy(self.config.train.gc_every)
+        self._start_timers()
+        self._zeros: torch.Tensor | None = None  # zero gradient elements, counted on log steps
         self._fire("on_init_end")
 
     # -- set-up helpers ------------------------------------------------------
@@ -242,6 +255,16 @@ class Trainer:
             test_batches=_batch_count(self.test_loader, limit),
         )
 
+    def _start_timers(self) -> None:
+        """``state.timers`` for everyone; the loop's own timers, or no-ops when off."""
+        mode = self.config.train.timers
+        self.state._timers = Timers(sync=mode == "sync", device=self.device)
+        self._t_data, self._t_fb, self._t_opt, self._t_eval, self._t_save = (
+            NULL_TIMER if mode == "off" else self.state._timers(name)
+            for name in LOOP_TIMERS  # data-iterator, forward-backward, optimizer, eval, save
+        )
+        self._last_log_step = 0
+
     def _fire(self, event: str) -> None:
         if self._hooks[event]:
             self.callbacks.fire(event, self.ctx)
@@ -291,6 +314,7 @@ class Trainer:
             self.model.train()
             st._in_training = True  # evaluations from here on are part of training
             self._fire("on_train_start")
+            self._gc.begin()  # train.gc_every: collect on the loop's schedule from here on
             while st._stop_reason is None:
                 if st._num_epochs is not None and st._epoch >= st._num_epochs:
                     st._stop_reason = "max_epochs"
@@ -306,6 +330,7 @@ class Trainer:
             self.ctx.clear_event_fields()  # nothing stale for a later evaluate() or test()
             raise
         finally:
+            self._gc.end()
             st._in_training = False
             if restore_signals:
                 restore_signals()
@@ -331,10 +356,13 @@ class Trainer:
                 if st._epoch_step != st._steps_per_epoch:
                     return  # budget spent mid-epoch: no epoch end, so a longer resume is exact
                 break
+            self._t_data.start()
             group = list(itertools.islice(micro_batches, k))
+            self._t_data.stop()
             if len(group) < k:  # epoch exhausted; a partial accumulation group is dropped
                 break
             self._train_step(group)
+            self._gc.after_step(st._step)
             if self._step_boundary():
                 return  # stopped mid-epoch: no epoch-end events
         if self.eval_loader is not None and cfg.eval_at_epoch_end and not self._evaluated_now():
@@ -362,15 +390,24 @@ class Trainer:
             self.callbacks.fire("on_train_step_start", ctx)
         reducer = self._reducer
         reducer.reset()
+        self._t_fb.start()
         self._forward_backward(group)
+        self._t_fb.stop()
+        self._t_opt.start()
         grad_norm = self._prepare_gradients()
+        if st._will_log and self.config.train.log_num_zeros_in_grad:
+            sharded = self.config.train.parallel == "fsdp" and st._world_size > 1
+            self._zeros = count_zeros(_grads(self.optimizer), sharded=sharded)
+        self._t_opt.stop()
         loss_dict = reducer.result()
         if reducer.token_mode:
             self._pending_tokens.append(reducer.tokens)  # a tensor: summed when read
         ctx.loss_dict, ctx.grad_norm = loss_dict, grad_norm
         if hooks["on_before_optimizer_step"]:
             self.callbacks.fire("on_before_optimizer_step", ctx)
+        self._t_opt.start()
         skipped = self._optimizer_step(loss_dict, grad_norm)
+        self._t_opt.stop()
         if not skipped:  # a skipped step's (non-finite) loss stays out of the logged average
             self._losses.add(loss_dict, grad_norm, keep_all=bool(self.config.train.log_every))
         ctx.skipped_iter = skipped
@@ -584,6 +621,12 @@ class Trainer:
             st._epoch_step / st._steps_per_epoch if st._steps_per_epoch else 0
         )
         logs["skipped_steps"] = st._skipped_steps
+        if self._zeros is not None:
+            logs["num_zeros_in_grad"] = int(to_float(self._zeros))
+            self._zeros = None
+        if self.config.train.log_timers:
+            logs.update(per_step_ms(st._timers, st._step - self._last_log_step))
+        self._last_log_step = st._step
         window.clear()
         if hooks["on_before_log"] or hooks["on_log"]:
             self.ctx.logs = logs
@@ -622,6 +665,7 @@ class Trainer:
             raise ValueError("save_checkpoint() needs a run directory: pass out_dir to Trainer")
         st = self.state
         self._sync_tokens()
+        self._t_save.start()
         started = time.perf_counter()
         path = self.checkpoints.save(
             self._checkpoint_state(),
@@ -630,6 +674,7 @@ class Trainer:
             config=self.config.to_dict(),
             metrics=st._last_eval,
         )
+        self._t_save.stop()
         if path is not None:
             took = time.perf_counter() - started
             self.ctx.checkpoint_timing = SaveTiming(seconds=took, blocked_seconds=took)
@@ -667,7 +712,9 @@ class Trainer:
 
     # -- evaluation and testing ------------------------------------------------
     def _evaluate_in_training(self) -> None:
+        self._t_eval.start()
         self.evaluate()
+        self._t_eval.stop()
         self._last_eval_step = self.state._step
         self.model.train()
 
@@ -715,6 +762,8 @@ class Trainer:
                     ctx.batch, ctx.outputs, ctx.loss = batch, output, loss
                     self.callbacks.fire(step_end, ctx)
                 ctx.batch = ctx.outputs = ctx.loss = None
+            if kind == "eval" and self.non_loss_data_func is not None:
+                ctx.non_loss_data = self.non_loss_data_func(self.model)  # seed 003's hook
         if st._world_size > 1:
             reducer.reduce_across_ranks(self.device)  # each rank evaluated its own share
         metrics = {f"{kind}_{k}": to_float(v) for k, v in reducer.result().items()}
@@ -722,7 +771,7 @@ class Trainer:
             st._last_eval = metrics
         ctx.metrics = metrics
         self._fire(end)
-        ctx.metrics = None
+        ctx.metrics = ctx.non_loss_data = None
         self.model.train(was_training)
         return metrics
 
@@ -791,6 +840,17 @@ class FiniteCheck:
             self.fused = False
             return self.any_nonfinite(tensors)
         return bool(self.found)
+
+
+def _check_flops(value: Any) -> float | None:
+    """A FLOPs-per-sample figure must be a finite number > 0 (or None: no estimate)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e300:
+        raise ValueError(
+            f"flops_per_sample must be a finite number > 0 or None (no estimate), got {value!r}"
+        )
+    return float(value)
 
 
 def _batch_count(loader: Iterable[Any] | None, limit: int | None) -> int | None:

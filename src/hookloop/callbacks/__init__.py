@@ -9,7 +9,7 @@ OptimizerMode 10, GradientMonitor 12, ProfilerCallback 15, DiLoCo 15, DefaultMet
 norm loggers 25, PeakMemory 30, TextgenCallback 60, LossPrediction 70,
 OverfitDetection 75, DivergenceDetector 80, WandbLoggingCallback 80,
 OptunaPruning 85, EarlyStopping 90, CheckpointPolicy 95, JsonLogger 100,
-TBLogger 100, ProgressBar 110.
+ProgressLog 100, TBLogger 100, ProgressBar 110.
 """
 
 from hookloop.callbacks.checkpoint_policy import CheckpointCallback, CheckpointPolicy
@@ -31,6 +31,7 @@ from hookloop.callbacks.optuna_pruning import OptunaPruning, PrunerCallback
 from hookloop.callbacks.overfit import OverfitDetection, OverfitDetectionCallback
 from hookloop.callbacks.profiler import ProfilerCallback
 from hookloop.callbacks.progress import ProgressBar, ProgressCallback, format_metrics
+from hookloop.callbacks.progress_log import ProgressLog
 from hookloop.callbacks.straggler import StragglerDetection
 from hookloop.callbacks.tensorboard import ResumableSummaryWriter, TBLogger
 from hookloop.callbacks.textgen import TextgenCallback
@@ -65,6 +66,7 @@ __all__ = [
     "ProfilerCallback",
     "ProgressBar",
     "ProgressCallback",
+    "ProgressLog",
     "PrunerCallback",
     "ResumableSummaryWriter",
     "SpikeTracker",

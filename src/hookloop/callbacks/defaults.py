@@ -11,6 +11,7 @@ DivergenceDetector           80  callbacks.divergence
 EarlyStopping                90  callbacks.early_stopping_patience
 StragglerDetection            2  callbacks.straggler_every (off by default)
 JsonLogger                  100  logging.json
+ProgressLog                 100  logging.progress_log (progress.txt: writes only at saves)
 TBLogger                    100  logging.tensorboard
 WandbLoggingCallback         80  logging.wandb
 ProgressBar                 110  logging.progress
@@ -71,6 +72,10 @@ def default_callbacks(cfg: Config, run_dir: str | Path | None) -> list[Callback]
         )
     if log.json and run is not None:
         callbacks.append(JsonLogger(run.metrics))
+    if log.progress_log and run is not None:
+        from hookloop.callbacks.progress_log import ProgressLog
+
+        callbacks.append(ProgressLog(run.progress_log))
     if log.tensorboard and run is not None:
         from hookloop.callbacks.tensorboard import TBLogger
 

@@ -12,7 +12,7 @@ Public pieces, usable on their own:
 - :class:`GPTConfig`, :class:`TextDataConfig`: the recipe's ``model`` / ``data`` sections;
 - :func:`encode` / :func:`decode`: the byte-level codec;
 - :func:`load_corpus`, :class:`ByteWindows`, :func:`split_corpus`: the data;
-- :class:`GPT`, :func:`generate`, :func:`flops_per_sample`: the model;
+- :class:`GPT`, :func:`generate`, :func:`flops_per_token`, :func:`flops_per_sample`: the model;
 - :func:`forward_step`: hookloop's per-micro-batch protocol (``(output, loss_func)``);
 - :func:`build`, :func:`default_config`: what the recipe registry calls.
 """
@@ -371,18 +371,26 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def flops_per_sample(cfg: GPTConfig, n_params: int) -> float:
-    """Training FLOPs (forward + backward) for one sequence of ``block_size`` tokens.
+def flops_per_token(cfg: GPTConfig, n_params: int) -> float:
+    """Training FLOPs (forward + backward) per token of a full ``block_size`` window.
 
-    ``6 * N * T + 12 * L * T**2 * d``: each parameter costs a multiply-add in the
+    ``6 * N + 12 * L * T * d``: each parameter costs a multiply-add in the
     forward pass and two in the backward (6 FLOPs per token), and the attention
-    score and value products (``QK^T`` and ``AV``, 2·T²·d FLOPs each forward, x3
-    with backward) add ``12 * L * T**2 * d``, counted for the full T x T matrix as
-    is conventional (the causal mask's saving is ignored). ``N`` is the model's
-    parameter count; the tied token table stands in for the LM-head matmul.
+    score and value products (``QK^T`` and ``AV``, 2·T·d FLOPs a token each
+    forward, x3 with backward) add ``12 * L * T * d``, counted for the full
+    T x T matrix as is conventional (the causal mask's saving is ignored). ``N``
+    is the model's parameter count; the tied token table stands in for the
+    LM-head matmul.
     """
-    t = cfg.block_size
-    return float(6 * n_params * t + 12 * cfg.n_layer * t * t * cfg.n_embd)
+    if isinstance(n_params, bool) or not isinstance(n_params, int) or n_params < 1:
+        raise ValueError(f"n_params must be an int >= 1, got {n_params!r}")
+    return float(6 * n_params + 12 * cfg.n_layer * cfg.block_size * cfg.n_embd)
+
+
+def flops_per_sample(cfg: GPTConfig, n_params: int) -> float:
+    """Training FLOPs for one sequence of ``block_size`` tokens: ``block_size`` x
+    :func:`flops_per_token`, i.e. ``6 * N * T + 12 * L * T**2 * d``."""
+    return cfg.block_size * flops_per_token(cfg, n_params)
 
 
 # -- hookloop protocol ----------------------------------------------------------

@@ -16,10 +16,12 @@ True
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from hookloop.state import TrainState
+from hookloop.timers import Timer, Timers
+
+__all__ = ["GlobalState", "Timer", "Timers", "TrainStateView"]  # Timer(s): the native ones
 
 
 class TrainStateView:
@@ -52,64 +54,6 @@ class TrainStateView:
         )
 
 
-class Timer:
-    """A stopwatch that adds up the time between each ``start()`` and ``stop()``."""
-
-    __slots__ = ("_elapsed", "_started", "name")
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._elapsed = 0.0
-        self._started: float | None = None
-
-    def start(self, barrier: bool = False) -> None:
-        """Start timing; ``barrier`` is accepted for the seed's signature and ignored."""
-        if self._started is not None:
-            raise RuntimeError(f"timer {self.name!r} is already running; stop() it first")
-        self._started = time.perf_counter()
-
-    def stop(self, barrier: bool = False) -> None:
-        if self._started is None:
-            raise RuntimeError(f"timer {self.name!r} is not running; start() it first")
-        self._elapsed += time.perf_counter() - self._started
-        self._started = None
-
-    def reset(self) -> None:
-        self._elapsed = 0.0
-        self._started = None
-
-    def elapsed(self, reset: bool = True, barrier: bool = False) -> float:
-        """Seconds timed so far (a running timer counts up to now); then reset by default."""
-        total = self._elapsed
-        if self._started is not None:
-            now = time.perf_counter()
-            total += now - self._started
-            self._started = now if reset else self._started
-        if reset:
-            self._elapsed = 0.0
-        return total
-
-
-class Timers:
-    """Named timers, created on first use: ``timers("forward").start()``."""
-
-    def __init__(self) -> None:
-        self._timers: dict[str, Timer] = {}
-
-    def __call__(self, name: str, log_level: int | None = None) -> Timer:
-        """The timer called ``name``; ``log_level`` is accepted for the seed's signature."""
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"a timer name must be a non-empty str, got {name!r}")
-        timer = self._timers.get(name)
-        if timer is None:
-            timer = self._timers[name] = Timer(name)
-        return timer
-
-    def names(self) -> list[str]:
-        """Every timer used so far, in first-use order."""
-        return list(self._timers)
-
-
 class GlobalState:
     """``cfg`` (the run's :class:`hookloop.Config`), ``train_state`` and ``timers``.
 
@@ -119,12 +63,17 @@ class GlobalState:
 
     def __init__(self, cfg: Any, train_state: TrainState | None = None) -> None:
         self.cfg = cfg
-        self.timers = Timers()
         self._train_state = TrainStateView(train_state if train_state is not None else TrainState())
 
     @property
     def train_state(self) -> TrainStateView:
         return self._train_state
+
+    @property
+    def timers(self) -> Any:
+        """The run's named timers: the loop's own (``forward-backward``, ``optimizer``, …)
+        and any the forward step or callbacks start (:class:`hookloop.timers.Timers`)."""
+        return self._train_state._native.timers
 
     def attach(self, native: TrainState) -> None:
         """Follow the counters of ``native`` (the trainer's state) from now on."""
