@@ -18,11 +18,11 @@ True
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from hookloop.callback import Callback as NativeCallback
+from hookloop.compat._toolkit import check_priority, scan_hooks, stray_message, unknown_name
 from hookloop.compat.mapping import dialect_event_names, dialect_events
 from hookloop.compat.megatron_bridge.training.state import GlobalState
 from hookloop.events import EVENTS as NATIVE_EVENTS
@@ -63,7 +63,6 @@ class Callback:
     def on_train_end(self, context: CallbackContext) -> None: ...
 
 
-_BASE_METHODS = {name: getattr(Callback, name) for name in EVENT_NAMES}
 assert {n for n in vars(Callback) if n.startswith("on_")} == EVENTS, "Callback out of step"
 
 
@@ -210,16 +209,12 @@ class CallbackManager:
     def _add_one(self, callback: Callback) -> None:
         if any(existing is callback for existing in self._callbacks):
             raise ValueError(f"{callback!r} is already added to this manager")
-        _check_method_names(callback)
-        priority = callback.priority
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(
-                f"{type(callback).__name__}.priority must be an int (lower runs earlier), "
-                f"got {priority!r}"
-            )
-        cls = type(callback)
+        handled, stray = scan_hooks(callback, EVENT_NAMES, lambda owner: owner is Callback)
+        if stray:  # a typo would otherwise never run
+            raise ValueError(stray_message(type(callback).__name__, stray[0], EVENT_NAMES))
+        priority = check_priority(callback.priority, f"{type(callback).__name__}.priority")
         for native_event, names in dialect_events(DIALECT).items():
-            overridden = [n for n in names if getattr(cls, n) is not _BASE_METHODS[n]]
+            overridden = [n for n in names if n in handled]
             if overridden:
                 self._connect(
                     native_event, [(n, getattr(callback, n)) for n in overridden], priority
@@ -319,27 +314,8 @@ def _label(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", None) or repr(fn)
 
 
-def _unknown(name: object, what: str) -> str:
-    hint = ""
-    if isinstance(name, str):
-        close = difflib.get_close_matches(name, EVENT_NAMES, n=1, cutoff=0.6)
-        if close:
-            hint = f" Did you mean {close[0]!r}?"
-        elif name in NATIVE_EVENTS and what == "event":
-            hint = f" {name!r} is a native hookloop event: register it on manager.native."
-    return f"unknown {what} {name!r}.{hint} Valid events: {', '.join(EVENT_NAMES)}."
-
-
 def _check_event(name: object) -> None:
     if not (isinstance(name, str) and name in EVENTS):
-        raise ValueError(_unknown(name, "event"))
-
-
-def _check_method_names(callback: Callback) -> None:
-    """Reject ``on_*`` methods that match no event: a typo would otherwise never run."""
-    for attr in dir(type(callback)):
-        if attr.startswith("on_") and attr not in EVENTS and callable(getattr(callback, attr)):
-            raise ValueError(
-                f"{type(callback).__name__}.{attr} matches no event, so it would never run: "
-                + _unknown(attr, "callback method")
-            )
+        native = isinstance(name, str) and name in NATIVE_EVENTS
+        hint = f" {name!r} is a native hookloop event: register it on manager.native."
+        raise ValueError(unknown_name("event", name, EVENT_NAMES, last=hint if native else ""))
