@@ -125,7 +125,7 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     "on_test_step_end": ("batch", "outputs", "loss"),
     "on_test_end": ("metrics", "total_loss_dict"),
     "on_checkpoint_save": ("checkpoint_path", "checkpoint_timing"),
-    "on_checkpoint_load": ("checkpoint_path",),
+    "on_checkpoint_load": ("checkpoint_path", "rewind"),
     "on_exception": ("exception",),
 }
 

@@ -52,6 +52,7 @@ class TrainState:
         "_nonfinite_steps",
         "_num_epochs",
         "_rank",
+        "_rewinds",
         "_samples",
         "_skipped_steps",
         "_step",
@@ -90,6 +91,11 @@ class TrainState:
         "in_training", "Inside train(), from on_train_start on (False for a direct evaluate())."
     )
     last_eval = _read_only("last_eval", "Metrics of the latest evaluation (a dict).")
+    rewinds = _read_only(
+        "rewinds",
+        "The divergences rolled back so far, oldest first (Rewind records: from and to step, "
+        "batches skipped; see hookloop.rewind).",
+    )
     timers = _read_only(
         "timers",
         "Named timers (hookloop.timers.Timers): the loop fills 'data-iterator', "
@@ -123,6 +129,7 @@ class TrainState:
         self._failed = False
         self._will_log = False
         self._last_eval: dict[str, float] = {}
+        self._rewinds: tuple[Rewind, ...] = ()
         self._timers = Timers()
 
     @property
@@ -181,6 +188,7 @@ class Control:
         "_lock",
         "_log",
         "_pending",
+        "_rewind",
         "_save",
         "_skip",
         "_stop",
@@ -196,6 +204,7 @@ class Control:
         self._stop: str | None = None
         self._abort: str | None = None
         self._failed = False
+        self._rewind: RewindRequest | None = None
 
     # -- asking ------------------------------------------------------------
     def request_stop(self, reason: str = "stop requested", *, failed: bool = False) -> None:
@@ -214,6 +223,23 @@ class Control:
         with self._lock:
             self._abort = self._abort or str(reason)
             self._failed = self._failed or bool(failed)
+            self._pending = True
+
+    def request_rewind(
+        self,
+        since_step: int,
+        *,
+        reason: str = "rewind requested",
+        skip_batches: int | None = None,
+        lr_factor: float = 1.0,
+        lr_steps: int = 0,
+    ) -> None:
+        """Roll back to the last checkpoint before step ``since_step`` (where a divergence
+        began) and go on, skipping ``skip_batches`` batches from there (see
+        :mod:`hookloop.rewind`). Acted on at the end of the current step, before a save."""
+        request = RewindRequest(since_step, reason, skip_batches, lr_factor, lr_steps)
+        with self._lock:
+            self._rewind = self._rewind or request
             self._pending = True
 
     def request_save(self) -> None:
@@ -261,8 +287,9 @@ class Control:
             taken = Requests(
                 self._log, self._evaluate, self._save, self._stop, self._abort, None, self._failed
             )
+            taken.rewind = self._rewind
             self._log = self._evaluate = self._save = self._failed = False
-            self._stop = self._abort = None
+            self._stop = self._abort = self._rewind = None
             self._pending = False
         return taken
 
@@ -285,7 +312,7 @@ class Control:
             requests = requests.merge(Requests(False, False, False, "signal", None, signal))
         if world_size == 1:
             return requests
-        log, evaluate, save, stop, abort, signum, failed = agree_flags(
+        log, evaluate, save, stop, abort, signum, failed, rewind = agree_flags(
             [
                 int(requests.log),
                 int(requests.evaluate),
@@ -294,6 +321,7 @@ class Control:
                 int(requests.abort is not None),
                 requests.signal or 0,
                 int(requests.failed),
+                int(requests.rewind is not None),
             ],
             device,
         )
@@ -302,7 +330,7 @@ class Control:
             reasons = gather_objects((requests.stop, requests.abort))
             stop_reason = next((s for s, _ in reasons if s), "stop requested") if stop else None
             abort_reason = next((a for _, a in reasons if a), "abort requested") if abort else None
-        return Requests(
+        agreed = Requests(
             bool(log),
             bool(evaluate),
             bool(save),
@@ -311,6 +339,9 @@ class Control:
             signum or None,
             bool(failed),
         )
+        if rewind:  # rare: every rank takes the first asking rank's request
+            agreed.rewind = next(r for r in gather_objects(requests.rewind) if r is not None)
+        return agreed
 
 
 class Requests:
@@ -320,7 +351,7 @@ class Requests:
     ``failed``: the stop or abort was filed as a failure.
     """
 
-    __slots__ = ("abort", "evaluate", "failed", "log", "save", "signal", "stop")
+    __slots__ = ("abort", "evaluate", "failed", "log", "rewind", "save", "signal", "stop")
 
     def __init__(
         self,
@@ -339,9 +370,10 @@ class Requests:
         self.abort = abort
         self.signal = signal
         self.failed = failed
+        self.rewind: RewindRequest | None = None  # see Control.request_rewind
 
     def merge(self, other: Requests) -> Requests:
-        return Requests(
+        merged = Requests(
             self.log or other.log,
             self.evaluate or other.evaluate,
             self.save or other.save,
@@ -350,6 +382,8 @@ class Requests:
             self.signal or other.signal,
             self.failed or other.failed,
         )
+        merged.rewind = self.rewind or other.rewind
+        return merged
 
     def __repr__(self) -> str:
         return (
@@ -395,6 +429,54 @@ class RunInfo:
 
 
 @dataclass(frozen=True)
+class RewindRequest:
+    """What :meth:`Control.request_rewind` asks: roll back past ``since_step``, skip data."""
+
+    since_step: int
+    reason: str
+    skip_batches: int | None = None
+    lr_factor: float = 1.0
+    lr_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.since_step, bool) or not isinstance(self.since_step, int):
+            raise ValueError(f"since_step must be a step number >= 1, got {self.since_step!r}")
+        if self.since_step < 1:
+            raise ValueError(f"since_step must be a step number >= 1, got {self.since_step}")
+        skip = self.skip_batches
+        if skip is not None and (isinstance(skip, bool) or not isinstance(skip, int) or skip < 0):
+            raise ValueError(f"skip_batches must be an int >= 0 or None, got {skip!r}")
+        factor = self.lr_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+            raise ValueError(f"lr_factor must be a finite number > 0, got {factor!r}")
+        if not 0 < factor < float("inf"):
+            raise ValueError(f"lr_factor must be a finite number > 0, got {factor!r}")
+        steps = self.lr_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"lr_steps must be an int >= 0, got {steps!r}")
+
+
+@dataclass(frozen=True)
+class Rewind:
+    """One rollback (``state.rewinds``; ``ctx.rewind`` during the ``on_checkpoint_load`` it
+    fires): confirmed at ``from_step``, restored ``to_step`` from ``checkpoint``; the
+    divergence began at ``since_step``, where ``batches_skipped`` batches are skipped."""
+
+    count: int
+    from_step: int
+    to_step: int
+    since_step: int
+    batches_skipped: int
+    checkpoint: str
+    reason: str
+    lr_factor: float = 1.0
+    lr_steps: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+@dataclass(frozen=True)
 class SaveTiming:
     """How long one checkpoint save took, and how much of it training waited for.
 
@@ -424,6 +506,7 @@ class CallbackContext:
     - ``checkpoint_timing``: :class:`SaveTiming` of the save just committed (``on_checkpoint_save``)
     - ``non_loss_data``: what ``non_loss_data_func(model)`` returned (``on_eval_end``)
     - ``exception``: the exception being raised (``on_exception``)
+    - ``rewind``: the :class:`Rewind` of a rollback (``on_checkpoint_load`` fired by it)
     """
 
     __slots__ = (
@@ -442,6 +525,7 @@ class CallbackContext:
         "non_loss_data",
         "optimizer",
         "outputs",
+        "rewind",
         "run",
         "scheduler",
         "skipped_iter",
@@ -484,11 +568,12 @@ class CallbackContext:
         self.checkpoint_timing: SaveTiming | None = None
         self.non_loss_data: Any = None
         self.exception: BaseException | None = None
+        self.rewind: Rewind | None = None
 
     def clear_event_fields(self) -> None:
         """Reset every per-event field to None."""
         self.batch = self.outputs = self.loss = self.loss_dict = self.grad_norm = None
-        self.skipped_iter = self.logs = self.metrics = self.checkpoint_path = None
+        self.skipped_iter = self.logs = self.metrics = self.checkpoint_path = self.rewind = None
         self.checkpoint_timing = self.exception = self.non_loss_data = None
 
     @property

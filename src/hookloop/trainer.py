@@ -56,9 +56,18 @@ from hookloop.manager import CallbackManager
 from hookloop.optim import build_optimizer, build_scheduler
 from hookloop.precision import Precision
 from hookloop.result import ExitCode, TrainResult
+from hookloop.rewind import Rewinder, discard_after, say_rewound
 from hookloop.rundir import RunDir
 from hookloop.runlock import RunDirLocked, run_lock
-from hookloop.state import CallbackContext, Control, Requests, RunInfo, SaveTiming, TrainState
+from hookloop.state import (
+    CallbackContext,
+    Control,
+    Requests,
+    RewindRequest,
+    RunInfo,
+    SaveTiming,
+    TrainState,
+)
 from hookloop.step import (
     LossReducer,
     LossWindow,
@@ -143,6 +152,7 @@ class Trainer:
         self.precision = Precision(self.config.train.precision, self.device)
         self.checkpoints = self._checkpoint_manager()
         self.local_checkpoints = self._local_checkpoint_manager()
+        self._rewinder = Rewinder(st, self.config.train.grad_accum)  # hookloop.rewind
         self.ctx = CallbackContext(
             trainer=self,
             state=st,
@@ -347,7 +357,9 @@ class Trainer:
     def _run_epoch(self) -> None:
         """One pass over the training data (or the rest of it, after a resume)."""
         cfg, st, k = self.config.train, self.state, self.config.train.grad_accum
-        micro_batches = self._data.epoch(st._epoch, st._epoch_step)
+        micro_batches = self._rewinder.reposition(  # less what rewinds skipped in it
+            self._data.epoch(st._epoch, st._epoch_step), st._epoch, self.train_loader
+        )
         if st._epoch_step == 0:
             self._fire("on_epoch_start")
         while True:
@@ -357,6 +369,8 @@ class Trainer:
                     return  # budget spent mid-epoch: no epoch end, so a longer resume is exact
                 break
             self._t_data.start()
+            if self._rewinder.pending and self._rewinder.skip_due(st._step):
+                self._rewinder.skip(micro_batches, st._epoch)  # the data after a divergence
             group = list(itertools.islice(micro_batches, k))
             self._t_data.stop()
             if len(group) < k:  # epoch exhausted; a partial accumulation group is dropped
@@ -495,7 +509,8 @@ class Trainer:
                     f"{cfg.max_skipped_steps}; last at step {st._step}"
                 )
         else:
-            self.precision.step(self.optimizer)
+            with self._rewinder.lr_scaled(self.optimizer, st._step):
+                self.precision.step(self.optimizer)
             if self.scheduler is not None:
                 self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -523,6 +538,8 @@ class Trainer:
             requests = requests.merge(later)
         if self._aborts(requests):
             return True
+        if requests.rewind is not None and (requests.failed or not requests.stop):
+            return self._rewind(requests.rewind)  # a detector's failed stop yields to it
         stopping = self._requests_stop(requests)
         checkpoints = self.checkpoints
         if not stopping and checkpoints and checkpoints.due(st._step, requested=requests.save):
@@ -537,6 +554,9 @@ class Trainer:
         requests = self._take_requests()
         self._carry_over(requests)
         if self._aborts(requests):
+            return
+        if requests.rewind is not None and (requests.failed or not requests.stop):
+            self._rewind(requests.rewind)
             return
         if st._stop_reason is None:
             self._requests_stop(requests)
@@ -585,6 +605,33 @@ class Trainer:
             return False
         st._stop_reason = reason
         st._failed |= requests.failed
+        return True
+
+    def _rewind(self, request: RewindRequest) -> bool:
+        """Roll back to the newest checkpoint before the divergence and go on (see
+        :mod:`hookloop.rewind`); the run fails when there is none. Returns True: the epoch
+        loop is left, to start again where the restored state stands."""
+        st = self.state
+        managers = [m for m in (self.checkpoints, self.local_checkpoints) if m is not None]
+        chosen = self._rewinder.choose(request.since_step, managers)
+        if chosen is None:
+            st._stop_reason = (
+                f"abort: {request.reason}; no checkpoint before step {request.since_step} "
+                "to rewind to"
+            )
+            st._failed = True
+            return True
+        path, owner = chosen
+        rewind, history = self._rewinder.record(request, path, from_step=st._step)
+        restore(path, owner, self._checkpoint_state(), *managers)  # exactly as a resume
+        self._rewinder.apply(rewind, history)
+        discard_after(rewind.to_step, managers)
+        self._pending_tokens.clear()
+        if st.is_rank_zero:
+            say_rewound(rewind)
+        self.ctx.rewind = rewind  # loggers cut back to the restored step, as on a resume
+        self._fire_checkpoint_event("on_checkpoint_load", path)
+        self.ctx.rewind = None
         return True
 
     def _check_skipped(self) -> None:
@@ -654,6 +701,7 @@ class Trainer:
             ),
             "data": self._data,
             "log_pending": self._losses,
+            "rewind": self._rewinder,
             "rng": RNGState(),
         }
         return state

@@ -1,4 +1,4 @@
-"""Divergence detection: stop (or abort) when the loss runs away.
+"""Divergence detection: stop, abort, or rewind when the loss runs away.
 
 :class:`SpikeTracker` is the logic, on plain numbers: an exponential moving
 average (EMA) of the observed loss and the lowest value that average has
@@ -11,9 +11,16 @@ still feed the average), which keeps the steep early part of training from
 counting.
 
 :class:`DivergenceDetector` feeds it the logged training loss (or
-``eval_loss``, or any key) and asks the loop to stop or abort. It reads values
-the loop has already turned into Python numbers for logging, so it adds no
-device synchronisation.
+``eval_loss``, or any key) and asks the loop to stop, abort, or rewind. It reads
+values the loop has already turned into Python numbers for logging, so it adds
+no device synchronisation.
+
+With ``action="rewind"`` it asks the loop to roll back to the last checkpoint
+taken before the divergence began (:mod:`hookloop.rewind`). The divergence is
+taken to begin right after the last observation that was not above (the steps
+since then may all have fed the spike). After ``max_rewinds`` rewinds the next
+divergence ends the run as failed (an abort: the checkpoints from before the
+divergence stay ``latest``).
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ from hookloop.state import CallbackContext
 
 Limit = float | None  # a threshold, or None for "not used"
 Count = int  # observations (log events or evaluations), not steps
-Action = Literal["stop", "abort"]
+Action = Literal["stop", "abort", "rewind"]
+ACTIONS = ("stop", "abort", "rewind")
 
 log = logging.getLogger("hookloop.divergence")
 
@@ -139,9 +147,17 @@ class DivergenceDetector(Callback):
     over its best; ``None`` disables), ``relative_threshold`` (ratio of the
     average to its best, > 1; ``None`` disables), ``patience``, ``warmup``
     (observations), ``action`` (``"stop"``: finish the step and save;
-    ``"abort"``: end at once without saving), ``use_eval_loss`` (watch
-    ``eval_loss`` at each evaluation instead of the training loss at each log)
-    and ``metric_key`` (any other key, looked up in logs and evaluation results).
+    ``"abort"``: end at once without saving; ``"rewind"``: roll back and go on),
+    ``use_eval_loss`` (watch ``eval_loss`` at each evaluation instead of the
+    training loss at each log) and ``metric_key`` (any other key, looked up in
+    logs and evaluation results).
+
+    Rewind settings (``action="rewind"`` only): ``skip_batches`` (batches per
+    rank skipped from where the divergence began; None: those trained between
+    its start and its confirmation), ``lr_factor`` and ``lr_steps`` (the
+    learning rate is multiplied by ``lr_factor`` for ``lr_steps`` steps after
+    the restored one; 1.0 or 0: unchanged) and ``max_rewinds`` (rewinds before
+    a divergence fails the run).
     """
 
     priority = 80
@@ -160,10 +176,23 @@ class DivergenceDetector(Callback):
         metric_key: str | None = None,
         use_eval_loss: bool = False,
         action: Action = "stop",
+        # what a rewind does (action="rewind")
+        skip_batches: int | None = None,
+        lr_factor: float = 1.0,
+        lr_steps: int = 0,
+        max_rewinds: int = 3,
     ) -> None:
         self.tracker = SpikeTracker(smoothing, threshold, relative_threshold, patience, warmup)
-        if action not in ("stop", "abort"):
-            raise ValueError(f"action must be 'stop' or 'abort', got {action!r}")
+        if action not in ACTIONS:
+            raise ValueError(f"action must be 'stop', 'abort' or 'rewind', got {action!r}")
+        if skip_batches is not None and (not _count(skip_batches) or skip_batches < 0):
+            raise ValueError(f"skip_batches must be an int >= 0 or None, got {skip_batches!r}")
+        if not _real(lr_factor) or not lr_factor > 0:
+            raise ValueError(f"lr_factor must be a finite number > 0, got {lr_factor!r}")
+        if not _count(lr_steps) or lr_steps < 0:
+            raise ValueError(f"lr_steps must be an int >= 0, got {lr_steps!r}")
+        if not _count(max_rewinds) or max_rewinds < 0:
+            raise ValueError(f"max_rewinds must be an int >= 0, got {max_rewinds!r}")
         if not isinstance(use_eval_loss, bool):
             raise ValueError(f"use_eval_loss must be True or False, got {use_eval_loss!r}")
         if metric_key is not None and (not isinstance(metric_key, str) or not metric_key):
@@ -172,7 +201,12 @@ class DivergenceDetector(Callback):
         self.use_eval_loss = use_eval_loss
         self.metric_key = metric_key
         self.key = metric_key or ("eval_loss" if use_eval_loss else "loss")
+        self.skip_batches = skip_batches
+        self.lr_factor = float(lr_factor)
+        self.lr_steps = lr_steps
+        self.max_rewinds = max_rewinds
         self.triggered: str | None = None  # the latest reason, for inspection
+        self.healthy_step = 0  # the step of the latest observation that was not above
 
     @property
     def name(self) -> str:
@@ -200,27 +234,47 @@ class DivergenceDetector(Callback):
             return
         why = self.tracker.update(value)
         if why is None:
+            if self.tracker.consecutive == 0:
+                self.healthy_step = ctx.state.step
             return
         self.triggered = why
         reason = f"divergence: {self.key} {why}"
+        action = self.action
+        rewinds = len(ctx.state.rewinds)
+        if action == "rewind" and rewinds >= self.max_rewinds:
+            action = "abort"
+            reason += f"; gave up after {rewinds} rewinds (max_rewinds={self.max_rewinds})"
         if ctx.state.is_rank_zero:
-            log.error("%s at step %d; action: %s", reason, ctx.state.step, self.action)
-        if self.action == "abort":
+            log.error("%s at step %d; action: %s", reason, ctx.state.step, action)
+        if action == "rewind":
+            ctx.control.request_rewind(
+                self.healthy_step + 1,
+                reason=reason,
+                skip_batches=self.skip_batches,
+                lr_factor=self.lr_factor,
+                lr_steps=self.lr_steps,
+            )
+        elif action == "abort":
             ctx.control.request_abort(reason, failed=True)
         else:
             ctx.control.request_stop(reason, failed=True)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.tracker.state_dict()
+        return {**self.tracker.state_dict(), "healthy_step": self.healthy_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.tracker.load_state_dict(state)
+        self.healthy_step = int(state.get("healthy_step", 0))
 
     def __repr__(self) -> str:
         return (
             f"DivergenceDetector(priority={self.priority}, key={self.key!r}, "
             f"action={self.action!r})"
         )
+
+
+def _count(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _real(x: object) -> bool:

@@ -13,6 +13,11 @@ seconds), ``step`` and ``epoch``; the other keys depend on the kind:
     whatever producer callbacks added).
 ``eval`` / ``test``
     an evaluation: every value in ``ctx.metrics`` (``eval_loss``, ...).
+``rewind``
+    a divergence rolled back (:mod:`hookloop.rewind`), written at the restored
+    step after the records past it were cut off as on a resume: ``count``,
+    ``from_step``, ``to_step``, ``since_step``, ``batches_skipped``,
+    ``checkpoint``, ``reason``, ``lr_factor``, ``lr_steps``.
 ``end``
     training ended: ``status`` (see :func:`run_status`) and ``stop_reason``;
     after an exception also ``error``. A killed process leaves no ``end``
@@ -96,6 +101,10 @@ class JsonLogger(Callback):
                 "max_steps": ctx.state.max_steps,
             },
         )
+
+    def on_checkpoint_load(self, ctx: CallbackContext) -> None:
+        if ctx.rewind is not None:  # a rewind: the file was cut back by load_state_dict
+            self._write("rewind", ctx, ctx.rewind.to_json())
 
     def on_log(self, ctx: CallbackContext) -> None:
         self._write("train", ctx, ctx.logs or {})

@@ -22,6 +22,8 @@ the same W&B run *rewound* to the checkpoint step (``resume_from="<id>?_step=S"`
 so steps logged after the checkpoint by the killed process are replaced, as in
 the JSON and TensorBoard logs. Pass ``rewind=False`` to continue the run
 without rewinding (``resume="allow"``) where a W&B server lacks run rewind.
+A rewind after a divergence (:mod:`hookloop.rewind`) does the same in the
+running process: the run is finished and continued from the restored step.
 
 :func:`offline_history` reads what an offline run wrote (wandb 0.31 ships no
 Python reader for its ``.wandb`` files: they are a LevelDB-style log of
@@ -99,6 +101,13 @@ class WandbLoggingCallback(Callback):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         run_id = state.get("run_id")
         self._resume_id = run_id if isinstance(run_id, str) and run_id else None
+
+    def on_checkpoint_load(self, ctx: CallbackContext) -> None:
+        """A rewind in training: continue the run from the restored step, as a resume does
+        (at a resume the run is not open yet, and ``on_train_start`` opens it so)."""
+        if ctx.rewind is not None and self.run is not None:
+            self._finish(0)
+            self.on_train_start(ctx)
 
     # -- events ------------------------------------------------------------------
     def on_train_start(self, ctx: CallbackContext) -> None:

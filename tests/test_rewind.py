@@ -1,0 +1,216 @@
+"""Rewind: a divergence rolls the run back to a checkpoint from before it, the data
+skips a window past where it began, and training goes on in the same process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from _dist_launch import torchrun
+from _rewind_job import KILL_AT, SPIKE, build
+from hookloop import Callback, Control, ExitCode
+from hookloop.callbacks import read_jsonl
+from hookloop.callbacks.divergence import DivergenceDetector
+from hookloop.state import RewindRequest
+
+JOB = str(Path(__file__).with_name("_rewind_job.py"))
+
+
+def records(out: Path, kind: str) -> list[dict]:
+    return [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == kind]
+
+
+def assert_each_step_logged_once(out: Path, last: int) -> None:
+    steps = [r["step"] for r in records(out, "train")]
+    assert steps == list(range(1, last + 1)), steps
+
+
+def expected_timeline(skip: int, last: int = 14) -> dict[int, int]:
+    """step -> batch position: 0..SPIKE-1, then SPIKE + skip onwards."""
+    return {s: s - 1 if s <= SPIKE else s - 1 + skip for s in range(1, last + 1)}
+
+
+@pytest.fixture(scope="module")
+def rewound(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rewound")
+    trainer, step = build(out)
+    result = trainer.train()
+    return out, trainer, step, result
+
+
+def test_a_loss_spike_rewinds_to_the_checkpoint_before_it_and_skips_the_window(rewound):
+    out, trainer, step, result = rewound
+    assert result.stop_reason == "max_steps" and result.exit_code == ExitCode.OK
+    # Steps 1-8 trained positions 0-7 (8 = SPIKE diverged); rewound to step 6, steps 7
+    # and 8 replayed position 6 and then, 3 batches skipped, position 10.
+    assert step.seen[:8] == [(s, s - 1) for s in range(1, 9)]
+    assert step.seen[8:10] == [(7, 6), (8, 10)]
+    assert step.timeline() == expected_timeline(skip=3)
+    (rewind,) = trainer.state.rewinds
+    assert (rewind.from_step, rewind.to_step, rewind.since_step) == (8, 6, 8)
+    assert rewind.batches_skipped == 3 and rewind.count == 1
+    assert rewind.checkpoint == str(out / "checkpoints" / "step-00000006")
+
+
+def test_every_step_is_logged_once_and_the_rewind_is_recorded(rewound):
+    out = rewound[0]
+    assert_each_step_logged_once(out, 14)
+    assert max(r["loss"] for r in records(out, "train")) < 100  # the spike's record is gone
+    (record,) = records(out, "rewind")
+    assert record["step"] == 6
+    assert {k: record[k] for k in ("from_step", "to_step", "since_step", "batches_skipped")} == {
+        "from_step": 8,
+        "to_step": 6,
+        "since_step": 8,
+        "batches_skipped": 3,
+    }
+    assert "divergence: loss" in record["reason"]
+
+
+def test_checkpoints_of_the_abandoned_branch_are_deleted(rewound):
+    out, *_ = rewound
+    saved = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
+    assert saved == ["step-00000003", "step-00000006", "step-00000009", "step-00000012",
+                     "step-00000014"]  # fmt: skip
+    manifest = json.loads((out / "checkpoints" / "step-00000009" / "manifest.json").read_text())
+    assert manifest["step"] == 9
+
+
+def test_a_newer_local_checkpoint_from_before_the_divergence_is_the_one_restored(tmp_path):
+    trainer, step = build(tmp_path, local_every=1)
+    trainer.train()
+    (rewind,) = trainer.state.rewinds
+    assert rewind.to_step == 7
+    assert rewind.checkpoint == str(tmp_path / "local_checkpoints" / "step-00000007")
+    assert step.timeline() == expected_timeline(skip=3)
+    assert_each_step_logged_once(tmp_path, 14)
+
+
+def test_the_learning_rate_is_scaled_for_the_steps_asked(tmp_path):
+    lrs: dict[int, float] = {}
+
+    class LRSeen(Callback):
+        def on_train_step_start(self, ctx):
+            optimizer = ctx.optimizer
+            original = optimizer.step
+
+            def step(*args, **kwargs):
+                lrs[ctx.state.step] = optimizer.param_groups[0]["lr"]
+                optimizer.step = original
+                return original(*args, **kwargs)
+
+            optimizer.step = step
+
+    trainer, _ = build(tmp_path, callbacks=[LRSeen()], lr_factor=0.25, lr_steps=2)
+    trainer.train()
+    base = trainer.optimizer.param_groups[0]["lr"]
+    assert lrs[6] == base and lrs[9] == base  # before the rewind, and after its 2 steps
+    assert lrs[7] == pytest.approx(base * 0.25) and lrs[8] == pytest.approx(base * 0.25)
+
+
+def test_after_max_rewinds_the_run_fails_with_exit_code_4(tmp_path):
+    # No batches skipped: the spike comes back each time; the second time it is given up.
+    trainer, _ = build(tmp_path, skip_batches=0, max_rewinds=1)
+    result = trainer.train()
+    assert result.exit_code == ExitCode.FAILED == 4
+    assert result.failed and "gave up after 1 rewinds (max_rewinds=1)" in result.stop_reason
+    assert result.step == 8 and len(trainer.state.rewinds) == 1
+    (end,) = records(tmp_path, "end")
+    assert end["status"] == "failed"
+
+
+def test_with_no_checkpoint_before_the_divergence_the_run_fails_saying_so(tmp_path):
+    trainer, _ = build(tmp_path, every=10)
+    result = trainer.train()
+    assert result.exit_code == ExitCode.FAILED
+    assert "no checkpoint before step 8 to rewind to" in result.stop_reason
+
+
+def test_a_stop_that_is_not_a_failure_wins_over_a_rewind(tmp_path):
+    class StopAt8(Callback):
+        def on_log(self, ctx):
+            if ctx.state.step == 8:
+                ctx.control.request_stop("operator asked")
+
+    trainer, _ = build(tmp_path, callbacks=[StopAt8()])
+    result = trainer.train()
+    assert result.stop_reason == "operator asked" and trainer.state.rewinds == ()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"action": "rollback"}, r"action must be 'stop', 'abort' or 'rewind', got 'rollback'"),
+        ({"skip_batches": -1}, r"skip_batches must be an int >= 0 or None, got -1"),
+        ({"lr_factor": 0.0}, r"lr_factor must be a finite number > 0, got 0.0"),
+        ({"lr_steps": 1.5}, r"lr_steps must be an int >= 0, got 1.5"),
+        ({"max_rewinds": None}, r"max_rewinds must be an int >= 0, got None"),
+    ],
+)
+def test_bad_rewind_settings_are_refused_naming_what_is_allowed(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DivergenceDetector(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"since_step": 0}, r"since_step must be a step number >= 1, got 0"),
+        ({"since_step": 3, "skip_batches": True}, r"skip_batches must be an int >= 0"),
+        ({"since_step": 3, "lr_factor": float("inf")}, r"lr_factor must be a finite number"),
+    ],
+)
+def test_bad_rewind_requests_are_refused_when_filed(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Control().request_rewind(**kwargs)
+    assert RewindRequest(5, "x").skip_batches is None
+
+
+# -- across processes ---------------------------------------------------------------------
+
+
+def job(mode: str, out: Path, *settings: str, ranks: int = 1, code: int = 0) -> list[dict]:
+    cmd = [*torchrun(ranks), JOB, mode, str(out), *settings]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == code, proc.stderr[-4000:]
+    if code:
+        return []
+    return [json.loads((out / f"result-{mode}-rank{r}.json").read_text()) for r in range(ranks)]
+
+
+@pytest.mark.slow
+def test_sigkill_after_a_rewind_then_resume_auto_ends_on_the_same_weights(tmp_path, rewound):
+    trainer = rewound[1]
+    job("kill", tmp_path, code=-9)  # killed at the end of step KILL_AT, after the rewind
+    assert [r["step"] for r in records(tmp_path, "rewind")] == [6]
+    (resumed,) = job("resume", tmp_path)
+    whole = [p.detach().flatten().tolist() for p in trainer.model.parameters()]
+    assert resumed["params"] == whole
+    (rewind,) = resumed["rewinds"]  # the history came back with the checkpoint
+    assert rewind["checkpoint"] == str(tmp_path / "checkpoints" / "step-00000006")
+    assert {**rewind, "checkpoint": None} == {
+        **trainer.state.rewinds[0].to_json(),
+        "checkpoint": None,
+    }
+    # It resumed after the rewind (from step 9, or 12 if its save had committed): no second
+    # rewind, the skip stands.
+    first, position = resumed["seen"][0]
+    assert first in (10, KILL_AT) and position == first - 1 + 3
+    assert_each_step_logged_once(tmp_path, 14)
+    assert len(records(tmp_path, "rewind")) == 1
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_rewind_at_the_same_step_and_stay_in_step(tmp_path):
+    ranks = job("plain", tmp_path, ranks=2)
+    assert ranks[0]["rewinds"] == ranks[1]["rewinds"]
+    (rewind,) = ranks[0]["rewinds"]
+    assert (rewind["from_step"], rewind["to_step"], rewind["batches_skipped"]) == (8, 6, 3)
+    for rank in ranks:  # each rank skipped its own 3 batches from the spike on
+        timeline = dict((s, p) for s, p in rank["seen"])
+        assert timeline == expected_timeline(skip=3)
+    assert ranks[0]["params"] == ranks[1]["params"]
+    assert_each_step_logged_once(tmp_path, 14)
