@@ -1,0 +1,131 @@
+"""Seed 003's step and evaluation extras: ``num_zeros_in_grad`` in the step logs
+(``train.log_num_zeros_in_grad``) and ``non_loss_data_func`` called on the model at
+each evaluation, its result on ``ctx.non_loss_data`` during ``on_eval_end``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from hookloop import Callback, CallbackManager, Config, DataConfig, TrainConfig, Trainer
+from hookloop.testing import TinyModel, ToyData
+
+
+class SparseUse(nn.Module):
+    """An embedding table of which each batch uses only a few rows: the other rows'
+    gradients are exactly zero, as in a language model's rare tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = nn.Embedding(10, 3)
+        self.head = nn.Linear(3, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.table(ids)).squeeze(-1)
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 4, (6,), generator=g), torch.randn(6, generator=g)) for _ in range(n)]
+
+
+class _Logs(Callback):
+    priority = 200
+
+    def __init__(self) -> None:
+        self.logs: list[dict] = []
+
+    def on_log(self, ctx) -> None:
+        self.logs.append(dict(ctx.logs))
+
+
+def _zeros_by_hand(model: nn.Module, batches, steps: int) -> int:
+    """Zero gradient elements at step ``steps``, replaying the same updates by hand."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i, (x, y) in enumerate(batches[:steps]):
+        opt.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+        if i == steps - 1:
+            return sum(int((p.grad == 0).sum()) for p in model.parameters())
+        opt.step()
+    raise AssertionError("unreachable")
+
+
+def test_num_zeros_in_grad_is_logged_on_log_steps_when_asked():
+    model, batches, logs = SparseUse(), _batches(4), _Logs()
+    reference = copy.deepcopy(model)
+    cfg = Config(
+        train=TrainConfig(max_steps=4, log_every=2, log_num_zeros_in_grad=True, clip_grad_norm=None)
+    )
+    trainer = Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), train_data=batches,
+        loss_fn=nn.functional.mse_loss, config=cfg, callbacks=CallbackManager([logs]),
+    )  # fmt: skip
+    trainer.train()
+    assert [r["num_zeros_in_grad"] for r in logs.logs] == [
+        _zeros_by_hand(copy.deepcopy(reference), batches, 2),
+        _zeros_by_hand(copy.deepcopy(reference), batches, 4),
+    ]
+    assert logs.logs[0]["num_zeros_in_grad"] >= 6 * 3  # rows 4..9 of the table were unused
+
+
+def test_num_zeros_in_grad_is_off_by_default():
+    logs = _Logs()
+    cfg = Config(train=TrainConfig(max_steps=2, log_every=1), data=DataConfig(batch_size=4))
+    Trainer(
+        TinyModel(), train_data=ToyData(n=16), loss_fn=TinyModel.loss_fn, config=cfg,
+        callbacks=CallbackManager([logs]),
+    ).train()  # fmt: skip
+    assert logs.logs and all("num_zeros_in_grad" not in r for r in logs.logs)
+
+
+class _EvalSeen(Callback):
+    def __init__(self) -> None:
+        self.at_end: list[object] = []
+        self.elsewhere: list[object] = []
+
+    def on_eval_end(self, ctx) -> None:
+        self.at_end.append(ctx.non_loss_data)
+
+    def on_eval_step_end(self, ctx) -> None:
+        self.elsewhere.append(ctx.non_loss_data)
+
+    def on_train_step_end(self, ctx) -> None:
+        self.elsewhere.append(ctx.non_loss_data)
+
+
+def test_non_loss_data_func_runs_once_per_evaluation_on_the_model_in_eval_mode():
+    calls: list[tuple[bool, bool]] = []
+
+    def non_loss_data(model: nn.Module) -> dict[str, float]:
+        calls.append((model.training, torch.is_grad_enabled()))
+        return {"weight_sum": float(model.net[0].weight.sum())}
+
+    seen = _EvalSeen()
+    cfg = Config(
+        train=TrainConfig(max_steps=4, log_every=0, eval_every=2, eval_at_epoch_end=False),
+        data=DataConfig(batch_size=4),
+    )
+    trainer = Trainer(
+        TinyModel(), train_data=ToyData(n=64), eval_data=ToyData(n=8, seed=1),
+        loss_fn=TinyModel.loss_fn, config=cfg, callbacks=CallbackManager([seen]),
+        non_loss_data_func=non_loss_data,
+    )  # fmt: skip
+    trainer.train()
+    assert calls == [(False, False), (False, False)]  # steps 2 and 4
+    assert len(seen.at_end) == 2 and seen.at_end[0] != seen.at_end[1]  # the model changed
+    assert all(isinstance(v, dict) and "weight_sum" in v for v in seen.at_end)
+    assert all(v is None for v in seen.elsewhere)  # only during on_eval_end
+    assert trainer.model.training  # back in training mode afterwards
+
+    trainer.test(ToyData(n=8, seed=2))  # the test phase does not call it
+    assert len(calls) == 2
+
+
+def test_a_non_callable_non_loss_data_func_is_refused():
+    with pytest.raises(TypeError, match=r"non_loss_data_func must be callable\(model\)"):
+        Trainer(TinyModel(), train_data=ToyData(), non_loss_data_func=3)
