@@ -21,13 +21,17 @@ from _seed_examples import example, with_imports
 from hookloop import Callback as NativeCallback
 from hookloop import Trainer
 from hookloop.compat.mapping import dialect_events
-from hookloop.compat.megatron_bridge.recipes import small_gpt_pretrain_config
+from hookloop.compat.megatron_bridge.recipes import (
+    small_gpt_pretrain_config,
+    tiny_gpt_pretrain_config,
+)
 from hookloop.compat.megatron_bridge.training import callbacks as mb_callbacks
 from hookloop.compat.megatron_bridge.training.callbacks import (
     Callback,
     CallbackContext,
     CallbackManager,
 )
+from hookloop.compat.megatron_bridge.training.config import ConfigContainer
 from hookloop.compat.megatron_bridge.training.finetune import finetune
 from hookloop.compat.megatron_bridge.training.gpt_step import forward_step
 from hookloop.compat.megatron_bridge.training.pretrain import pretrain
@@ -744,3 +748,207 @@ def test_pretrain_checks_config_and_forward_step_first():
 def test_small_gpt_config_rejects_bad_overrides_by_name(overrides, message):
     with pytest.raises(ValueError, match=message):
         small_gpt_pretrain_config(**overrides)
+
+
+# -- the test phase, the writers in GlobalState, and the seed-shaped ConfigContainer ------
+
+
+def test_pretrain_runs_the_test_phase_at_the_end_when_the_config_has_test_data():
+    recorder = FieldRecorder()
+    result = pretrain(tiny_gpt_pretrain_config(train_iters=4), forward_step, callbacks=[recorder])
+
+    names = [name for name, _, _ in recorder.rows]
+    tail = names[names.index("on_train_end") :]
+    assert tail == [
+        "on_train_end",
+        "on_test_start",
+        *["on_test_step_start", "on_test_step_end"] * 2,
+        "on_test_end",
+    ]  # fmt: skip  (eval_iters=2)
+    [(step, fields)] = _rows(recorder, "on_test_end")
+    assert step == 4
+    assert fields["total_loss_dict"] == {
+        "loss": result.metrics["test_loss"],
+        "lm loss": result.metrics["test_lm loss"],
+    }
+
+
+def test_no_test_phase_without_test_data_or_after_an_early_exit():
+    no_split = tiny_gpt_pretrain_config()
+    no_split.dataset.split = "95,5,0"
+    cut_short = tiny_gpt_pretrain_config(train_iters=6)
+    cut_short.train.exit_interval = 2
+    for config in (no_split, cut_short):
+        recorder = FieldRecorder()
+        result = pretrain(config, forward_step, callbacks=[recorder])
+        assert not any(name.startswith("on_test") for name, _, _ in recorder.rows)
+        assert not any(key.startswith("test_") for key in result.metrics)
+    assert result.stop_reason == "exit_interval"
+    # the small native config's recipe has no test split: no test phase either
+    recorder = FieldRecorder()
+    pretrain(small_gpt_pretrain_config(), forward_step, callbacks=[recorder])
+    assert not any(name.startswith("on_test") for name, _, _ in recorder.rows)
+
+
+class LogsThroughTheStateWriters(Callback):
+    """What a seed callback writes through ``context.state``'s TensorBoard and W&B writers."""
+
+    def __init__(self) -> None:
+        self.losses: dict[int, float] = {}
+
+    def on_train_step_end(self, context):
+        step, loss = context.state.train_state.step, float(context.loss_dict["lm loss"])
+        self.losses[step] = loss
+        if context.state.tensorboard_logger is not None:
+            context.state.tensorboard_logger.add_scalar("seed/lm loss", loss, step)
+        if context.state.wandb_logger is not None:
+            context.state.wandb_logger.log({"seed/lm loss": loss}, step=step)
+
+
+def test_tensorboard_logger_of_the_config_receives_what_a_seed_callback_writes(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config = tiny_gpt_pretrain_config(train_iters=4)
+    config.logger.tensorboard_dir = str(tmp_path / "tb")
+    writer = LogsThroughTheStateWriters()
+    pretrain(config, forward_step, callbacks=[writer])
+
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    scalars = {e.step: e.value for e in events.Scalars("seed/lm loss")}
+    assert scalars == pytest.approx(writer.losses, rel=1e-6)
+    assert sorted(scalars) == [1, 2, 3, 4]
+
+
+def test_tensorboard_logger_of_a_native_config_writes_into_the_run_directory(tmp_path):
+    seen: list[Any] = []
+    manager = CallbackManager()
+    manager.register(
+        "on_train_start", lambda context: seen.append(context.state.tensorboard_logger)
+    )
+    pretrain(small_gpt_pretrain_config(), forward_step, callbacks=manager)
+    pretrain(small_gpt_pretrain_config(), forward_step, callbacks=manager, out_dir=tmp_path)
+    assert seen[0] is None  # no run directory, nowhere to write
+    assert seen[1] is not None and seen[1].log_dir == str(tmp_path / "tb")
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def test_wandb_logger_of_the_config_logs_a_seed_callbacks_rows_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from hookloop.callbacks.wandb_logger import offline_history
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")
+    config = tiny_gpt_pretrain_config(train_iters=3)
+    config.logger.wandb_project = "hookloop-tests"
+    config.logger.wandb_exp_name = "seed-callback"
+    config.logger.wandb_save_dir = str(tmp_path / "wb")
+    writer = LogsThroughTheStateWriters()
+    pretrain(config, forward_step, callbacks=[writer])
+
+    rows = offline_history(tmp_path / "wb" / "wandb", wait_s=30)
+    assert {r["_step"]: r["seed/lm loss"] for r in rows} == pytest.approx(writer.losses)
+    assert sorted(writer.losses) == [1, 2, 3]
+
+
+def test_wandb_logger_needs_an_experiment_name_as_the_original_does():
+    config = tiny_gpt_pretrain_config(train_iters=1)
+    config.logger.wandb_project = "hookloop-tests"
+    with pytest.raises(ValueError, match=r"logger\.wandb_exp_name is empty"):
+        pretrain(config, forward_step, callbacks=[LogsThroughTheStateWriters()])
+
+
+def test_seed_quick_start_runs_on_the_config_container(capsys):
+    code = example("000", "import time", "pretrain(config, forward_step, callbacks=[MyCallback()])")
+    swapped = translated(code).replace(
+        SMALL_GPT_IMPORT,
+        f"from {MB}.recipes.gpt import tiny_gpt_pretrain_config as qwen25_500m_pretrain_config",
+    )
+    namespace = run(swapped)
+
+    assert isinstance(namespace["config"], ConfigContainer)
+    lines = printed(capsys)
+    assert lines[0] == "Training started at step 0"
+    for step, line in enumerate(lines[1:5], start=1):
+        assert re.fullmatch(rf"Step {step}: loss={LOSS_DICT}", line), line
+    assert re.fullmatch(r"Training completed in \d+\.\d\ds", lines[5])
+
+
+def test_seed_shaped_config_fields_drive_the_run(tmp_path):
+    # Code in the shape seed users write: fields set on the container's sections.
+    config = tiny_gpt_pretrain_config()
+    config.train.train_iters = 6
+    config.train.global_batch_size = 8
+    config.train.micro_batch_size = 2  # 4 micro-batches accumulated per step
+    config.optimizer.lr = 1e-3
+    config.optimizer.min_lr = 1e-4
+    config.checkpoint.save_interval = 3
+    config.checkpoint.save = str(tmp_path / "run")
+    seen: dict[str, Any] = {}
+
+    def step_func(global_state, data_iterator, model):
+        seen["cfg"] = global_state.cfg
+        return forward_step(global_state, data_iterator, model)
+
+    class Reads(Callback):
+        def on_train_step_end(self, context):
+            seen["lr"] = context.optimizer.param_groups[0]["lr"]
+            seen["samples"] = context.state.train_state.consumed_train_samples
+            seen["iters"] = context.state.cfg.train.train_iters
+
+    result = pretrain(config, step_func, callbacks=[Reads()])
+
+    assert seen["cfg"] is config and seen["iters"] == 6
+    assert result.step == 6 and seen["samples"] == 6 * 8
+    assert seen["lr"] == pytest.approx(1e-3)
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*"))
+    assert saved == ["step-00000003", "step-00000006"]
+
+    # load = save: a second pretrain continues the newest checkpoint there
+    config.train.train_iters = 8
+    config.checkpoint.load = config.checkpoint.save
+    recorder = FieldRecorder()
+    assert pretrain(config, forward_step, callbacks=[recorder]).step == 8
+    assert recorder.rows[0][:2] == ("on_checkpoint_load", 6)
+
+
+def test_finetune_from_the_container_starts_from_its_pretrained_checkpoint(tmp_path):
+    pretrained = tiny_gpt_pretrain_config(train_iters=3, save=str(tmp_path / "pre"))
+    ended: list[float] = []
+    manager = CallbackManager()
+    _weights_at(manager, "on_train_end", ended)
+    pretrain(pretrained, forward_step, callbacks=manager)
+
+    config = tiny_gpt_pretrain_config(train_iters=2)
+    config.checkpoint.pretrained_checkpoint = str(
+        tmp_path / "pre" / "checkpoints" / "step-00000003"
+    )
+    started: list[float] = []
+    manager = CallbackManager()
+    _weights_at(manager, "on_train_start", started)
+    finetune(config, forward_step, callbacks=manager)
+    assert started == pytest.approx(ended, rel=1e-6)
+
+    with pytest.raises(ValueError, match=r"config\.checkpoint\.pretrained_checkpoint"):
+        finetune(tiny_gpt_pretrain_config(), forward_step)
+
+
+@pytest.mark.parametrize(
+    ("section", "field", "value", "message"),
+    [
+        ("train", "global_batch_size", 6, r"global_batch_size \(6\) must be a multiple of"),
+        ("train", "train_iters", 0, r"train\.train_iters must be an int >= 1, got 0"),
+        ("optimizer", "lr", -1.0, r"optimizer\.lr must be a number > 0"),
+        ("optimizer", "optimizer", "lion", r"optimizer\.optimizer must be 'adam' or 'sgd'"),
+        ("scheduler", "lr_decay_style", "wsd", r"lr_decay_style must be 'constant', 'cosine'"),
+        ("dataset", "split", "90,10", r"dataset\.split must be three comma-separated weights"),
+        ("checkpoint", "save_interval", 0, r"checkpoint\.save_interval must be an int >= 1"),
+        ("checkpoint", "load", "/elsewhere", r"checkpoint\.load .* differs from checkpoint\.save"),
+    ],
+)
+def test_container_fields_are_validated_with_the_allowed_values(section, field, value, message):
+    config = tiny_gpt_pretrain_config(save="/tmp/unused-run-dir")
+    setattr(getattr(config, section), field, value)
+    with pytest.raises(ValueError, match=message):
+        pretrain(config, forward_step)

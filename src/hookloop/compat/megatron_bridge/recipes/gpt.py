@@ -1,17 +1,28 @@
-"""``small_gpt_pretrain_config()``: the native ``gpt-stdlib`` recipe, shrunk to seconds.
+"""Two config functions for the small byte-level GPT, each trains in seconds.
 
-It stands in for the seed's large-model config functions in examples and tests:
-a two-layer byte-level GPT on a slice of Python's standard library, four steps
-by default, evaluated every two. Keywords use the seed's names.
+- ``small_gpt_pretrain_config()`` returns the native :class:`hookloop.Config`
+  (the ``gpt-stdlib`` recipe, shrunk); keywords use the seed's names.
+- ``tiny_gpt_pretrain_config()`` returns a seed-shaped
+  :class:`~hookloop.compat.megatron_bridge.training.config.ConfigContainer`
+  (``cfg.train.train_iters``, ``cfg.optimizer.lr`` …), whose data is split
+  train/valid/test by ``cfg.dataset.split`` (:func:`build_parts`).
 
 >>> cfg = small_gpt_pretrain_config(train_iters=10, eval_interval=None)
 >>> cfg.recipe, cfg.train.max_steps, cfg.train.eval_every
 ('gpt-stdlib', 10, None)
+>>> tiny = tiny_gpt_pretrain_config(train_iters=6)
+>>> tiny.train.train_iters, tiny.train.global_batch_size, tiny.checkpoint.save_interval
+(6, 8, None)
 """
 
 from __future__ import annotations
 
+import torch
+
+from hookloop.compat.megatron_bridge.training.config import ConfigContainer
 from hookloop.config import Config, OptimizerConfig, SchedulerConfig, TrainConfig
+from hookloop.recipes import RecipeParts
+from hookloop.recipes import gpt as native_gpt
 from hookloop.recipes.gpt import GPTConfig, TextDataConfig
 
 
@@ -71,3 +82,78 @@ def _check_positive_int(name: str, value: object, *, allow_none: bool = False) -
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         allowed = "an int >= 1" + (" or None" if allow_none else "")
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def tiny_gpt_pretrain_config(
+    *,
+    train_iters: int = 4,
+    global_batch_size: int = 8,
+    micro_batch_size: int = 4,
+    seq_length: int = 32,
+    lr: float = 3e-3,
+    eval_interval: int | None = 2,
+    eval_iters: int = 2,
+    save_interval: int | None = None,
+    save: str | None = None,
+    seed: int = 1234,
+) -> ConfigContainer:
+    """A seed-shaped config container for ``pretrain``/``finetune`` (seconds on a CPU).
+
+    Every keyword lands in its seed section (``train``, ``model``, ``optimizer``,
+    ``checkpoint``, ``rng``); set any other field on the returned object.
+    """
+    cfg = ConfigContainer()
+    cfg.train.train_iters = train_iters
+    cfg.train.global_batch_size = global_batch_size
+    cfg.train.micro_batch_size = micro_batch_size
+    cfg.train.eval_interval = eval_interval
+    cfg.train.eval_iters = eval_iters
+    cfg.model.seq_length = seq_length
+    cfg.optimizer.lr = lr
+    if isinstance(lr, (int, float)) and not isinstance(lr, bool):
+        cfg.optimizer.min_lr = 0.1 * lr  # where a decay style ends (validate() checks lr)
+    cfg.checkpoint.save = save
+    cfg.checkpoint.save_interval = save_interval
+    cfg.rng.seed = seed
+    return cfg.validate()
+
+
+def build_parts(cfg: ConfigContainer, native: Config) -> RecipeParts:
+    """Model and the train/valid/test windows of ``cfg.dataset`` (the caller seeded RNGs).
+
+    The corpus is cut into three consecutive stretches by ``dataset.split``, so
+    no byte is in two splits; a split of weight 0 is absent (no test phase).
+    """
+    mcfg = native.model
+    assert isinstance(mcfg, GPTConfig)
+    corpus = native_gpt.load_corpus(cfg.dataset.source, cfg.dataset.max_bytes)
+    data = torch.frombuffer(bytearray(corpus), dtype=torch.uint8)
+    fractions = cfg.split_weights()
+    bounds = [0]
+    for fraction in fractions:
+        bounds.append(bounds[-1] + round(fraction * data.numel()))
+    bounds[-1] = data.numel()
+    splits = []
+    for name, fraction, start, end in zip(
+        ("train", "valid", "test"), fractions, bounds, bounds[1:], strict=False
+    ):
+        if fraction == 0:
+            splits.append(None)
+            continue
+        windows = native_gpt.ByteWindows(data[start:end].clone(), mcfg.block_size)
+        if len(windows) == 0:
+            raise ValueError(
+                f"the {name} split ({end - start} bytes of dataset.split={cfg.dataset.split!r}) "
+                f"is shorter than one window of model.seq_length={mcfg.block_size}; raise "
+                "dataset.max_bytes or that split's weight"
+            )
+        splits.append(windows)
+    model = native_gpt.GPT(mcfg)
+    return RecipeParts(
+        model=model,
+        train_data=splits[0],
+        eval_data=splits[1],
+        test_data=splits[2],
+        forward_step=native_gpt.forward_step,
+        flops_per_sample=native_gpt.flops_per_sample(mcfg, model.num_params()),
+    )

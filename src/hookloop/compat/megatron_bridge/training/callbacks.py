@@ -151,7 +151,7 @@ class _Binding:
     def context_for(self, native: NativeContext, user_state: dict[str, Any]) -> CallbackContext:
         if native is not self.native:  # first event of a run (one trainer, one native context)
             state = self.global_state
-            if state is None or state.cfg is not native.config:  # not the run pretrain set up
+            if state is None or state.native_config is not native.config:  # not pretrain's run
                 state = GlobalState(native.config)
             state.attach(native.state)
             self.context = CallbackContext(state=state, model=[native.model], user_state=user_state)

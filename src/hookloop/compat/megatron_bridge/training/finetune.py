@@ -1,27 +1,35 @@
 """``finetune(config, forward_step_func, callbacks=...)``: ``pretrain`` from pretrained weights.
 
-The weights come from ``config.checkpoint.pretrained`` (a checkpoint directory
-or a ``.safetensors`` file), as in :func:`hookloop.entry.finetune`.
+The weights come from the container's ``checkpoint.pretrained_checkpoint`` (or
+a native config's ``checkpoint.pretrained``): a checkpoint directory or a
+``.safetensors`` file. Only the weights are loaded: a fresh optimizer, schedule
+and data order, as :func:`hookloop.entry.finetune`. With ``resume`` (or a
+container's ``checkpoint.load``) an interrupted fine-tuning run continues
+instead, from its own checkpoint.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from hookloop import entry
-from hookloop.compat.megatron_bridge.training.pretrain import Callbacks, ForwardStepFunc, prepare
-from hookloop.config import Config
+from hookloop.compat.megatron_bridge.training.pretrain import (
+    Callbacks,
+    ForwardStepFunc,
+    SeedConfig,
+    run,
+)
 from hookloop.trainer import TrainResult
 
 
 def finetune(
-    config: Config,
+    config: SeedConfig,
     forward_step_func: ForwardStepFunc,
     callbacks: Callbacks = None,
     *,
     out_dir: str | Path | None = None,
     resume: str | None = None,
 ) -> TrainResult:
-    """Fine-tune the weights at ``config.checkpoint.pretrained``; arguments as ``pretrain``."""
-    step, manager = prepare(config, forward_step_func, callbacks)
-    return entry.finetune(config, step, manager.native, out_dir=out_dir, resume=resume)
+    """Fine-tune the pretrained weights the config names; arguments as ``pretrain``."""
+    return run(
+        config, forward_step_func, callbacks, out_dir=out_dir, resume=resume, pretrained=True
+    )

@@ -1,9 +1,14 @@
 """``pretrain(config, forward_step_func, callbacks=...)`` in the seed's shape.
 
-A thin layer over :func:`hookloop.entry.pretrain`: the callbacks (a list or a
-dialect ``CallbackManager``) become native registrations, and the forward step
-receives the run's :class:`GlobalState` as its first argument, the same object
-the callbacks see as ``context.state``.
+``config`` is a seed-shaped :class:`ConfigContainer` (``cfg.train.train_iters``
+…) or a native :class:`hookloop.Config`. The callbacks (a list or a dialect
+``CallbackManager``) become native registrations; the forward step receives
+the run's :class:`GlobalState` as its first argument, the same object the
+callbacks see as ``context.state``, with the TensorBoard and W&B writers the
+config enables. When the run has test data (a container's ``dataset.split``
+with a test weight, or a recipe that gives test data) and training finished
+its budget, the test phase runs at the end, firing the ``on_test_*`` events,
+as Megatron's entry point does; its ``test_*`` metrics join the result's.
 """
 
 from __future__ import annotations
@@ -18,50 +23,109 @@ from hookloop.compat.megatron_bridge.training.callbacks import (
     CallbackManager,
     as_manager,
 )
+from hookloop.compat.megatron_bridge.training.config import ConfigContainer
+from hookloop.compat.megatron_bridge.training.loggers import Writers
 from hookloop.compat.megatron_bridge.training.state import GlobalState
 from hookloop.config import Config
+from hookloop.distributed import rank_info
 from hookloop.state import TrainState
 from hookloop.step import bind_forward_step
-from hookloop.trainer import TrainResult
+from hookloop.trainer import Trainer, TrainResult
 
 ForwardStepFunc = Callable[..., tuple[Any, Callable[..., Any]]]
 Callbacks = CallbackManager | Iterable[Callback] | None
+SeedConfig = ConfigContainer | Config
+
+#: Stop reasons after which the test phase runs (the budget was spent, nothing cut it short).
+FINISHED = ("max_steps", "max_epochs")
 
 
 def pretrain(
-    config: Config,
+    config: SeedConfig,
     forward_step_func: ForwardStepFunc,
     callbacks: Callbacks = None,
     *,
     out_dir: str | Path | None = None,
     resume: str | None = None,
 ) -> TrainResult:
-    """Train ``config``'s recipe from scratch with ``forward_step_func``.
+    """Train ``config``'s model from scratch with ``forward_step_func``.
 
     ``forward_step_func(global_state, data_iterator, model, return_schedule_plan=False)``
     returns ``(output, loss_func)``. ``out_dir`` and ``resume`` are hookloop's
-    (checkpoints under ``out_dir``; ``resume="auto"`` continues the newest one).
+    (checkpoints under ``out_dir``; ``resume="auto"`` continues the newest one);
+    a container's ``checkpoint.save`` / ``checkpoint.load`` set them too.
     """
-    step, manager = prepare(config, forward_step_func, callbacks)
-    return entry.pretrain(config, step, manager.native, out_dir=out_dir, resume=resume)
+    return run(config, forward_step_func, callbacks, out_dir=out_dir, resume=resume)
+
+
+def run(
+    config: SeedConfig,
+    forward_step_func: ForwardStepFunc,
+    callbacks: Callbacks,
+    *,
+    out_dir: str | Path | None,
+    resume: str | None,
+    pretrained: bool = False,
+) -> TrainResult:
+    """One run of either entry point: train, test when due, close the writers."""
+    native, out_dir, resume = resolve(config, out_dir, resume)
+    if pretrained and not native.checkpoint.pretrained:
+        raise ValueError(
+            "finetune() needs pretrained weights: set config.checkpoint.pretrained (a hookloop "
+            "Config) or config.checkpoint.pretrained_checkpoint (a ConfigContainer) to a "
+            "checkpoint directory or a .safetensors file"
+        )
+    writers = Writers.for_run(config, out_dir)
+    step, manager, global_state = prepare(config, forward_step_func, callbacks, native, writers)
+    trainer = build_trainer(config, native, step, manager, out_dir=out_dir, resume=resume)
+    if pretrained and resume is None:
+        entry.load_weights(trainer.model, native.checkpoint.pretrained)
+    try:
+        result = trainer.train()
+        if trainer.test_loader is not None and result.stop_reason in FINISHED:
+            result.metrics.update(trainer.test())
+    finally:
+        global_state.close_loggers()
+    return result
+
+
+def resolve(
+    config: SeedConfig, out_dir: str | Path | None, resume: str | None
+) -> tuple[Config, str | Path | None, str | None]:
+    """The native config, run directory and resume target of ``config`` on this world size."""
+    if isinstance(config, ConfigContainer):
+        native = config.to_native(world_size=rank_info()[2])
+        ck = config.checkpoint
+        out_dir = out_dir if out_dir is not None else (ck.save or ck.load)
+        if resume is None and ck.load is not None:
+            resume = "auto"  # Megatron's load: continue the newest checkpoint there, if any
+        return native, out_dir, resume
+    if isinstance(config, Config):
+        return config.validate(), out_dir, resume
+    raise TypeError(
+        "config must be a hookloop Config (e.g. recipes.small_gpt_pretrain_config()) or a "
+        f"ConfigContainer (e.g. recipes.tiny_gpt_pretrain_config()), got {type(config).__name__}"
+    )
 
 
 def prepare(
-    config: Config, forward_step_func: ForwardStepFunc, callbacks: Callbacks
-) -> tuple[Callable[[TrainState, Iterator[Any], Any], Any], CallbackManager]:
-    """The native forward step and the dialect manager of one run, sharing one GlobalState."""
-    if not isinstance(config, Config):
-        raise TypeError(
-            f"config must be a hookloop Config (e.g. from recipes.small_gpt_pretrain_config()), "
-            f"got {type(config).__name__}"
-        )
+    config: SeedConfig,
+    forward_step_func: ForwardStepFunc,
+    callbacks: Callbacks,
+    native: Config | None = None,
+    writers: Writers | None = None,
+) -> tuple[Callable[[TrainState, Iterator[Any], Any], Any], CallbackManager, GlobalState]:
+    """The native forward step, the dialect manager and the GlobalState they share."""
+    if not isinstance(config, (Config, ConfigContainer)):
+        resolve(config, None, None)  # raises the TypeError naming what is allowed
     if not callable(forward_step_func):
         raise TypeError(
             "forward_step_func must be callable as (global_state, data_iterator, model, "
             f"return_schedule_plan=False), got {type(forward_step_func).__name__}"
         )
     manager = as_manager(callbacks)
-    global_state = GlobalState(config)
+    native = native if native is not None else resolve(config, None, None)[0]
+    global_state = GlobalState(config, native_config=native, writers=writers)
     manager.share_global_state(global_state)
     call = bind_forward_step(forward_step_func)  # also accepts (data_iterator, model)
 
@@ -69,4 +133,34 @@ def prepare(
         global_state.attach(state)  # the loop's own counters, whichever trainer runs this
         return call(global_state, data_iterator, model)
 
-    return forward_step, manager
+    return forward_step, manager, global_state
+
+
+def build_trainer(
+    config: SeedConfig,
+    native: Config,
+    step: Callable[..., Any],
+    manager: CallbackManager,
+    *,
+    out_dir: str | Path | None,
+    resume: str | None,
+) -> Trainer:
+    """The Trainer for the run: the native recipe's parts, or the container's split data."""
+    if not isinstance(config, ConfigContainer):
+        return entry.build_trainer(native, step, manager.native, out_dir=out_dir, resume=resume)
+    from hookloop.compat.megatron_bridge.recipes.gpt import build_parts
+
+    entry.seed_everything(native.seed)
+    parts = build_parts(config, native)
+    return Trainer(
+        parts.model,
+        train_data=parts.train_data,
+        eval_data=parts.eval_data,
+        test_data=parts.test_data,
+        config=native,
+        callbacks=manager.native,
+        forward_step=step,
+        out_dir=None if out_dir is None else str(out_dir),
+        resume=resume,
+        flops_per_sample=parts.flops_per_sample,
+    )

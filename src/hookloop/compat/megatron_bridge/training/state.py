@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hookloop.compat.megatron_bridge.training.loggers import Writers
 from hookloop.state import TrainState
 from hookloop.timers import Timer, Timers
 
@@ -55,19 +56,43 @@ class TrainStateView:
 
 
 class GlobalState:
-    """``cfg`` (the run's :class:`hookloop.Config`), ``train_state`` and ``timers``.
+    """``cfg`` (the run's config), ``train_state``, ``timers`` and the two loggers.
 
     One is shared by the forward step and the callbacks of a run. Until the loop
     starts, ``train_state`` shows a fresh run (all counters zero).
     """
 
-    def __init__(self, cfg: Any, train_state: TrainState | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        train_state: TrainState | None = None,
+        *,
+        native_config: Any = None,
+        writers: Writers | None = None,
+    ) -> None:
         self.cfg = cfg
+        #: The hookloop Config the loop runs (``cfg`` itself unless cfg is a ConfigContainer).
+        self.native_config = cfg if native_config is None else native_config
+        self._writers = writers if writers is not None else Writers()
         self._train_state = TrainStateView(train_state if train_state is not None else TrainState())
 
     @property
     def train_state(self) -> TrainStateView:
         return self._train_state
+
+    @property
+    def tensorboard_logger(self) -> Any:
+        """A ``SummaryWriter`` (last rank, when the config enables TensorBoard), else None."""
+        return self._writers.tensorboard
+
+    @property
+    def wandb_logger(self) -> Any:
+        """The ``wandb`` module, its run started (last rank, when enabled), else None."""
+        return self._writers.wandb
+
+    def close_loggers(self) -> None:
+        """Flush and close the writers opened during the run (the entry points call it)."""
+        self._writers.close()
 
     @property
     def timers(self) -> Any:
