@@ -73,6 +73,13 @@ BASE_KEYS = {
     "checkpoint.strict_resume",
     "checkpoint.allow_restart",
     "checkpoint.pretrained",
+    "checkpoint.local_every",
+    "checkpoint.local_dir",
+    "callbacks.divergence_action",
+    "callbacks.rewind_skip_batches",
+    "callbacks.rewind_lr_factor",
+    "callbacks.rewind_lr_steps",
+    "callbacks.max_rewinds",
     "logging.progress",
     "logging.json",
 }

@@ -3,6 +3,8 @@ skips a window past where it began, and training goes on in the same process."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 from pathlib import Path
@@ -10,11 +12,16 @@ from pathlib import Path
 import pytest
 
 from _dist_launch import torchrun
+from _quiet import SERVICES_OFF
 from _rewind_job import KILL_AT, SPIKE, build
-from hookloop import Callback, Control, ExitCode
+from hookloop import Callback, Config, Control, ExitCode
 from hookloop.callbacks import read_jsonl
+from hookloop.callbacks.defaults import default_callbacks
 from hookloop.callbacks.divergence import DivergenceDetector
+from hookloop.cli import main
+from hookloop.config import apply_overrides
 from hookloop.state import RewindRequest
+from test_logging import tb_scalars
 
 JOB = str(Path(__file__).with_name("_rewind_job.py"))
 
@@ -68,6 +75,25 @@ def test_every_step_is_logged_once_and_the_rewind_is_recorded(rewound):
         "batches_skipped": 3,
     }
     assert "divergence: loss" in record["reason"]
+
+
+@pytest.mark.slow  # W&B runs its own writer process
+def test_tensorboard_and_wandb_rewind_with_the_run_and_hold_each_step_once(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    for name, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}.items():
+        monkeypatch.setenv(name, value)
+    from hookloop.callbacks.tensorboard import TBLogger
+    from hookloop.callbacks.wandb_logger import WandbLoggingCallback, offline_history
+
+    loggers = [TBLogger(tmp_path / "tb"), WandbLoggingCallback(project="p", mode="offline")]
+    trainer, _ = build(tmp_path, callbacks=loggers)
+    trainer.train()
+    assert len(trainer.state.rewinds) == 1
+    tb = tb_scalars(tmp_path / "tb", "train/loss")
+    assert [s for s, _ in tb] == list(range(1, 15)) and max(v for _, v in tb) < 100
+    rows = offline_history(tmp_path / "wandb", wait_s=30)
+    steps = [r["_step"] for r in rows if "train/loss" in r]
+    assert steps == list(range(1, 15)) and max(r["train/loss"] for r in rows) < 100
 
 
 def test_checkpoints_of_the_abandoned_branch_are_deleted(rewound):
@@ -167,6 +193,73 @@ def test_bad_rewind_requests_are_refused_when_filed(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Control().request_rewind(**kwargs)
     assert RewindRequest(5, "x").skip_batches is None
+
+
+# -- the command line --------------------------------------------------------------------
+
+# SGD at lr 0.3 without clipping makes mlp-regression diverge from step 7 on; the default
+# detector (warmup 10, patience 3) confirms it at step 13. The same run every time (CPU).
+DIVERGING = [
+    "train", "--recipe", "mlp-regression", "train.max_steps=30", "train.log_every=1",
+    "optimizer.name=sgd", "optimizer.lr=0.3", "train.clip_grad_norm=null", "checkpoint.every=5",
+    "callbacks.divergence_action=rewind", "logging.progress=false", "callbacks.info=false",
+    *SERVICES_OFF,
+]  # fmt: skip
+
+
+def hookloop_train(out: Path, *overrides: str) -> tuple[int, str]:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main([*DIVERGING, "--out", str(out), *overrides])
+    return int(code), err.getvalue()
+
+
+def test_hookloop_train_rewinds_with_a_lower_learning_rate_and_recovers(tmp_path):
+    code, err = hookloop_train(
+        tmp_path, "callbacks.rewind_lr_factor=0.2", "callbacks.rewind_lr_steps=30"
+    )
+    assert code == 0, err[-2000:]
+    (rewind,) = records(tmp_path, "rewind")
+    assert (rewind["from_step"], rewind["to_step"], rewind["since_step"]) == (13, 10, 11)
+    assert rewind["batches_skipped"] == 3 and rewind["lr_factor"] == 0.2
+    assert_each_step_logged_once(tmp_path, 30)
+    assert records(tmp_path, "train")[-1]["loss"] < 0.5
+
+
+def test_hookloop_train_gives_up_after_max_rewinds_with_exit_code_4(tmp_path):
+    code, err = hookloop_train(tmp_path, "callbacks.max_rewinds=1")
+    assert code == ExitCode.FAILED == 4
+    assert "gave up after 1 rewinds (max_rewinds=1)" in err
+    assert len(records(tmp_path, "rewind")) == 1
+    (end,) = records(tmp_path, "end")
+    assert end["status"] == "failed" and end["step"] == 13
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["callbacks.divergence_action=undo"], "expects 'stop' | 'abort' | 'rewind', got 'undo'"),
+        (["callbacks.rewind_lr_factor=0"], "callbacks.rewind_lr_factor must be a number > 0"),
+        (["callbacks.max_rewinds=-1"], "callbacks.max_rewinds must be an int >= 0, got -1"),
+        (["checkpoint.every=null"], "set checkpoint.every or checkpoint.local_every"),
+    ],
+)
+def test_bad_rewind_options_are_a_usage_error_naming_what_is_allowed(tmp_path, overrides, message):
+    code, err = hookloop_train(tmp_path / "run", *overrides)
+    assert code == ExitCode.USAGE and message in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_the_options_reach_the_detector(tmp_path):
+    cfg = Config()
+    apply_overrides(
+        cfg,
+        ["callbacks.divergence_action=rewind", "callbacks.max_rewinds=5",
+         "callbacks.rewind_skip_batches=64", "checkpoint.local_every=10"],
+    )  # fmt: skip
+    callbacks = default_callbacks(cfg.validate(), tmp_path)
+    (detector,) = [c for c in callbacks if isinstance(c, DivergenceDetector)]
+    assert (detector.action, detector.max_rewinds, detector.skip_batches) == ("rewind", 5, 64)
 
 
 # -- across processes ---------------------------------------------------------------------

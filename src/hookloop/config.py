@@ -260,6 +260,15 @@ class CallbacksConfig:
     early_stopping_patience: int | None = opt(
         None, "Stop after N evaluations without a better eval_loss (null: off)."
     )
+    divergence_action: Literal["stop", "abort", "rewind"] = opt(
+        "stop", "On a divergence: stop (save, exit 4), abort, or rewind (roll back, go on)."
+    )
+    rewind_skip_batches: int | None = opt(
+        None, "Rewind: batches skipped from where it began (null: those trained since)."
+    )
+    rewind_lr_factor: float = opt(1.0, "Rewind: multiply the learning rate by this ...")
+    rewind_lr_steps: int = opt(0, "... for this many steps after the restored one (0: off).")
+    max_rewinds: int = opt(3, "Rewinds before a divergence ends the run as failed (exit 4).")
     straggler_every: int | None = opt(
         None, "Every N steps, name ranks slower than the median (StragglerDetection; null: off)."
     )
@@ -272,11 +281,28 @@ class CallbacksConfig:
             raise ValueError(f"callbacks.peak_flops must be > 0 or null, got {self.peak_flops!r}")
         if self.early_stopping_patience is not None:
             _positive(self, "early_stopping_patience", "callbacks")
+        self._validate_rewind()
         if self.straggler_every is not None:
             _positive(self, "straggler_every", "callbacks")
         st = self.straggler_threshold
         if isinstance(st, bool) or not isinstance(st, (int, float)) or not st > 1:
             raise ValueError(f"callbacks.straggler_threshold must be a number > 1, got {st!r}")
+
+    def _validate_rewind(self) -> None:
+        if self.divergence_action not in ("stop", "abort", "rewind"):
+            raise ValueError(
+                "callbacks.divergence_action must be 'stop', 'abort' or 'rewind', "
+                f"got {self.divergence_action!r}"
+            )
+        if self.rewind_skip_batches is not None:
+            _non_negative(self, "rewind_skip_batches", "callbacks")
+        factor = self.rewind_lr_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+            raise ValueError(f"callbacks.rewind_lr_factor must be a number > 0, got {factor!r}")
+        if not 0 < factor < float("inf"):
+            raise ValueError(f"callbacks.rewind_lr_factor must be a number > 0, got {factor!r}")
+        _non_negative(self, "rewind_lr_steps", "callbacks")
+        _non_negative(self, "max_rewinds", "callbacks")
 
 
 @dataclass
@@ -320,6 +346,16 @@ class Config:
             section = getattr(self, f.name)
             if dataclasses.is_dataclass(section) and hasattr(section, "validate"):
                 section.validate()
+        on, ckpt = self.callbacks, self.checkpoint
+        if (
+            on.divergence
+            and on.divergence_action == "rewind"
+            and not (ckpt.every or ckpt.local_every)
+        ):
+            raise ValueError(
+                "callbacks.divergence_action=rewind rolls back to a checkpoint, but none is "
+                "saved during training: set checkpoint.every or checkpoint.local_every"
+            )
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -59,7 +59,15 @@ def default_callbacks(cfg: Config, run_dir: str | Path | None) -> list[Callback]
         samples = run.samples if run is not None else None
         callbacks.append(TextgenCallback(list(TEXT_PROMPTS), path=samples, max_new_tokens=48))
     if on.divergence:
-        callbacks.append(DivergenceDetector())
+        callbacks.append(
+            DivergenceDetector(
+                action=on.divergence_action,
+                skip_batches=on.rewind_skip_batches,
+                lr_factor=on.rewind_lr_factor,
+                lr_steps=on.rewind_lr_steps,
+                max_rewinds=on.max_rewinds,
+            )
+        )
     if on.early_stopping_patience is not None:
         from hookloop.callbacks.early_stopping import EarlyStopping
 
