@@ -16,7 +16,7 @@ from hookloop.distributed import init_from_env, leave_process_group, rank_info
 from hookloop.entry import build_trainer
 from hookloop.recipes import default_config
 
-SLOW_RANK, SLEEP_S = 1, 0.1
+SLOW_RANK, SLEEP_S = 1, 0.2
 
 
 def fetch_status(server: ControlServer) -> dict:
