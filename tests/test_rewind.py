@@ -4,6 +4,7 @@ skips a window past where it began, and training goes on in the same process."""
 from __future__ import annotations
 
 import contextlib
+import http.client
 import io
 import json
 import subprocess
@@ -94,6 +95,32 @@ def test_tensorboard_and_wandb_rewind_with_the_run_and_hold_each_step_once(tmp_p
     rows = offline_history(tmp_path / "wandb", wait_s=30)
     steps = [r["_step"] for r in rows if "train/loss" in r]
     assert steps == list(range(1, 15)) and max(r["train/loss"] for r in rows) < 100
+
+
+def test_the_control_status_lists_the_rewinds(tmp_path):
+    from hookloop.control import ControlServer
+
+    seen: dict = {}
+
+    class AskStatus(Callback):
+        """At step 12, after the rewind, read the status over HTTP as a dashboard would."""
+
+        def on_train_step_end(self, ctx):
+            if ctx.state.step != 12 or seen:
+                return
+            host, port = server.url.split("//")[1].rstrip("/").split(":")
+            conn = http.client.HTTPConnection(host, int(port), timeout=10)
+            headers = {"Authorization": f"Bearer {server.token}"}
+            conn.request("GET", f"/jobs/{server.job_id}/status", headers=headers)
+            seen.update(json.loads(conn.getresponse().read()))
+            conn.close()
+
+    server = ControlServer(port=0, jobs_dir=tmp_path / "jobs", announce=False)
+    trainer, _ = build(tmp_path, callbacks=[server, AskStatus()])
+    trainer.train()
+    (rewind,) = seen["rewinds"]
+    assert (rewind["from_step"], rewind["to_step"], rewind["batches_skipped"]) == (8, 6, 3)
+    assert rewind == trainer.state.rewinds[0].to_json()
 
 
 def test_checkpoints_of_the_abandoned_branch_are_deleted(rewound):
