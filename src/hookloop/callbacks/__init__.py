@@ -1,8 +1,9 @@
 """Built-in callbacks. Each is optional; the loop never depends on one.
 
-Native names, with the seed documents' names as aliases where they differ so
-that code written against those APIs reads the same. Optional libraries
-(optuna, wandb, tensorboard) are imported only when their callback is built.
+Native names only: the seed documents' names (``NaNDetectionCallback``,
+``ProgressCallback``, ...) live with their dialects in :mod:`hookloop.compat`,
+and importing one from here says where. Optional libraries (optuna, wandb,
+tensorboard) are imported only when their callback is built.
 
 Priorities (lower runs earlier): InfoCallback 1, StragglerDetection 2, NaNDetection 5,
 OptimizerMode 10, GradientMonitor 12, ProfilerCallback 15, DiLoCo 15, DefaultMetrics 20,
@@ -12,62 +13,85 @@ OptunaPruning 85, EarlyStopping 90, CheckpointPolicy 95, JsonLogger 100,
 ProgressLog 100, TBLogger 100, ProgressBar 110.
 """
 
-from hookloop.callbacks.checkpoint_policy import CheckpointCallback, CheckpointPolicy
+from hookloop.callbacks.checkpoint_policy import CheckpointPolicy
 from hookloop.callbacks.defaults import default_callbacks
-from hookloop.callbacks.diloco import DiLoCo, DiLoCoCallback
+from hookloop.callbacks.diloco import DiLoCo
 from hookloop.callbacks.divergence import DivergenceDetector, SpikeTracker
-from hookloop.callbacks.early_stopping import EarlyStopping, EarlyStoppingCallback
-from hookloop.callbacks.grad_monitor import GradientMonitor, GradientMonitorCallback
+from hookloop.callbacks.early_stopping import EarlyStopping
+from hookloop.callbacks.grad_monitor import GradientMonitor
 from hookloop.callbacks.info import InfoCallback
 from hookloop.callbacks.jsonlog import JsonLogger, read_jsonl
-from hookloop.callbacks.loss_prediction import LossPrediction, LossPredictionCallback
+from hookloop.callbacks.loss_prediction import LossPrediction
 from hookloop.callbacks.memory import PeakMemory
 from hookloop.callbacks.metrics import DefaultMetrics
 from hookloop.callbacks.monitor import MetricTracker
-from hookloop.callbacks.nan_detection import NaNDetection, NaNDetectionCallback
+from hookloop.callbacks.nan_detection import NaNDetection
 from hookloop.callbacks.norms import GradNormLogger, ParameterNormLogger, WeightNormLogger
-from hookloop.callbacks.optimizer_mode import OptimizerMode, OptimizerModeCallback
-from hookloop.callbacks.optuna_pruning import OptunaPruning, PrunerCallback
-from hookloop.callbacks.overfit import OverfitDetection, OverfitDetectionCallback
+from hookloop.callbacks.optimizer_mode import OptimizerMode
+from hookloop.callbacks.optuna_pruning import OptunaPruning
+from hookloop.callbacks.overfit import OverfitDetection
 from hookloop.callbacks.profiler import ProfilerCallback
-from hookloop.callbacks.progress import ProgressBar, ProgressCallback, format_metrics
+from hookloop.callbacks.progress import ProgressBar, format_metrics
 from hookloop.callbacks.progress_log import ProgressLog
 from hookloop.callbacks.straggler import StragglerDetection
 from hookloop.callbacks.tensorboard import ResumableSummaryWriter, TBLogger
 from hookloop.callbacks.textgen import TextgenCallback
 from hookloop.callbacks.wandb_logger import WandbLoggingCallback
 
+#: A seed document's name -> (the compat module that has it, the native callback here).
+SEED_NAMES = {
+    **{
+        seed: ("hookloop.compat.hpo", native)
+        for seed, native in (
+            ("CheckpointCallback", "CheckpointPolicy"),
+            ("EarlyStoppingCallback", "EarlyStopping"),
+            ("GradientMonitorCallback", "GradientMonitor"),
+            ("LossPredictionCallback", "LossPrediction"),
+            ("NaNDetectionCallback", "NaNDetection"),
+            ("OptimizerModeCallback", "OptimizerMode"),
+            ("OverfitDetectionCallback", "OverfitDetection"),
+            ("PrunerCallback", "OptunaPruning"),
+        )
+    },
+    "DiLoCoCallback": ("hookloop.compat.hf", "DiLoCo"),
+    "ProgressCallback": ("hookloop.compat.hf", "ProgressBar"),
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in SEED_NAMES:
+        home, native = SEED_NAMES[name]
+        # ImportError, not AttributeError: `from ... import` keeps this message
+        raise ImportError(
+            f"{name} is a seed document's name; import it with `from {home} import {name}` "
+            f"(the seed's constructor and behaviour), or use the native {native} from "
+            "hookloop.callbacks",
+            name=__name__,
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
-    "CheckpointCallback",
     "CheckpointPolicy",
     "DefaultMetrics",
     "DiLoCo",
-    "DiLoCoCallback",
     "DivergenceDetector",
     "EarlyStopping",
-    "EarlyStoppingCallback",
     "GradNormLogger",
     "GradientMonitor",
-    "GradientMonitorCallback",
     "InfoCallback",
     "JsonLogger",
     "LossPrediction",
-    "LossPredictionCallback",
     "MetricTracker",
     "NaNDetection",
-    "NaNDetectionCallback",
     "OptimizerMode",
-    "OptimizerModeCallback",
     "OptunaPruning",
     "OverfitDetection",
-    "OverfitDetectionCallback",
     "ParameterNormLogger",
     "PeakMemory",
     "ProfilerCallback",
     "ProgressBar",
-    "ProgressCallback",
     "ProgressLog",
-    "PrunerCallback",
     "ResumableSummaryWriter",
     "SpikeTracker",
     "StragglerDetection",

@@ -16,7 +16,8 @@ or inside a hookloop Trainer, next to native callbacks:
 an :class:`HpoAdapter` with the same priority; its hooks get an
 :class:`HpoTrainer` (seed 001's ``trainer._<name>`` attributes, served from
 ``ctx.user_state``) and the fields in :data:`FIELDS`. The nine seed built-ins
-are native hookloop callbacks, importable here under their seed names; a runner
+are native hookloop callbacks, importable here (and only here) under their seed
+names; a runner
 passes them through to the Trainer unchanged, and ``fire`` drives them in your
 own loop through their seed faces (:mod:`hookloop.compat.hpo.faces`), as the
 seed's trainer does. ``EarlyStoppingCallback`` and ``CheckpointCallback`` take
@@ -24,12 +25,12 @@ the seed's parameters (relative ``min_delta``, ``early_stopping_config``,
 ``save_every_n_epochs``, ``keep_last_k``; :mod:`hookloop.compat.hpo.builtins`).
 """
 
-from hookloop.callbacks.grad_monitor import GradientMonitorCallback
-from hookloop.callbacks.loss_prediction import LossPredictionCallback
-from hookloop.callbacks.nan_detection import NaNDetectionCallback
-from hookloop.callbacks.optimizer_mode import OptimizerModeCallback
-from hookloop.callbacks.optuna_pruning import PrunerCallback
-from hookloop.callbacks.overfit import OverfitDetectionCallback
+from hookloop.callbacks.grad_monitor import GradientMonitor
+from hookloop.callbacks.loss_prediction import LossPrediction
+from hookloop.callbacks.nan_detection import NaNDetection
+from hookloop.callbacks.optimizer_mode import OptimizerMode
+from hookloop.callbacks.optuna_pruning import OptunaPruning
+from hookloop.callbacks.overfit import OverfitDetection
 from hookloop.callbacks.wandb_logger import WandbLoggingCallback
 from hookloop.compat.hpo.adapter import FIELDS, HpoAdapter, adapt
 from hookloop.compat.hpo.builtins import (
@@ -41,6 +42,14 @@ from hookloop.compat.hpo.builtins import (
 from hookloop.compat.hpo.callback import EVENTS, TrainingCallback
 from hookloop.compat.hpo.runner import CallbackRunner, as_native
 from hookloop.compat.hpo.trainer_view import CONVENTION, HpoTrainer
+
+# Seed 001's names of the native built-ins that behave as the seed says unchanged.
+GradientMonitorCallback = GradientMonitor
+LossPredictionCallback = LossPrediction
+NaNDetectionCallback = NaNDetection
+OptimizerModeCallback = OptimizerMode
+OverfitDetectionCallback = OverfitDetection
+PrunerCallback = OptunaPruning
 
 __all__ = [
     "CONVENTION",
