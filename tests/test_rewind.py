@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from _dist_launch import torchrun
 from _quiet import SERVICES_OFF
@@ -140,6 +141,61 @@ def test_a_newer_local_checkpoint_from_before_the_divergence_is_the_one_restored
     assert rewind.checkpoint == str(tmp_path / "local_checkpoints" / "step-00000007")
     assert step.timeline() == expected_timeline(skip=3)
     assert_each_step_logged_once(tmp_path, 14)
+
+
+def test_a_checkpoint_taken_before_the_skip_resumes_with_the_skip_still_ahead(tmp_path, rewound):
+    """Rewound to step 5, a save at replayed step 7, then a crash: the resumed run still
+    skips at step 8 and ends where the run rewound to step 6 ended (the same batches)."""
+
+    class SaveAt7ThenCrashAt8(Callback):
+        def on_train_step_end(self, ctx):
+            if ctx.state.rewinds and ctx.state.step == 7:
+                ctx.control.request_save()
+
+        def on_train_step_start(self, ctx):
+            if ctx.state.rewinds and ctx.state.step == 8:
+                raise RuntimeError("crash after the save, before the skip")
+
+    first, _ = build(tmp_path, every=5, callbacks=[SaveAt7ThenCrashAt8()])
+    with pytest.raises(RuntimeError, match="before the skip"):
+        first.train()
+    assert first.state.rewinds[0].to_step == 5
+    resumed, step = build(tmp_path, every=5, resume="auto")
+    resumed.train()
+    assert resumed.ctx.run.resumed_from == tmp_path / "checkpoints" / "step-00000007"
+    assert step.seen[0] == (8, SPIKE + 3)  # the skip planned before the save, done after it
+    assert len(resumed.state.rewinds) == 1
+    whole = rewound[1]
+    for a, b in zip(resumed.model.parameters(), whole.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert_each_step_logged_once(tmp_path, 14)
+
+
+def test_a_window_longer_than_the_epoch_goes_on_into_the_next(tmp_path):
+    # Steps 1-7 trained positions 0-6 of epoch 0 (32 batches); of the 40 skipped, 25 end
+    # epoch 0 and 15 open epoch 1, whose step 1 (the run's step 8) trains position 15.
+    trainer, step = build(tmp_path, skip_batches=40)
+    trainer.train()
+    later = {s: s + 7 for s in range(8, 15)}
+    assert step.timeline() == {**{s: s - 1 for s in range(1, 8)}, **later}
+    (record,) = [r for r in records(tmp_path, "train") if r["step"] == 8]
+    assert record["epoch"] == pytest.approx(1 + 1 / 32)
+    assert len(trainer.state.rewinds) == 1
+
+    # Killed at step 10 and resumed from step 9: epoch 1 restarts past its skipped 15.
+    class CrashAt10(Callback):
+        def on_train_step_start(self, ctx):
+            if ctx.state.step == 10:
+                raise RuntimeError("crash at step 10")
+
+    cut = tmp_path / "cut"
+    with pytest.raises(RuntimeError, match="crash at step 10"):
+        build(cut, skip_batches=40, callbacks=[CrashAt10()])[0].train()
+    resumed, step = build(cut, skip_batches=40, resume="auto")
+    resumed.train()
+    assert step.seen[0] == (10, 17)
+    for a, b in zip(resumed.model.parameters(), trainer.model.parameters(), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_the_learning_rate_is_scaled_for_the_steps_asked(tmp_path):
