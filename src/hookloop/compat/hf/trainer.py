@@ -11,27 +11,36 @@ HF's ``checkpoint-N`` folders (:mod:`hookloop.compat.hf.layout`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
+import math
 import os
+import random
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from hookloop.callback import Callback
 from hookloop.checkpoint import CheckpointManager
-from hookloop.compat.hf import flow, layout
+from hookloop.compat.hf import data as hf_data
+from hookloop.compat.hf import flow, layout, reporting
+from hookloop.compat.hf import optim as hf_optim
 from hookloop.compat.hf.adapter import HFSession
+from hookloop.compat.hf.evaluation import Evaluation, ignored_keys
 from hookloop.compat.hf.handler import CallbackHandler, DefaultFlowCallback, PrinterCallback
+from hookloop.compat.hf.loss import HFLoss
 from hookloop.compat.hf.types import CONTROL_FLAGS, TrainingArguments
 from hookloop.config import Config, TrainConfig
+from hookloop.distributed import no_gradient_sync
 from hookloop.manager import CallbackManager
 from hookloop.result import TrainResult, is_abort
 from hookloop.rundir import RunDir
 from hookloop.state import Control, TrainState
-from hookloop.step import to_float
+from hookloop.step import move_to, to_float
 from hookloop.trainer import Trainer as NativeTrainer
 
 
@@ -64,6 +73,7 @@ class Trainer(NativeTrainer):
         optimizers: tuple[Any, Any] = (None, None),
         processing_class: Any = None,
         compute_metrics: Any = None,
+        data_collator: Any = None,
         config: Config | TrainConfig | None = None,
         **native: Any,
     ) -> None:
@@ -84,23 +94,49 @@ class Trainer(NativeTrainer):
                 f"got {type(compute_metrics).__name__}"
             )
         self.hf = HFSession(args, processing_class=processing_class)
-        self.hf.compute_metrics = compute_metrics
         # Arguments decide the run: HF's flow decides each boundary (see flow.py).
         self.hf.drives_loop = config is None and args is not None
+        # HF's step and evaluation (compute_loss, num_items_in_batch, EvalPrediction)
+        # run when the model computes its own loss; a loss_fn or forward_step is native.
+        hf_step = self.hf.drives_loop and native.get("loss_fn") is None
+        self._hf_loss = HFLoss(model) if hf_step and native.get("forward_step") is None else None
+        self._compute_metrics = compute_metrics
+        self.hf.compute_metrics = None if self._hf_loss is not None else compute_metrics
+        self._metric_prefix: str | None = None
+        self._ignore_keys: list[str] | None = None
+        self._hf_lr: float | None = None
+        self._hf_summary: dict[str, Any] = {}
+        optimizer, scheduler = optimizers
+        self._hf_data = self.hf.drives_loop
         if self.hf.drives_loop:
             config = _args_config(args)
             if not config.train.log_every:
                 # HF's logged loss (and train_loss) average every step since the last
                 # log: the loss window keeps them all, and no step is a native log.
                 config.train.log_every = _NO_NATIVE_LOG
+            _seed_everything(int(hf_optim.arg(args, "seed", 42)))  # as HF's Trainer does
+            self._hf_model = model
+            self._collator = hf_data.collator_for(data_collator, processing_class)
+            train_dataset = self._loader(train_dataset, train=True)
+            eval_dataset = self._loader(eval_dataset, train=False)
+            test_dataset = self._loader(test_dataset, train=False)
+            if optimizer is None:
+                optimizer = hf_optim.create_optimizer(model, args)
+            if scheduler is None and train_dataset is not None:
+                plan = _hf_plan(args, train_dataset, config.train.grad_accum)
+                scheduler = hf_optim.create_scheduler(optimizer, args, plan.max_steps)
+        elif data_collator is not None:
+            raise ValueError(
+                "data_collator is HF's: it applies when TrainingArguments decide the run "
+                "(args given, no hookloop config=)"
+            )
         if args is not None and native.get("out_dir") is None:
             native["out_dir"] = getattr(args, "output_dir", None)
         members = _as_list(callbacks)
-        if self.hf.drives_loop:  # HF's list: the flow first, the progress display last
-            members = [DefaultFlowCallback(), *members, _progress(args)]
+        if self.hf.drives_loop:  # HF's list: the flow, the reporters, yours, the progress
+            members = [DefaultFlowCallback(), *reporting.loggers(args), *members, _progress(args)]
         self.callback_handler = _TrainerHandler(members)
         manager = CallbackManager(self.hf.wrap(self.callback_handler.callbacks))
-        optimizer, scheduler = optimizers
         super().__init__(
             model,
             optimizer,
@@ -124,6 +160,8 @@ class Trainer(NativeTrainer):
         handler.train_dataloader, handler.eval_dataloader = self.train_loader, self.eval_loader
         handler.trainer = self
         self._hf_ready = True
+        if self.hf.drives_loop and getattr(self.model, "config", None) is not None:
+            self.model.config.use_cache = hf_optim.arg(args, "use_cache", False)  # as HF's init
 
     @property
     def state(self) -> Any:
@@ -180,8 +218,11 @@ class Trainer(NativeTrainer):
             )
             if self.checkpoints is None:
                 self.checkpoints = self._checkpoint_manager()
+        self._hf_summary = {}
         result = super().train()
-        return TrainOutput(**{f.name: getattr(result, f.name) for f in dataclasses.fields(result)})
+        fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
+        fields["metrics"] = {**fields["metrics"], **self._hf_summary}
+        return TrainOutput(**fields)
 
     def _checkpoint_manager(self) -> CheckpointManager | None:
         if not self.hf.drives_loop:
@@ -207,14 +248,17 @@ class Trainer(NativeTrainer):
         exhausted = stopped = False
         while st._max_steps is None or st._step < st._max_steps:
             group = list(itertools.islice(micro_batches, k))
-            if len(group) < k:
+            if not group:
                 exhausted = True
                 break
-            self._train_step(group)
+            self._train_step(group)  # HF steps on an epoch's last, partial group too
             if self._step_boundary():
                 stopped = True
                 break
             if control.should_epoch_stop:
+                break
+            if len(group) < k:
+                exhausted = True
                 break
         if is_abort(st._stop_reason):
             return
@@ -294,7 +338,9 @@ class Trainer(NativeTrainer):
             session.total_loss += loss * steps
         if window.grad_norm is not None:
             logs["grad_norm"] = to_float(window.grad_norm)
-        logs["learning_rate"] = float(self.optimizer.param_groups[0]["lr"])
+        # HF logs the rate the last step used (read before its scheduler step)
+        lr = self._hf_lr if self._hf_lr is not None else self.optimizer.param_groups[0]["lr"]
+        logs["learning_rate"] = float(lr)
         logs["epoch"] = session.state.epoch
         window.clear()
         session.last_logged_step = st._step
@@ -327,8 +373,151 @@ class Trainer(NativeTrainer):
         )
         self.hf.refresh(self.ctx, "on_log")
         summary["epoch"] = session.state.epoch
+        self._hf_summary = summary
         self._fire_log(summary)
         session.load_best_model(self.ctx)
+
+    # -- HF's data, step and evaluation (when TrainingArguments decide the run) -----
+    def _loader(self, data: Iterable[Any] | None, *, train: bool) -> Iterable[Any] | None:
+        """HF's DataLoader for a dataset (hookloop.compat.hf.data); loaders pass through."""
+        hf_dataset = hf_data.is_map_dataset(data) or isinstance(
+            data, torch.utils.data.IterableDataset
+        )
+        if not self.__dict__.get("_hf_data") or data is None or not hf_dataset:
+            return super()._loader(data, train=train)
+        return hf_data.make_loader(
+            data, args=self.hf.args, model=self._hf_model, collator=self._collator, train=train
+        )
+
+    def _plan_budget(self) -> None:
+        """HF's budget: an epoch is ``ceil(batches / gradient_accumulation_steps)``
+        steps, ``num_train_epochs`` may be fractional; ``epoch`` counts micro-batches."""
+        if not self.hf.drives_loop or not hasattr(self.train_loader, "__len__"):
+            super()._plan_budget()
+            return
+        st, k = self.state, self.config.train.grad_accum
+        plan = _hf_plan(self.hf.args, self.train_loader, k)
+        st._steps_per_epoch, st._max_steps, st._num_epochs = (
+            plan.steps_per_epoch,
+            plan.max_steps,
+            plan.num_epochs,
+        )
+        self.hf.state.count_epochs_in_batches(plan.batches, k)
+
+    def _forward_backward(self, group: list[Any]) -> None:
+        """HF's ``training_step`` for each micro-batch (``compute_loss`` and its
+        accumulation scaling); the step's loss is the sum of the scaled losses."""
+        if self._hf_loss is None or not isinstance(group[0], Mapping):
+            super()._forward_backward(group)
+            return
+        st, hooks, ctx, hf_loss = self.state, self._hooks, self.ctx, self._hf_loss
+        k, model, precision = len(group), self._train_model, self.precision
+        num_items = hf_loss.items_in_batch(group)
+        step_loss: torch.Tensor | None = None
+        for i, batch in enumerate(group):
+            st._micro_step = i
+            if hooks["on_micro_step_start"]:
+                ctx.batch = batch
+                self.callbacks.fire("on_micro_step_start", ctx)
+            sync = contextlib.nullcontext() if i == k - 1 else no_gradient_sync(model)
+            with precision.autocast(), sync:
+                loss, outputs = hf_loss(model, move_to(batch, self.device), num_items)
+                scaled = hf_loss.scaled(loss, num_items, k)
+                precision.backward(scaled)
+            part = scaled.detach()
+            step_loss = part if step_loss is None else step_loss + part
+            if hooks["on_micro_step_end"]:
+                ctx.batch, ctx.outputs, ctx.loss = batch, outputs, loss.detach()
+                self.callbacks.fire("on_micro_step_end", ctx)
+                ctx.outputs = ctx.loss = None
+            ctx.batch = None
+        st._micro_step = 0
+        self._reducer.add((step_loss, {}))
+
+    def _prepare_gradients(self) -> torch.Tensor | None:
+        """HF clips to ``max_grad_norm`` and always reports the norm (unclipped when 0)."""
+        if not self.hf.drives_loop or self._reducer.token_mode:
+            return super()._prepare_gradients()
+        self.precision.unscale(self.optimizer)
+        limit = hf_optim.arg(self.hf.args, "max_grad_norm", 1.0)
+        return torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), limit if limit and limit > 0 else float("inf")
+        )
+
+    def _optimizer_step(self, loss_dict: dict[str, Any], grad_norm: torch.Tensor | None) -> bool:
+        self._hf_lr = float(self.optimizer.param_groups[0]["lr"])
+        return super()._optimizer_step(loss_dict, grad_norm)
+
+    def evaluate(  # type: ignore[override]
+        self,
+        eval_dataset: Iterable[Any] | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> dict[str, float]:
+        """HF's ``evaluate``: the metrics' keys start with ``metric_key_prefix``;
+        ``ignore_keys`` are model outputs left out of the predictions."""
+        if not isinstance(metric_key_prefix, str) or not metric_key_prefix:
+            raise ValueError(
+                f"metric_key_prefix must be a non-empty string, got {metric_key_prefix!r}"
+            )
+        if ignore_keys is not None and not all(isinstance(k, str) for k in ignore_keys):
+            raise ValueError(f"ignore_keys must be a list of output names, got {ignore_keys!r}")
+        self._metric_prefix, self._ignore_keys = metric_key_prefix, ignore_keys
+        try:
+            return super().evaluate(eval_dataset)
+        finally:
+            self._metric_prefix = self._ignore_keys = None
+
+    def _run_eval_loop(self, loader: Iterable[Any], kind: str) -> dict[str, float]:
+        """HF's ``evaluation_loop``: the loss per sample, then ``compute_metrics``."""
+        if self._hf_loss is None:
+            return super()._run_eval_loop(loader, kind)
+        st, ctx, hooks, model, hf_loss = (
+            self.state,
+            self.ctx,
+            self._hooks,
+            self.model,
+            self._hf_loss,
+        )
+        args = self.hf.args
+        prefix = kind if kind != "eval" or self._metric_prefix is None else self._metric_prefix
+        evaluation = Evaluation(
+            hf_data.label_names(model, args),
+            self._ignore_keys if self._ignore_keys is not None else ignored_keys(model),
+            self._compute_metrics,
+            list(hf_optim.arg(args, "include_for_metrics", []) or []),
+            nan_filter=bool(hf_optim.arg(args, "logging_nan_inf_filter", True)),
+        )
+        was_training = model.training
+        model.eval()
+        self._fire(f"on_{kind}_start")
+        with torch.no_grad():
+            for batch in itertools.islice(loader, self.config.train.eval_max_batches):
+                if hooks[f"on_{kind}_step_start"]:
+                    ctx.batch = batch
+                    self.callbacks.fire(f"on_{kind}_step_start", ctx)
+                inputs = move_to(batch, self.device)
+                loss = None
+                with self.precision.autocast():
+                    if evaluation.has_labels(inputs):
+                        num_items = hf_loss.items_in_batch([inputs])
+                        loss, outputs = hf_loss(model, inputs, num_items)
+                        loss = loss.detach().mean()
+                    else:
+                        outputs = model(**inputs)
+                evaluation.add(inputs, loss, outputs)
+                if hooks[f"on_{kind}_step_end"]:
+                    ctx.batch, ctx.outputs, ctx.loss = batch, outputs, loss
+                    self.callbacks.fire(f"on_{kind}_step_end", ctx)
+                ctx.batch = ctx.outputs = ctx.loss = None
+        metrics = evaluation.metrics(prefix)
+        if kind == "eval":
+            st._last_eval = metrics
+        ctx.metrics = metrics
+        self._fire(f"on_{kind}_end")
+        ctx.metrics = None
+        model.train(was_training)
+        return metrics
 
     def add_callback(self, callback: Any) -> None:
         """Add an HF-style or native callback (instance or HF class), as HF's Trainer does."""
@@ -388,8 +577,9 @@ class _HFSaves(CheckpointManager):
 
 @dataclasses.dataclass
 class TrainOutput(TrainResult):
-    """The native result, also read by HF's names: ``global_step`` and
-    ``training_loss`` (the summary log's ``train_loss``)."""
+    """The native result, also read by HF's names: ``global_step``,
+    ``training_loss`` (the summary log's ``train_loss``) and ``metrics`` (HF's
+    summary, after the last evaluation's metrics); unpacks as HF's triple."""
 
     @property
     def global_step(self) -> int:
@@ -398,6 +588,42 @@ class TrainOutput(TrainResult):
     @property
     def training_loss(self) -> float | None:
         return self.logs.get("train_loss")
+
+    def __iter__(self) -> Any:
+        """Unpacks as HF's ``(global_step, training_loss, metrics)``."""
+        return iter((self.global_step, self.training_loss, self.metrics))
+
+    def __getitem__(self, i: int) -> Any:
+        return tuple(self)[i]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    batches: int
+    steps_per_epoch: int
+    max_steps: int
+    num_epochs: int | None
+
+
+def _hf_plan(args: Any, loader: Any, grad_accum: int) -> _Plan:
+    """``set_initial_training_values``: steps per epoch (a partial last group
+    counts), the step budget and the epochs it spans."""
+    batches = len(loader)
+    if batches == 0:
+        raise ValueError("the train data has no batch (fewer samples than a batch, with drop_last)")
+    per_epoch = max(math.ceil(batches / grad_accum), 1)
+    max_steps = hf_optim.arg(args, "max_steps", -1)
+    if max_steps > 0:
+        return _Plan(batches, per_epoch, max_steps, None)
+    epochs = float(hf_optim.arg(args, "num_train_epochs", 3.0))
+    return _Plan(batches, per_epoch, math.ceil(epochs * per_epoch), math.ceil(epochs))
+
+
+def _seed_everything(seed: int) -> None:
+    """HF's ``set_seed``: Python's, numpy's and torch's generators."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 class _TrainerHandler(CallbackHandler):

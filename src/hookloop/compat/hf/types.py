@@ -65,9 +65,27 @@ class TrainingArguments:
     bf16: bool = False
     disable_tqdm: bool = False
     use_cpu: bool = False
-    report_to: list[str] = field(default_factory=list)
+    report_to: str | list[str] = "none"
     run_name: str | None = None
     restore_callback_states_from_checkpoint: bool = False
+    # What transformers.Trainer builds from them (hookloop.compat.hf.optim / data).
+    lr_scheduler_type: str = "linear"
+    lr_scheduler_kwargs: dict[str, Any] | None = None
+    warmup_steps: float = 0
+    warmup_ratio: float = 0.0
+    optim: str = "adamw_torch_fused"
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    data_seed: int | None = None
+    dataloader_drop_last: bool = False
+    dataloader_num_workers: int = 0
+    remove_unused_columns: bool = True
+    label_names: list[str] | None = None
+    train_sampling_strategy: str = "random"
+    logging_nan_inf_filter: bool = True
+    include_for_metrics: list[str] = field(default_factory=list)
+    use_cache: bool = False
 
     def __post_init__(self) -> None:
         for name in ("logging_strategy", "eval_strategy", "save_strategy"):
@@ -83,12 +101,59 @@ class TrainingArguments:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TrainingArguments.{name} must be an int >= 1, got {value!r}")
+        self._check_training_fields()
         if self.eval_steps is None and self.eval_strategy == "steps":
             self.eval_steps = self.logging_steps  # HF's rule
         if self.load_best_model_at_end and self.metric_for_best_model is None:
             self.metric_for_best_model = "loss"
         if self.metric_for_best_model is not None and self.greater_is_better is None:
             self.greater_is_better = not self.metric_for_best_model.endswith("loss")
+
+    def _check_training_fields(self) -> None:
+        """The optimizer, schedule, data and reporting fields (enums read as values)."""
+        from hookloop.compat.hf import data, optim, reporting
+
+        for name in ("lr_scheduler_type", "optim", "train_sampling_strategy"):
+            value = getattr(self, name)
+            setattr(self, name, str(getattr(value, "value", value)))
+        if self.optim not in optim.OPTIMIZERS:
+            raise ValueError(
+                f"TrainingArguments.optim must be one of {', '.join(optim.OPTIMIZERS)}, "
+                f"got {self.optim!r}"
+            )
+        if self.train_sampling_strategy not in data.SAMPLING:
+            raise ValueError(
+                "TrainingArguments.train_sampling_strategy must be one of "
+                f"{', '.join(data.SAMPLING)}, got {self.train_sampling_strategy!r}"
+            )
+        if not (isinstance(self.warmup_steps, (int, float)) and self.warmup_steps >= 0):
+            raise ValueError(
+                "TrainingArguments.warmup_steps must be a number >= 0 (below 1: a fraction "
+                f"of the run), got {self.warmup_steps!r}"
+            )
+        if not (isinstance(self.warmup_ratio, (int, float)) and 0 <= self.warmup_ratio < 1):
+            raise ValueError(
+                f"TrainingArguments.warmup_ratio must lie in [0, 1), got {self.warmup_ratio!r}"
+            )
+        for name in ("adam_beta1", "adam_beta2"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 <= value < 1):
+                raise ValueError(f"TrainingArguments.{name} must lie in [0, 1), got {value!r}")
+        if not (isinstance(self.adam_epsilon, (int, float)) and self.adam_epsilon > 0):
+            raise ValueError(
+                f"TrainingArguments.adam_epsilon must be > 0, got {self.adam_epsilon!r}"
+            )
+        workers = self.dataloader_num_workers
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+            raise ValueError(
+                f"TrainingArguments.dataloader_num_workers must be an int >= 0, got {workers!r}"
+            )
+        if self.lr_scheduler_kwargs is not None and not isinstance(self.lr_scheduler_kwargs, dict):
+            raise ValueError(
+                "TrainingArguments.lr_scheduler_kwargs must be a dict or None, "
+                f"got {self.lr_scheduler_kwargs!r}"
+            )
+        reporting.normalize(self.report_to)  # raises for a name hookloop cannot report to
 
     @classmethod
     def from_config(
@@ -223,9 +288,18 @@ class TrainerState(_EngineView):
         self.global_step = done
         per_epoch = native.steps_per_epoch
         epoch_done = native.epoch_step - 1 if inside_step else native.epoch_step
-        self.epoch = native.epoch + (epoch_done / per_epoch if per_epoch else 0.0)
+        batches = self.__dict__.get("_epoch_batches")  # (micro-batches per epoch, per step)
+        if batches:  # HF counts an epoch in micro-batches (the last group may be partial)
+            total, k = batches
+            self.epoch = native.epoch + min(epoch_done * k, total) / total
+        else:
+            self.epoch = native.epoch + (epoch_done / per_epoch if per_epoch else 0.0)
         self.num_input_tokens_seen = native.tokens
         self.total_flos = float(native.flops)
+
+    def count_epochs_in_batches(self, batches_per_epoch: int, grad_accum: int) -> None:
+        """Count ``epoch`` as HF does: micro-batches seen over the epoch's batches."""
+        object.__setattr__(self, "_epoch_batches", (batches_per_epoch, grad_accum))
 
     def set_budget(self, native: TrainState, args: Any) -> None:
         """The fields fixed for a run (read at init and again at train begin)."""

@@ -1,0 +1,188 @@
+"""The batches ``transformers.Trainer`` would build: same samples, same order, same collation.
+
+- Any sized dataset with ``__getitem__`` is a map-style dataset (HF's test
+  ``RegressionDataset``, a ``datasets.Dataset``), not only a torch ``Dataset``.
+- The training order is HF's ``RandomSampler`` as accelerate seeds it: epoch
+  ``e`` is ``randperm(n)`` from a generator seeded with ``data_seed`` (or
+  ``seed``) ``+ e``. Evaluation is sequential. ``dataloader_drop_last`` applies
+  to both, as in HF. The sampler is a :class:`hookloop.data.EpochSampler`, so a
+  resume starts at the exact sample.
+- The collator is the one given, else ``DataCollatorWithPadding`` when a
+  tokenizer is the ``processing_class``, else :func:`default_data_collator`.
+- ``remove_unused_columns`` drops what ``model.forward`` does not take: columns
+  of a ``datasets.Dataset``, keys of each sample otherwise.
+- The loader draws its worker seed from the global torch RNG on each pass, as
+  HF's does, so dropout masks after a pass match HF's too.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data._utils.collate import default_collate
+
+from hookloop.compat.hf.optim import arg
+from hookloop.data import EpochSampler
+
+SAMPLING = ("random", "sequential")
+
+
+class HFSampler(EpochSampler):
+    """HF's training order (or the sequential one), resumable mid-epoch."""
+
+    def _order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.length))
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.length, generator=g).tolist()
+
+    def __len__(self) -> int:
+        return self.length
+
+
+def is_map_dataset(data: Any) -> bool:
+    """Sized and indexable, and not already a loader or a stream."""
+    return (
+        not isinstance(data, (DataLoader, IterableDataset))
+        and hasattr(data, "__len__")
+        and hasattr(data, "__getitem__")
+    )
+
+
+def default_data_collator(features: list[Any]) -> Any:
+    """HF's ``default_data_collator``: dicts (or objects, by ``vars``) of
+    tensors, arrays or numbers become one dict of stacked tensors; ``label`` /
+    ``label_ids`` become ``labels``. Samples that are tuples are collated by
+    torch's ``default_collate``."""
+    first = features[0]
+    if not isinstance(first, Mapping):
+        if not hasattr(first, "__dict__"):
+            return default_collate(features)
+        features = [vars(f) for f in features]
+        first = features[0]
+    batch: dict[str, Any] = {}
+    if first.get("label") is not None:
+        label = (
+            first["label"].item() if isinstance(first["label"], torch.Tensor) else first["label"]
+        )
+        dtype = torch.long if isinstance(label, (int, np.integer)) else torch.float
+        batch["labels"] = torch.tensor([f["label"] for f in features], dtype=dtype)
+    elif first.get("label_ids") is not None:
+        if isinstance(first["label_ids"], torch.Tensor):
+            batch["labels"] = torch.stack([f["label_ids"] for f in features])
+        else:
+            dtype = (
+                torch.long if isinstance(first["label_ids"][0], (int, np.integer)) else torch.float
+            )
+            batch["labels"] = torch.tensor([f["label_ids"] for f in features], dtype=dtype)
+    for key, value in first.items():
+        if key in ("label", "label_ids") or value is None or isinstance(value, str):
+            continue
+        column = [f[key] for f in features]
+        if isinstance(value, torch.Tensor):
+            batch[key] = torch.stack(column)
+        elif isinstance(value, np.ndarray):
+            batch[key] = torch.from_numpy(np.stack(column))
+        else:
+            batch[key] = torch.tensor(column)
+    return batch
+
+
+def label_names(model: torch.nn.Module, args: Any) -> list[str]:
+    """``args.label_names``, else the ``forward`` parameters whose name holds "label"."""
+    names = arg(args, "label_names", None)
+    if names is not None:
+        return list(names)
+    return [p for p in inspect.signature(model.forward).parameters if "label" in p]
+
+
+def signature_columns(model: torch.nn.Module, args: Any) -> list[str]:
+    """The sample keys HF keeps: ``forward``'s parameters and the label names."""
+    columns = list(inspect.signature(model.forward).parameters)
+    return columns + sorted({"label", "label_ids", *label_names(model, args)} - set(columns))
+
+
+def _is_hf_dataset(data: Any) -> bool:
+    return type(data).__module__.startswith("datasets.") and hasattr(data, "remove_columns")
+
+
+class _RemoveColumns:
+    """Drops the keys ``forward`` does not take from each sample, then collates."""
+
+    def __init__(self, collator: Callable[[list[Any]], Any], keep: list[str]) -> None:
+        self.collator, self.keep = collator, set(keep)
+
+    def __call__(self, features: list[Any]) -> Any:
+        if isinstance(features[0], Mapping):
+            features = [{k: v for k, v in f.items() if k in self.keep} for f in features]
+        return self.collator(features)
+
+
+def collator_for(data_collator: Any, processing_class: Any) -> Callable[[list[Any]], Any]:
+    """The collator HF uses: the given one, a padding one for a tokenizer, else the default."""
+    if data_collator is not None:
+        if not callable(data_collator):
+            raise TypeError(
+                "data_collator must be a function of a list of samples, "
+                f"got {type(data_collator).__name__}"
+            )
+        return data_collator
+    if processing_class is not None and hasattr(processing_class, "pad"):
+        from transformers import DataCollatorWithPadding  # a tokenizer means transformers is here
+
+        return DataCollatorWithPadding(processing_class)
+    return default_data_collator
+
+
+def make_loader(
+    data: Any,
+    *,
+    args: Any,
+    model: torch.nn.Module,
+    collator: Callable[[list[Any]], Any],
+    train: bool,
+) -> DataLoader:
+    """The DataLoader ``transformers.Trainer`` builds for ``data``."""
+    if arg(args, "remove_unused_columns", True):
+        keep = signature_columns(model, args)
+        if _is_hf_dataset(data):
+            ignored = [c for c in data.column_names if c not in keep]
+            if len(ignored) == len(data.column_names):
+                raise ValueError(
+                    f"no column of the dataset ({', '.join(data.column_names)}) is an argument of "
+                    f"{type(model).__name__}.forward ({', '.join(keep)}); set "
+                    "remove_unused_columns=False or rename the columns"
+                )
+            data = data.remove_columns(ignored)
+        else:
+            collator = _RemoveColumns(collator, keep)
+    batch_size = arg(
+        args, "per_device_train_batch_size" if train else "per_device_eval_batch_size", 8
+    )
+    common: dict[str, Any] = {
+        "batch_size": batch_size,
+        "collate_fn": collator,
+        "num_workers": arg(args, "dataloader_num_workers", 0),
+    }
+    if isinstance(data, IterableDataset):
+        return DataLoader(data, **common)
+    sampling = str(arg(args, "train_sampling_strategy", "random")) if train else "sequential"
+    if sampling not in SAMPLING:
+        raise ValueError(
+            f"TrainingArguments.train_sampling_strategy={sampling!r} is not supported by "
+            f"hookloop.compat.hf; allowed: {', '.join(SAMPLING)}"
+        )
+    data_seed = arg(args, "data_seed", None)
+    sampler = HFSampler(
+        len(data),
+        shuffle=sampling == "random",
+        seed=data_seed if data_seed is not None else arg(args, "seed", 42),
+    )
+    return DataLoader(
+        data, sampler=sampler, drop_last=bool(arg(args, "dataloader_drop_last", False)), **common
+    )

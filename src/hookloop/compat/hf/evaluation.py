@@ -1,0 +1,175 @@
+"""HF's evaluation results: the loss per sample, and ``compute_metrics(EvalPrediction)``.
+
+As ``transformers.Trainer.evaluation_loop``: each batch's loss counts once per
+sample (``eval_loss`` is the mean over samples, not over batches); the
+predictions are the model's outputs other than the loss (and the keys the
+model's config ignores at inference), the labels are the batch's
+``label_names``; both are concatenated over the evaluation (padded with -100
+where lengths differ) and handed to ``compute_metrics`` as numpy arrays. Every
+key gets the ``metric_key_prefix``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class EvalPrediction:
+    """What ``compute_metrics`` receives: ``predictions`` and ``label_ids`` (numpy),
+    plus ``inputs`` / ``losses`` when ``include_for_metrics`` asks; unpacks as a
+    pair (or more, with those), as HF's does."""
+
+    def __init__(
+        self, predictions: Any, label_ids: Any, inputs: Any = None, losses: Any = None
+    ) -> None:
+        self.predictions, self.label_ids = predictions, label_ids
+        self.inputs, self.losses = inputs, losses
+        extra = tuple(x for x in (inputs, losses) if x is not None)
+        self._items = (predictions, label_ids, *extra)
+
+    def __iter__(self) -> Any:
+        return iter(self._items)
+
+    def __getitem__(self, i: int) -> Any:
+        return self._items[i]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def ignored_keys(model: torch.nn.Module) -> list[str]:
+    """Output keys left out of the predictions (HF reads them from the model's config)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return []
+    return list(getattr(config, "keys_to_ignore_at_inference", ["past_key_values"]))
+
+
+class Evaluation:
+    """Collects one evaluation, batch by batch, as HF's loop does."""
+
+    def __init__(
+        self,
+        label_names: list[str],
+        ignore_keys: list[str],
+        compute_metrics: Callable[[EvalPrediction], dict[str, Any]] | None,
+        include_for_metrics: list[str],
+        nan_filter: bool,
+    ) -> None:
+        self.label_names, self.ignore = label_names, ignore_keys
+        self.compute_metrics, self.include = compute_metrics, set(include_for_metrics or ())
+        self.nan_filter = nan_filter
+        self.losses: list[np.ndarray] = []
+        self.preds: Any = None
+        self.labels: Any = None
+        self.inputs: Any = None
+
+    def has_labels(self, batch: Mapping[str, Any]) -> bool:
+        return bool(self.label_names) and all(batch.get(k) is not None for k in self.label_names)
+
+    def add(self, batch: Mapping[str, Any], loss: torch.Tensor | None, outputs: Any) -> None:
+        """One batch: its mean loss, and, with ``compute_metrics``, its predictions."""
+        if loss is not None:
+            size = _batch_size(batch)
+            self.losses.append(loss.detach().reshape(1).repeat(size).float().cpu().numpy())
+        if self.compute_metrics is None:
+            return
+        logits = _predictions(outputs, self.ignore)
+        if logits is not None:
+            self.preds = _concat(self.preds, logits)
+        if self.has_labels(batch):
+            labels = tuple(batch[k].detach() for k in self.label_names)
+            self.labels = _concat(self.labels, labels[0] if len(labels) == 1 else labels)
+        if "inputs" in self.include:
+            main = batch.get("input_ids", next(iter(batch.values())))
+            self.inputs = _concat(self.inputs, main.detach())
+
+    def metrics(self, prefix: str) -> dict[str, Any]:
+        """The evaluation's metrics, every key starting with ``prefix_``."""
+        metrics: dict[str, Any] = {}
+        losses = np.concatenate(self.losses) if self.losses else None
+        if self.compute_metrics is not None and self.preds is not None and self.labels is not None:
+            computed = self.compute_metrics(
+                EvalPrediction(
+                    predictions=_numpy(self.preds),
+                    label_ids=_numpy(self.labels),
+                    inputs=_numpy(self.inputs) if "inputs" in self.include else None,
+                    losses=losses if "loss" in self.include else None,
+                )
+            )
+            if not isinstance(computed, Mapping):
+                raise TypeError(
+                    f"compute_metrics must return a dict of metrics, got {type(computed).__name__}"
+                )
+            metrics.update({k: _plain(v) for k, v in computed.items()})
+        if losses is not None:
+            finite = np.isfinite(losses)
+            if self.nan_filter and finite.any():
+                losses = losses[finite]
+            metrics[f"{prefix}_loss"] = losses.mean().item()
+        return {k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": v for k, v in metrics.items()}
+
+
+def _batch_size(batch: Any) -> int:
+    """The leading size of the batch's first tensor, as HF's ``find_batch_size``."""
+    values = batch.values() if isinstance(batch, Mapping) else batch
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.dim():
+            return int(value.shape[0])
+    return 1
+
+
+def _predictions(outputs: Any, ignore: list[str]) -> Any:
+    if isinstance(outputs, Mapping):
+        parts = tuple(v for k, v in outputs.items() if k not in [*ignore, "loss"])
+    elif isinstance(outputs, (tuple, list)):
+        parts = tuple(outputs[1:])
+    else:
+        return None
+    parts = tuple(_detach(p) for p in parts)
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else parts
+
+
+def _detach(x: Any) -> Any:
+    if isinstance(x, (tuple, list)):
+        return type(x)(_detach(v) for v in x)
+    return x.detach() if isinstance(x, torch.Tensor) else x
+
+
+def _concat(kept: Any, new: Any) -> Any:
+    """Concatenate along the batch, padding a second dimension with -100 where it differs."""
+    if kept is None:
+        return new
+    if isinstance(new, (tuple, list)):
+        return type(new)(_concat(k, n) for k, n in zip(kept, new, strict=True))
+    if kept.dim() < 2 or kept.shape[1] == new.shape[1]:
+        return torch.cat((kept, new.reshape(-1, *kept.shape[1:]) if not new.dim() else new))
+    width = max(kept.shape[1], new.shape[1])
+    shape = (kept.shape[0] + new.shape[0], width, *kept.shape[2:])
+    out = kept.new_full(shape, -100)
+    out[: kept.shape[0], : kept.shape[1]] = kept
+    out[kept.shape[0] :, : new.shape[1]] = new
+    return out
+
+
+def _numpy(x: Any) -> Any:
+    if x is None:
+        return None
+    if isinstance(x, (tuple, list)):
+        return type(x)(_numpy(v) for v in x)
+    return x.cpu().float().numpy() if x.dtype == torch.bfloat16 else x.cpu().numpy()
+
+
+def _plain(value: Any) -> Any:
+    """Numpy scalars and 0-dim tensors as Python numbers (JSON-ready, as HF makes them)."""
+    if isinstance(value, (np.generic, np.ndarray)) and np.ndim(value) == 0:
+        return value.item()
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return value

@@ -1,0 +1,153 @@
+"""The optimizer and learning-rate schedule ``TrainingArguments`` imply, as
+``transformers.Trainer`` builds them.
+
+AdamW with HF's defaults (``adam_beta1`` / ``adam_beta2`` / ``adam_epsilon``,
+the fused kernel for ``optim="adamw_torch_fused"``, HF's default on torch 2.8+)
+over two groups: weights that decay and those that do not (biases, LayerNorm
+and any parameter whose name says norm), found as HF's
+``Trainer.get_decay_parameter_names`` finds them. The schedule is
+``get_scheduler``'s: a ``LambdaLR`` per ``lr_scheduler_type``. The four common
+types are written here so transformers is not needed; any other type is
+delegated to ``transformers.get_scheduler`` when it is installed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from typing import Any
+
+import torch
+
+#: ``lr_scheduler_type`` values built without transformers.
+SCHEDULES = ("linear", "cosine", "constant", "constant_with_warmup")
+#: ``optim`` values the dialect builds (both are ``torch.optim.AdamW``).
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
+
+# Parameter names HF never decays (matched on the lower-cased dotted name).
+_NO_DECAY_NAMES = [
+    re.compile(p)
+    for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
+]
+
+
+def arg(args: Any, name: str, default: Any) -> Any:
+    """``args.name`` for our TrainingArguments or transformers' (enums read as values)."""
+    value = getattr(args, name, default)
+    return getattr(value, "value", value)
+
+
+def decay_parameter_names(model: torch.nn.Module) -> list[str]:
+    """Names of the parameters weight decay applies to: neither inside a
+    ``LayerNorm`` nor named like a bias or a norm."""
+    names: list[str] = []
+    for child_name, child in model.named_children():
+        if isinstance(child, torch.nn.LayerNorm):
+            continue
+        for name in decay_parameter_names(child):
+            full = f"{child_name}.{name}"
+            if not any(p.search(full.lower()) for p in _NO_DECAY_NAMES):
+                names.append(full)
+    names += [n for n in model._parameters if not any(p.search(n.lower()) for p in _NO_DECAY_NAMES)]
+    return names
+
+
+def create_optimizer(model: torch.nn.Module, args: Any) -> torch.optim.Optimizer:
+    """HF's default optimizer for ``model`` under ``args``."""
+    optim = str(arg(args, "optim", "adamw_torch_fused"))
+    if optim not in OPTIMIZERS:
+        raise ValueError(
+            f"TrainingArguments.optim={optim!r} is not built by hookloop.compat.hf; "
+            f"allowed: {', '.join(OPTIMIZERS)} (or pass optimizers=(optimizer, scheduler))"
+        )
+    decay = set(decay_parameter_names(model))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError("the model has no trainable parameters (requires_grad=True)")
+    groups = [
+        {
+            "params": [p for n, p in named if n in decay],
+            "weight_decay": arg(args, "weight_decay", 0.0),
+        },
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]
+    extra = {"fused": True} if optim == "adamw_torch_fused" else {}
+    return torch.optim.AdamW(
+        groups,
+        lr=arg(args, "learning_rate", 5e-5),
+        betas=(arg(args, "adam_beta1", 0.9), arg(args, "adam_beta2", 0.999)),
+        eps=arg(args, "adam_epsilon", 1e-8),
+        **extra,
+    )
+
+
+def warmup_steps(args: Any, total_steps: int) -> int:
+    """HF's warm-up length: ``warmup_steps`` (a fraction of the run when below 1),
+    else ``warmup_ratio`` of the run (transformers 4.x's name)."""
+    steps = arg(args, "warmup_steps", 0) or 0
+    if steps >= 1:
+        return int(steps)
+    if steps > 0:
+        return math.ceil(total_steps * steps)
+    return math.ceil(total_steps * (arg(args, "warmup_ratio", 0.0) or 0.0))
+
+
+def create_scheduler(
+    optimizer: torch.optim.Optimizer, args: Any, total_steps: int
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """``get_scheduler(args.lr_scheduler_type, ...)`` over ``total_steps`` optimizer steps."""
+    name = str(arg(args, "lr_scheduler_type", "linear"))
+    warmup = warmup_steps(args, total_steps)
+    kwargs = dict(arg(args, "lr_scheduler_kwargs", None) or {})
+    if name in SCHEDULES:
+        factor = _FACTORS[name]
+        lam = functools.partial(factor, warmup=warmup, total=total_steps, **kwargs)
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lam)
+    try:
+        from transformers import get_scheduler
+    except ImportError:
+        raise ValueError(
+            f"TrainingArguments.lr_scheduler_type={name!r} needs transformers installed; "
+            f"without it the dialect builds {', '.join(SCHEDULES)}"
+        ) from None
+    return get_scheduler(
+        name,
+        optimizer=optimizer,
+        num_warmup_steps=warmup,
+        num_training_steps=total_steps,
+        scheduler_specific_kwargs=kwargs,
+    )
+
+
+def _ramp(step: int, warmup: int) -> float:
+    return float(step) / float(max(1, warmup))
+
+
+def _linear(step: int, *, warmup: int, total: int) -> float:
+    if step < warmup:
+        return _ramp(step, warmup)
+    return max(0.0, float(total - step) / float(max(1, total - warmup)))
+
+
+def _cosine(step: int, *, warmup: int, total: int, num_cycles: float = 0.5) -> float:
+    if step < warmup:
+        return _ramp(step, warmup)
+    progress = float(step - warmup) / float(max(1, total - warmup))
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * float(num_cycles) * 2.0 * progress)))
+
+
+def _constant(step: int, *, warmup: int, total: int) -> float:
+    return 1.0
+
+
+def _constant_with_warmup(step: int, *, warmup: int, total: int) -> float:
+    return _ramp(step, warmup) if step < warmup else 1.0
+
+
+_FACTORS = {
+    "linear": _linear,
+    "cosine": _cosine,
+    "constant": _constant,
+    "constant_with_warmup": _constant_with_warmup,
+}
