@@ -16,12 +16,20 @@ from _seed_examples import example, with_imports
 from hookloop import Callback, Trainer
 from hookloop.callbacks.checkpoint_policy import CheckpointCallback, CheckpointPolicy
 from hookloop.callbacks.early_stopping import EarlyStopping, EarlyStoppingCallback
-from hookloop.callbacks.grad_monitor import GradientMonitor, GradientMonitorCallback
-from hookloop.callbacks.loss_prediction import LossPrediction, LossPredictionCallback
-from hookloop.callbacks.nan_detection import NaNDetection, NaNDetectionCallback
-from hookloop.callbacks.optimizer_mode import OptimizerMode, OptimizerModeCallback
-from hookloop.callbacks.optuna_pruning import OptunaPruning, PrunerCallback
-from hookloop.callbacks.overfit import OverfitDetection, OverfitDetectionCallback
+from hookloop.callbacks.grad_monitor import GradientMonitor
+from hookloop.callbacks.loss_prediction import LossPrediction
+from hookloop.callbacks.nan_detection import NaNDetection
+from hookloop.callbacks.optimizer_mode import OptimizerMode
+from hookloop.callbacks.optuna_pruning import OptunaPruning
+from hookloop.callbacks.overfit import OverfitDetection
+from hookloop.compat.hpo import (
+    GradientMonitorCallback,
+    LossPredictionCallback,
+    NaNDetectionCallback,
+    OptimizerModeCallback,
+    OverfitDetectionCallback,
+    PrunerCallback,
+)
 from hookloop.manager import CallbackManager
 from hookloop.testing import TinyModel, ToyData
 

@@ -11,10 +11,10 @@ import torch
 from hookloop import Callback, CallbackContext
 from hookloop.callbacks.grad_monitor import (
     GradientMonitor,
-    GradientMonitorCallback,
     GradientNormWarning,
     total_grad_norm,
 )
+from hookloop.compat.hpo import GradientMonitorCallback
 
 
 class _NormRecorder(Callback):

@@ -10,11 +10,11 @@ import pytest
 from hookloop import Callback, Trainer
 from hookloop.callbacks.loss_prediction import (
     LossPrediction,
-    LossPredictionCallback,
     fit_exponential,
     predict_loss,
     prediction_score,
 )
+from hookloop.compat.hpo import LossPredictionCallback
 from hookloop.testing import TinyModel, ToyData
 
 # -- the pure fit ------------------------------------------------------------------------

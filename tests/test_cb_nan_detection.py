@@ -10,9 +10,9 @@ import torch
 from hookloop import Callback, CallbackContext, ExitCode, Trainer
 from hookloop.callbacks.nan_detection import (
     NaNDetection,
-    NaNDetectionCallback,
     is_nonfinite_stop,
 )
+from hookloop.compat.hpo import NaNDetectionCallback
 from hookloop.testing import TinyModel, ToyData
 
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from hookloop import Callback, CallbackContext, Trainer
-from hookloop.callbacks.optimizer_mode import OptimizerMode, OptimizerModeCallback, has_modes
+from hookloop.callbacks.optimizer_mode import OptimizerMode, has_modes
+from hookloop.compat.hpo import OptimizerModeCallback
 from hookloop.testing import TinyModel, ToyData
 
 schedulefree = pytest.importorskip("schedulefree")

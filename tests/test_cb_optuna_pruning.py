@@ -11,10 +11,10 @@ from hookloop import Trainer, TrainResult
 from hookloop.callbacks.nan_detection import NaNDetection
 from hookloop.callbacks.optuna_pruning import (
     OptunaPruning,
-    PrunerCallback,
     is_pruned_stop,
     objective_value,
 )
+from hookloop.compat.hpo import PrunerCallback
 from hookloop.testing import TinyModel, ToyData
 
 optuna = pytest.importorskip("optuna")

@@ -10,11 +10,11 @@ import pytest
 from hookloop import Callback
 from hookloop.callbacks.overfit import (
     OverfitDetection,
-    OverfitDetectionCallback,
     OverfitWarning,
     gap_ratio,
     is_diverging,
 )
+from hookloop.compat.hpo import OverfitDetectionCallback
 
 # -- the rule -------------------------------------------------------------------------------
 

@@ -161,7 +161,3 @@ def _on(value: Any, like: torch.Tensor) -> torch.Tensor:
 
 def _host(value: Any) -> float:
     return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
-
-
-#: The seed-001 name.
-GradientMonitorCallback = GradientMonitor

@@ -215,7 +215,3 @@ class LossPrediction(Callback):
             f"LossPrediction(monitor={self.monitor!r}, min_points={self.min_points}, "
             f"max_epochs={self.max_epochs}, horizon_steps={self.horizon_steps})"
         )
-
-
-#: The seed-001 name.
-LossPredictionCallback = LossPrediction

@@ -116,7 +116,3 @@ class NaNDetection(Callback):
 
     def __repr__(self) -> str:
         return f"NaNDetection(keys={list(self.keys)!r}, action={self.action!r})"
-
-
-#: The seed-001 name.
-NaNDetectionCallback = NaNDetection

@@ -82,7 +82,3 @@ class OptimizerMode(Callback):
 
     def __repr__(self) -> str:
         return f"OptimizerMode(eval_after_training={self.eval_after_training})"
-
-
-#: The seed-001 name.
-OptimizerModeCallback = OptimizerMode

@@ -157,7 +157,3 @@ class OptunaPruning(Callback):
             f"OptunaPruning(trial={getattr(self.trial, 'number', '?')}, "
             f"monitor={self.monitor!r}, raise_pruned={self.raise_pruned})"
         )
-
-
-#: The seed-001 name.
-PrunerCallback = OptunaPruning

@@ -176,7 +176,3 @@ class OverfitDetection(Callback):
         return (
             f"OverfitDetection(warmup_epochs={self.warmup_epochs}, window_size={self.window_size})"
         )
-
-
-#: The seed-001 name.
-OverfitDetectionCallback = OverfitDetection
