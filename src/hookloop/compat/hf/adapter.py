@@ -37,7 +37,7 @@ from hookloop.compat._toolkit import (
 )
 from hookloop.compat.hf import flow, layout
 from hookloop.compat.hf.callback import TrainerCallback
-from hookloop.compat.hf.handler import is_exportable
+from hookloop.compat.hf.handler import instance, is_exportable
 from hookloop.compat.hf.types import (
     CONTROL_FLAGS,
     TrainerControl,
@@ -156,15 +156,9 @@ class HFSession:
         return wrapped
 
     def _wrap_one(self, item: Any) -> Callback:
+        item = instance(item)  # as in transformers: an HF callback class is instantiated
         if isinstance(item, Callback):
             return item
-        if isinstance(item, type):
-            if issubclass(item, Callback):
-                raise TypeError(
-                    f"callbacks takes instances; got the class {item.__name__}, "
-                    f"write {item.__name__}()"
-                )
-            item = item()  # as in transformers: an HF callback class is instantiated
         handlers = _handled_events(item)
         if not handlers and not _is_hf_callback(item):
             raise TypeError(
@@ -383,17 +377,24 @@ def _rebuild_in_place(cb: Any, saved: dict[str, Any]) -> None:
 
 
 # -- the session's own bookkeeping -----------------------------------------------
-class _SessionFirst(Callback):
-    """HF's flag resets and log history, before any other handler of the event."""
+class _SessionPart(Callback):
+    """A native callback of the session's own, under a fixed name."""
 
-    priority = _FIRST
+    label = ""
 
     def __init__(self, session: HFSession) -> None:
         self.session = session
 
     @property
     def name(self) -> str:
-        return "hf.TrainerState"
+        return self.label
+
+
+class _SessionFirst(_SessionPart):
+    """HF's flag resets and log history, before any other handler of the event."""
+
+    priority = _FIRST
+    label = "hf.TrainerState"
 
     def on_init_end(self, ctx: CallbackContext) -> None:
         self.session.bind(ctx)
@@ -478,17 +479,11 @@ class _SessionFirst(Callback):
         self.session.restore_callbacks()
 
 
-class _SessionLast(Callback):
+class _SessionLast(_SessionPart):
     """After every ``on_evaluate`` handler: keep ``best_metric`` as HF's Trainer does."""
 
     priority = _LAST
-
-    def __init__(self, session: HFSession) -> None:
-        self.session = session
-
-    @property
-    def name(self) -> str:
-        return "hf.best_metric"
+    label = "hf.best_metric"
 
     def on_eval_end(self, ctx: CallbackContext) -> None:
         args, state = self.session.args, self.session.state

@@ -75,6 +75,19 @@ class ExportableState:
         return instance
 
 
+def instance(callback: Any) -> Any:
+    """``callback``, or an instance of it when it is an HF callback class (HF builds
+    those without arguments); a native hookloop callback class is refused."""
+    if not isinstance(callback, type):
+        return callback
+    if issubclass(callback, Callback):
+        raise TypeError(
+            f"callbacks takes instances; got the class {callback.__name__}, "
+            f"write {callback.__name__}()"
+        )
+    return callback()
+
+
 def is_exportable(cb: Any) -> bool:
     """transformers' ``ExportableState`` or ours (or any object with both methods)."""
     return callable(getattr(cb, "state", None)) and callable(getattr(cb, "from_state", None))
@@ -110,12 +123,7 @@ class CallbackHandler:
     # -- editing (the dialect Trainer mirrors each edit into the native manager) ----
     def add_callback(self, callback: Any) -> Any:
         """Add an instance, or a class (instantiated without arguments); returns it."""
-        if isinstance(callback, type) and issubclass(callback, Callback):
-            raise TypeError(
-                f"callbacks takes instances; got the class {callback.__name__}, "
-                f"write {callback.__name__}()"
-            )
-        cb = callback() if isinstance(callback, type) else callback  # an HF class, as HF does
+        cb = instance(callback)
         if type(cb) in [type(c) for c in self.callbacks]:
             logger.warning(
                 f"{type(cb).__name__} is added to the callbacks, but there is already one. "
@@ -204,5 +212,6 @@ __all__ = [
     "DefaultFlowCallback",
     "ExportableState",
     "PrinterCallback",
+    "instance",
     "is_exportable",
 ]
