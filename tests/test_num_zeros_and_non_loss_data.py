@@ -129,3 +129,15 @@ def test_non_loss_data_func_runs_once_per_evaluation_on_the_model_in_eval_mode()
 def test_a_non_callable_non_loss_data_func_is_refused():
     with pytest.raises(TypeError, match=r"non_loss_data_func must be callable\(model\)"):
         Trainer(TinyModel(), train_data=ToyData(), non_loss_data_func=3)
+
+
+def test_pretrain_passes_non_loss_data_func_to_the_loop():
+    from hookloop.entry import pretrain
+    from hookloop.recipes import default_config
+
+    cfg = default_config("mlp-regression")
+    cfg.train.max_steps, cfg.train.eval_every, cfg.train.log_every = 4, 2, 0
+    cfg.train.eval_at_epoch_end = False
+    seen = _EvalSeen()
+    pretrain(cfg, callbacks=[seen], non_loss_data_func=lambda model: type(model).__name__)
+    assert seen.at_end == ["Sequential", "Sequential"]

@@ -39,8 +39,13 @@ def build_trainer(
     *,
     out_dir: str | Path | None = None,
     resume: str | None = None,
+    non_loss_data_func: Any = None,
 ) -> Trainer:
-    """Seed, build the recipe's parts, and assemble a Trainer (without training)."""
+    """Seed, build the recipe's parts, and assemble a Trainer (without training).
+
+    ``non_loss_data_func(model)`` runs at the end of each evaluation; its result is
+    ``ctx.non_loss_data`` during ``on_eval_end`` (seed 003's evaluation hook).
+    """
     if not isinstance(config, Config):
         raise TypeError(f"config must be a hookloop Config, got {type(config).__name__}")
     config.validate()
@@ -61,6 +66,7 @@ def build_trainer(
         out_dir=None if out_dir is None else str(out_dir),
         resume=resume,
         flops_per_sample=parts.flops_per_sample,
+        non_loss_data_func=non_loss_data_func,
     )
 
 
@@ -71,9 +77,17 @@ def pretrain(
     *,
     out_dir: str | Path | None = None,
     resume: str | None = None,
+    non_loss_data_func: Any = None,
 ) -> TrainResult:
     """Train the config's recipe from scratch; ``callbacks`` is a list or a manager."""
-    return build_trainer(config, forward_step, callbacks, out_dir=out_dir, resume=resume).train()
+    return build_trainer(
+        config,
+        forward_step,
+        callbacks,
+        out_dir=out_dir,
+        resume=resume,
+        non_loss_data_func=non_loss_data_func,
+    ).train()
 
 
 def finetune(
@@ -83,6 +97,7 @@ def finetune(
     *,
     out_dir: str | Path | None = None,
     resume: str | None = None,
+    non_loss_data_func: Any = None,
 ) -> TrainResult:
     """Like ``pretrain``, starting from the weights at ``config.checkpoint.pretrained``.
 
@@ -94,7 +109,14 @@ def finetune(
             "finetune() needs config.checkpoint.pretrained: a checkpoint directory or a "
             ".safetensors file with the pretrained weights"
         )
-    trainer = build_trainer(config, forward_step, callbacks, out_dir=out_dir, resume=resume)
+    trainer = build_trainer(
+        config,
+        forward_step,
+        callbacks,
+        out_dir=out_dir,
+        resume=resume,
+        non_loss_data_func=non_loss_data_func,
+    )
     if resume is None:
         load_weights(trainer.model, config.checkpoint.pretrained)
     return trainer.train()

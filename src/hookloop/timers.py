@@ -19,7 +19,7 @@ first, as Megatron's do. Both cost a host-device round trip, so neither is the d
 
 from __future__ import annotations
 
-import time
+from time import perf_counter
 from typing import Any
 
 #: The timers the training loop fills, and what each one covers.
@@ -69,7 +69,7 @@ class Timer:
             raise RuntimeError(f"timer {self.name!r} is already running; stop() it first")
         if barrier or self._sync:
             _wait(self._device, barrier)
-        self._started = time.perf_counter()
+        self._started = perf_counter()
 
     def stop(self, barrier: bool = False) -> None:
         """Stop timing and add the interval; ``barrier`` as for :meth:`start`."""
@@ -77,7 +77,7 @@ class Timer:
             raise RuntimeError(f"timer {self.name!r} is not running; start() it first")
         if barrier or self._sync:
             _wait(self._device, barrier)
-        self._elapsed += time.perf_counter() - self._started
+        self._elapsed += perf_counter() - self._started
         self._started = None
         self.count += 1
 
@@ -96,7 +96,7 @@ class Timer:
         if self._started is not None:
             if barrier or self._sync:
                 _wait(self._device, barrier)
-            now = time.perf_counter()
+            now = perf_counter()
             total += now - self._started
             if reset:
                 self._started = now
