@@ -3,6 +3,8 @@ output; ``--resume auto`` takes the newest intact of local and persistent."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -16,7 +18,7 @@ from hookloop import Callback, Config, DataConfig, TrainConfig, Trainer
 from hookloop.callbacks import JsonLogger, read_jsonl
 from hookloop.callbacks.defaults import default_callbacks
 from hookloop.checkpoint import FAULT_ENV
-from hookloop.cli import resolve_config
+from hookloop.cli import main, resolve_config
 from hookloop.entry import build_trainer
 from hookloop.testing import TinyModel, ToyData
 from test_checkpoint import assert_same_checkpoint
@@ -163,7 +165,7 @@ def test_local_dir_may_not_be_the_persistent_checkpoints_folder(tmp_path):
         run(tmp_path, local_dir=str(tmp_path / "checkpoints"), max_steps=2)
 
 
-@pytest.mark.slow  # two `hookloop train` processes
+@pytest.mark.slow  # a `hookloop train` process
 def test_hookloop_train_saves_and_resumes_local_checkpoints(tmp_path):
     overrides = [
         "train.max_steps=9", "train.log_every=1", "data.train_samples=64", "data.batch_size=8",
@@ -171,19 +173,19 @@ def test_hookloop_train_saves_and_resumes_local_checkpoints(tmp_path):
         "callbacks.info=false", *SERVICES_OFF,
     ]  # fmt: skip
 
-    def hookloop(*extra: str, env: dict, code: int) -> None:
-        cmd = [sys.executable, "-m", "hookloop", "train", "--out", str(cut)]
-        cmd += ["--recipe", "mlp-regression", *overrides, *extra]
-        environ = {**os.environ, **env}
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=environ)
-        assert proc.returncode == code, proc.stderr[-3000:]
-
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     # The process dies inside the persistent save of step 8: the local one of step 7 is newest.
-    hookloop(env={FAULT_ENV: "files_written@8"}, code=86)
+    cmd = [sys.executable, "-m", "hookloop", "train", "--out", str(cut)]
+    cmd += ["--recipe", "mlp-regression", *overrides]
+    env = {**os.environ, FAULT_ENV: "files_written@8"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 86, proc.stderr[-3000:]
     assert local_steps(cut) == ["step-00000007"]
     assert (cut / "checkpoints" / "latest").read_text() == "step-00000004"
-    hookloop("--resume", "auto", env={}, code=0)
+    with contextlib.redirect_stderr(io.StringIO()) as err:  # the resume, in this process
+        code = main(["train", "--out", str(cut), "--recipe", "mlp-regression", *overrides,
+                     "--resume", "auto"])  # fmt: skip
+    assert code == 0, err.getvalue()[-3000:]
     records = read_jsonl(cut / "metrics.jsonl")
     assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, 10))
     assert [r["step"] for r in records if r["kind"] == "start"] == [0, 7]
