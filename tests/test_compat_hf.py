@@ -680,3 +680,197 @@ def test_a_callback_clearing_should_log_suppresses_that_steps_record():
     trainer.train()
 
     assert [e["step"] for e in trainer.state.log_history if "loss" in e] == [2, 6]
+
+
+# -- the run TrainingArguments imply (optimizer, schedule, data, metrics, reporting) -----
+class PlainRegression:
+    """Sized and indexable dicts, not a torch ``Dataset`` (as transformers' test data)."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(n)
+        self.x = torch.randn(n, 4, generator=g)
+        self.y = self.x.sum(dim=1)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"x": self.x[i], "labels": self.y[i], "note": "not an argument of forward"}
+
+
+class TupleModel(torch.nn.Module):
+    """Returns ``(loss, prediction)``, as many HF-era models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+        self.norm = torch.nn.LayerNorm(4)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+        y = self.linear(self.norm(x)).squeeze(-1)
+        return (y,) if labels is None else (torch.nn.functional.mse_loss(y, labels), y)
+
+
+def _hf_run(**fields: Any) -> Trainer:
+    args = _args(disable_tqdm=True, **fields)
+    return Trainer(
+        TupleModel(),
+        args,
+        train_dataset=PlainRegression(24),
+        eval_dataset=PlainRegression(10),
+        compute_metrics=lambda p: {"mae": float(abs(p.predictions - p.label_ids).mean())},
+    )
+
+
+def test_a_plain_dataset_of_dicts_is_batched_by_per_device_train_batch_size():
+    trainer = _hf_run(num_train_epochs=2)
+    output = trainer.train()
+    assert output.global_step == 2 * 6  # 24 samples / 4 a batch, not 24 ready-made batches
+    global_step, training_loss, metrics = output  # HF's TrainOutput unpacks
+    assert (global_step, training_loss) == (12, metrics["train_loss"])
+    assert {"train_runtime", "train_loss", "epoch"} <= set(metrics)
+
+
+def test_the_learning_rate_decays_linearly_by_default_and_is_logged_as_learning_rate():
+    trainer = _hf_run(max_steps=8, logging_strategy="steps", logging_steps=2, learning_rate=0.1)
+    trainer.train()
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    # The rate each logged step used: 0.1 * (8 - (step - 1)) / 8.
+    assert [e["learning_rate"] for e in logs] == pytest.approx([0.0875, 0.0625, 0.0375, 0.0125])
+    assert all(set(e) == {"loss", "grad_norm", "learning_rate", "epoch", "step"} for e in logs)
+
+
+def test_hf_optimizer_does_not_decay_biases_or_norms():
+    trainer = _hf_run(max_steps=1, weight_decay=0.1)
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    decayed, plain = trainer.optimizer.param_groups
+    assert [names[id(p)] for p in decayed["params"]] == ["linear.weight"]
+    assert sorted(names[id(p)] for p in plain["params"]) == [
+        "linear.bias",
+        "norm.bias",
+        "norm.weight",
+    ]
+    assert (decayed["weight_decay"], plain["weight_decay"]) == (0.1, 0.0)
+
+
+def test_decay_exclusions_match_transformers_on_a_gpt2():
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from hookloop.compat.hf.optim import decay_parameter_names
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=20, n_positions=8)
+    model = transformers.GPT2LMHeadModel(config)
+    theirs = transformers.Trainer(
+        model, transformers.TrainingArguments(output_dir="unused", use_cpu=True, report_to="none")
+    ).get_decay_parameter_names(model)
+    assert decay_parameter_names(model) == theirs
+
+
+@pytest.mark.parametrize("kind", ["linear", "cosine", "constant", "constant_with_warmup"])
+def test_schedules_follow_transformers_get_scheduler(kind: str):
+    transformers = pytest.importorskip("transformers")
+    from hookloop.compat.hf.optim import create_scheduler
+
+    def rates(make: Any) -> list[float]:
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
+        scheduler, seen = make(optimizer), []
+        for _ in range(20):
+            seen.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+        return seen
+
+    args = _args(lr_scheduler_type=kind, warmup_steps=0.2)
+    ours = rates(lambda opt: create_scheduler(opt, args, 20))
+    theirs = rates(lambda opt: transformers.get_scheduler(kind, opt, 4, 20))
+    assert ours == theirs
+
+
+def test_compute_metrics_and_metric_key_prefix_name_the_evaluations_keys():
+    trainer = _hf_run(max_steps=2)
+    trainer.train()
+    metrics = trainer.evaluate(metric_key_prefix="dev")
+    assert {"dev_loss", "dev_mae"} <= set(metrics)
+    # eval_loss is the mean over samples: 10 samples in batches of 4, 4 and 2
+    errors = []
+    with torch.no_grad():
+        for i in range(10):
+            sample = PlainRegression(10)[i]
+            errors.append(float(trainer.model(sample["x"][None])[0] - sample["labels"]))
+    assert metrics["dev_mae"] == pytest.approx(sum(map(abs, errors)) / 10, rel=1e-5)
+    assert metrics["dev_loss"] == pytest.approx(sum(e * e for e in errors) / 10, rel=1e-5)
+
+
+def test_report_to_tensorboard_writes_the_logged_scalars(tmp_path: Path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from hookloop.callbacks.tensorboard import TBLogger
+
+    trainer = _hf_run(
+        max_steps=4,
+        logging_strategy="steps",
+        logging_steps=2,
+        output_dir=str(tmp_path),
+        report_to="tensorboard",
+    )
+    assert [type(cb) for cb in trainer.callback_handler.callbacks][1] is TBLogger
+    trainer.train()
+    acc = EventAccumulator(str(tmp_path / "runs"))
+    acc.Reload()
+    assert any(tag.endswith("loss") for tag in acc.Tags()["scalars"])
+
+
+def test_report_to_maps_names_onto_hookloop_loggers():
+    pytest.importorskip("wandb")
+    from hookloop.callbacks.wandb_logger import WandbLoggingCallback
+    from hookloop.compat.hf.reporting import loggers, normalize
+
+    assert normalize("none") == [] and normalize([]) == []
+    made = loggers(_args(report_to=["wandb"], run_name="r1"))
+    assert [type(cb) for cb in made] == [WandbLoggingCallback]
+    assert set(normalize("all")) == {"tensorboard", "wandb"}
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"report_to": "comet_ml"}, "report_to names 'comet_ml'"),
+        ({"optim": "adafactor"}, "optim must be one of adamw_torch"),
+        ({"warmup_ratio": 1.5}, "warmup_ratio must lie in [0, 1)"),
+        ({"warmup_steps": -1}, "warmup_steps must be a number >= 0"),
+        ({"train_sampling_strategy": "group_by_length"}, "train_sampling_strategy must be one"),
+        ({"adam_epsilon": 0}, "adam_epsilon must be > 0"),
+    ],
+)
+def test_bad_training_fields_name_the_field_and_what_is_allowed(fields: dict, named: str):
+    with pytest.raises(ValueError, match=named.replace("[", r"\[").replace(")", r"\)")):
+        _args(**fields)
+
+
+def test_bad_evaluate_arguments_are_named():
+    trainer = _hf_run(max_steps=1)
+    with pytest.raises(ValueError, match="metric_key_prefix must be a non-empty string"):
+        trainer.evaluate(metric_key_prefix="")
+
+
+def test_plain_use_of_the_dialect_does_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from hookloop.compat.hf import Trainer, TrainingArguments\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.l = torch.nn.Linear(2, 1)\n"
+        "    def forward(self, x, labels=None):\n"
+        "        return {'loss': ((self.l(x).squeeze(-1) - labels) ** 2).mean()}\n"
+        "data = [{'x': [float(i), 1.0], 'labels': float(i)} for i in range(8)]\n"
+        "args = TrainingArguments(per_device_train_batch_size=4, max_steps=2, use_cpu=True,\n"
+        "                         disable_tqdm=True, lr_scheduler_type='cosine', warmup_steps=1)\n"
+        "Trainer(M(), args, train_dataset=data).train()\n"
+        "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

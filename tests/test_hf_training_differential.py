@@ -293,15 +293,17 @@ def test_final_weights_match_transformers(both: Any):
 
 # -- a datasets.Dataset, batched as HF batches it ------------------------------------
 class BatchRecorder:
-    """The ``input_ids`` each training forward receives, in order."""
+    """The tensors each training forward receives, in order."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.batches: list[list[list[int]]] = []
+        self.batches: list[dict[str, Any]] = []
         model.register_forward_pre_hook(self._record, with_kwargs=True)
 
     def _record(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
         if module.training:
-            self.batches.append(kwargs["input_ids"].tolist())
+            self.batches.append(
+                {k: v.tolist() for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+            )
             self.keys = sorted(kwargs)
 
 
@@ -344,3 +346,42 @@ def test_datasets_dataset_is_batched_exactly_as_transformers_batches_it(tmp_path
     # remove_unused_columns: the columns forward does not take never reach it
     assert ours["keys"] == theirs["keys"]
     assert "topic" not in ours["keys"] and "length" not in ours["keys"]
+
+
+def _classification_run(kind: str, out: Path) -> dict[str, Any]:
+    """A tokenizer as ``processing_class`` and no collator: HF pads with
+    ``DataCollatorWithPadding`` and turns ``label`` into ``labels``."""
+    rows = token_rows(18, seed=9)
+    data = datasets.Dataset.from_dict(
+        {
+            "input_ids": rows,
+            "label": [r[0] % 2 for r in rows],
+            "text": [" ".join(f"w{t}" for t in r) for r in rows],
+        }
+    )
+    args = transformers.TrainingArguments(
+        output_dir=str(out), **BASE, per_device_train_batch_size=4, max_steps=6, data_seed=5
+    )
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=1, n_head=2, pad_token_id=0
+    )
+    model = transformers.GPT2ForSequenceClassification(config)
+    recorder = BatchRecorder(model)
+    factory = transformers.Trainer if kind == "hf" else hf.Trainer
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = factory(model, args, train_dataset=data, processing_class=tokenizer())
+        trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    return {"batches": recorder.batches, "keys": recorder.keys, "losses": losses}
+
+
+def test_a_tokenizer_pads_datasets_batches_as_transformers_pads_them(tmp_path: Path):
+    theirs = _classification_run("hf", tmp_path / "hf")
+    ours = _classification_run("hookloop", tmp_path / "hookloop")
+    assert len(theirs["batches"]) == 6
+    assert ours["batches"] == theirs["batches"]
+    assert ours["keys"] == theirs["keys"]
+    assert {"attention_mask", "labels"} <= set(ours["keys"]) and "text" not in ours["keys"]
+    assert ours["losses"] == pytest.approx(theirs["losses"], rel=RTOL)

@@ -28,21 +28,25 @@ from torch.utils.data._utils.collate import default_collate
 
 from hookloop.compat.hf.optim import arg
 from hookloop.data import EpochSampler
+from hookloop.distributed import rank_info
 
 SAMPLING = ("random", "sequential")
 
 
 class HFSampler(EpochSampler):
-    """HF's training order (or the sequential one), resumable mid-epoch."""
+    """HF's training order (or the sequential one), resumable mid-epoch. With
+    several ranks each takes every ``world_size``-th sample of that order."""
 
     def _order(self) -> list[int]:
         if not self.shuffle:
-            return list(range(self.length))
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        return torch.randperm(self.length, generator=g).tolist()
-
-    def __len__(self) -> int:
-        return self.length
+            order = list(range(self.length))
+        else:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.length, generator=g).tolist()
+        if self.world_size == 1:
+            return order
+        per_rank = self.length // self.world_size
+        return order[self.rank : per_rank * self.world_size : self.world_size]
 
 
 def is_map_dataset(data: Any) -> bool:
@@ -178,10 +182,15 @@ def make_loader(
             f"hookloop.compat.hf; allowed: {', '.join(SAMPLING)}"
         )
     data_seed = arg(args, "data_seed", None)
+    # Training data is shared out between ranks; every rank evaluates all of it (the
+    # metrics are then the same everywhere without gathering predictions).
+    rank, _, world_size = rank_info() if train else (0, 0, 1)
     sampler = HFSampler(
         len(data),
         shuffle=sampling == "random",
         seed=data_seed if data_seed is not None else arg(args, "seed", 42),
+        rank=rank,
+        world_size=world_size,
     )
     return DataLoader(
         data, sampler=sampler, drop_last=bool(arg(args, "dataloader_drop_last", False)), **common
