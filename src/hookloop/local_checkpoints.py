@@ -17,7 +17,6 @@ both paths.
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,12 +30,7 @@ from hookloop.checkpoint import (
     _read_manifest_quiet,
     load_state,
 )
-from hookloop.rundir import RunDir
-
-log = logging.getLogger("hookloop.checkpoint")
-
-#: The local checkpoints' folder in the run directory, when ``checkpoint.local_dir`` is null.
-LOCAL_CHECKPOINTS_DIR = "local_checkpoints"
+from hookloop.rundir import LOCAL_CHECKPOINTS_DIR, RunDir
 
 
 def local_manager(config: Any, run: RunDir, *, resuming: bool) -> CheckpointManager | None:
@@ -48,7 +42,7 @@ def local_manager(config: Any, run: RunDir, *, resuming: bool) -> CheckpointMana
     """
     if config.local_every is None:
         return None
-    root = Path(config.local_dir) if config.local_dir else run.root / LOCAL_CHECKPOINTS_DIR
+    root = Path(config.local_dir) if config.local_dir else run.local_checkpoints
     if root.resolve() == run.checkpoints.resolve():
         raise ValueError(
             f"checkpoint.local_dir={config.local_dir!r} is the run's persistent checkpoints "

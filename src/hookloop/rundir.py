@@ -7,6 +7,7 @@ Everything one training run leaves behind lives under one directory::
       metrics.jsonl    JSON Lines: one record per log, evaluation, start and end
       tb/              TensorBoard event files
       checkpoints/     step-XXXXXXXX/ checkpoint directories and the "latest" pointer
+      local_checkpoints/  the newest local (non-persistent) checkpoint (checkpoint.local_every)
       samples.txt      text generated during training (text-generation recipes)
       progress.txt     Megatron-style progress log: job starts, throughput at each save
       plots/           figures from `hookloop plot`
@@ -28,6 +29,7 @@ CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
 CHECKPOINTS_DIR = "checkpoints"
+LOCAL_CHECKPOINTS_DIR = "local_checkpoints"
 SAMPLES_FILE = "samples.txt"
 PROGRESS_FILE = "progress.txt"
 PLOTS_DIR = "plots"
@@ -60,6 +62,11 @@ class RunDir:
     @property
     def checkpoints(self) -> Path:
         return self.root / CHECKPOINTS_DIR
+
+    @property
+    def local_checkpoints(self) -> Path:
+        """Where local checkpoints go unless ``checkpoint.local_dir`` says otherwise."""
+        return self.root / LOCAL_CHECKPOINTS_DIR
 
     @property
     def samples(self) -> Path:
