@@ -18,7 +18,7 @@ from _dist_launch import torchrun
 from _quiet import SERVICES_OFF
 from _rewind_job import KILL_AT, SPIKE, build
 from hookloop import Callback, Config, Control, ExitCode
-from hookloop.callbacks import read_jsonl
+from hookloop.callbacks import ProgressBar, read_jsonl
 from hookloop.callbacks.defaults import default_callbacks
 from hookloop.callbacks.divergence import DivergenceDetector
 from hookloop.cli import main
@@ -97,6 +97,22 @@ def test_tensorboard_and_wandb_rewind_with_the_run_and_hold_each_step_once(tmp_p
     rows = offline_history(tmp_path / "wandb", wait_s=30)
     steps = [r["_step"] for r in rows if "train/loss" in r]
     assert steps == list(range(1, 15)) and max(r["train/loss"] for r in rows) < 100
+
+
+def test_the_progress_bar_follows_the_rewind(tmp_path):
+    bar = ProgressBar(stream=io.StringIO(), use_tqdm=True)
+    counts: list[int] = []
+
+    class BarCount(Callback):
+        priority = 200  # after the bar's own update
+
+        def on_train_step_end(self, ctx):
+            counts.append(bar._bar.n)
+
+    build(tmp_path, callbacks=[bar, BarCount()])[0].train()
+    # 8 steps, then back to 6: 7 and 8 again (one count each), ... 14 of 14 at the end.
+    assert counts[:10] == [*range(1, 9), 7, 8]
+    assert (counts[-1] == 14 and bar._bar is None) or counts[-1] == 14
 
 
 def test_the_control_status_lists_the_rewinds(tmp_path):

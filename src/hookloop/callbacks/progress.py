@@ -227,6 +227,15 @@ class ProgressBar(Callback):
         if self._bar is not None:
             self._bar.update(1)
 
+    def on_checkpoint_load(self, ctx: CallbackContext) -> None:
+        """A rewind (hookloop.rewind) moves the step back: the bar and the rate follow."""
+        if ctx.rewind is None or not ctx.state.is_rank_zero:
+            return
+        self._last_step, self._last_time = ctx.state.step, time.monotonic()
+        if self._bar is not None:
+            self._bar.n = self._bar.last_print_n = ctx.state.step
+            self._bar.refresh()
+
     def on_log(self, ctx: CallbackContext) -> None:
         if not ctx.state.is_rank_zero or ctx.logs is None:
             return
