@@ -1,11 +1,19 @@
 """DiLoCo: local training with an outer optimizer over pseudo-gradients.
 
-Each rank trains on its own for ``sync_every`` steps with no gradient
-communication (``train.parallel=local``). Then the ranks average their
-pseudo-gradients — the distance each moved from the shared starting point —
-with one all-reduce over the torch.distributed process group, and an outer
-SGD with Nesterov momentum applies the average to the shared parameters, which
-every rank copies back. Communication drops by a factor of ``sync_every``.
+Two transports, one outer step (:mod:`hookloop.diloco.outer`):
+
+- :class:`DiLoCo` (this module): the ranks of one ``torch.distributed`` job
+  average their pseudo-gradients with an all-reduce. Fine inside one cluster.
+- :class:`DiLoCoCallback` (seed 004's name, :mod:`hookloop.diloco.callback`):
+  each run is a worker of a DiLoCo server (``hookloop diloco serve``), over
+  HTTP(S); workers on other machines may join late, die and come back.
+
+For :class:`DiLoCo`: each rank trains on its own for ``sync_every`` steps with
+no gradient communication (``train.parallel=local``). Then the ranks average
+their pseudo-gradients — the distance each moved from the shared starting
+point — with one all-reduce over the process group, and an outer SGD with
+Nesterov momentum applies the average to the shared parameters, which every
+rank copies back. Communication drops by a factor of ``sync_every``.
 
 Without a process group of two or more ranks the callback does nothing, so
 one configuration serves both single-process and distributed runs.
@@ -23,8 +31,12 @@ import torch
 import torch.distributed as dist
 
 from hookloop.callback import Callback
+from hookloop.diloco.callback import DiLoCoCallback
+from hookloop.diloco.outer import OuterOptimizer, check_outer_settings
 from hookloop.distributed import is_distributed
 from hookloop.state import CallbackContext
+
+__all__ = ["DiLoCo", "DiLoCoCallback"]
 
 
 class DiLoCo(Callback):
@@ -47,12 +59,7 @@ class DiLoCo(Callback):
     ) -> None:
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
-        if not outer_lr > 0:
-            raise ValueError(f"outer_lr must be > 0, got {outer_lr!r}")
-        if not 0 <= outer_momentum < 1:
-            raise ValueError(f"outer_momentum must lie in [0, 1), got {outer_momentum!r}")
-        if nesterov and outer_momentum == 0:
-            raise ValueError("nesterov=True needs outer_momentum > 0")
+        check_outer_settings(outer_lr, outer_momentum, nesterov)
         self.sync_every = sync_every
         self.outer_lr = outer_lr
         self.outer_momentum = outer_momentum
@@ -60,8 +67,7 @@ class DiLoCo(Callback):
         self.bf16_comm = bool(bf16_comm)
         self.outer_steps = 0
         self._params: list[torch.nn.Parameter] = []
-        self._shared: list[torch.Tensor] = []  # the parameters every rank agreed on last
-        self._outer: torch.optim.SGD | None = None
+        self._outer: OuterOptimizer | None = None  # holds the parameters all ranks agreed on
         self._pending: dict[str, Any] | None = None
 
     @property
@@ -80,9 +86,8 @@ class DiLoCo(Callback):
         if self._pending is None:
             for p in self._params:  # start from one point: rank 0's weights
                 dist.broadcast(p.data, src=0)
-        self._shared = [p.detach().clone() for p in self._params]
-        self._outer = torch.optim.SGD(
-            self._shared, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.nesterov
+        self._outer = OuterOptimizer(
+            self._params, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.nesterov
         )
         if self._pending is not None:
             self._restore(self._pending)
@@ -96,15 +101,14 @@ class DiLoCo(Callback):
         """Average pseudo-gradients over ranks, take the outer step, adopt the result."""
         assert self._outer is not None
         world = dist.get_world_size()
+        mean = []
         with torch.no_grad():
-            for shared, local in zip(self._shared, self._params, strict=True):
+            for shared, local in zip(self._outer.weights, self._params, strict=True):
                 delta = shared - local.detach()  # the pseudo-gradient
                 wire = delta.to(torch.bfloat16) if self.bf16_comm else delta
                 dist.all_reduce(wire, op=dist.ReduceOp.SUM)
-                shared.grad = wire.to(shared.dtype) / world
-            self._outer.step()
-            self._outer.zero_grad(set_to_none=True)
-            for shared, local in zip(self._shared, self._params, strict=True):
+                mean.append(wire.to(shared.dtype) / world)
+            for shared, local in zip(self._outer.step(mean), self._params, strict=True):
                 local.copy_(shared)
         self.outer_steps += 1
 
@@ -112,11 +116,8 @@ class DiLoCo(Callback):
         if not self.active:
             return {"outer_steps": self.outer_steps}
         assert self._outer is not None
-        return {
-            "outer_steps": self.outer_steps,
-            "shared": [t.detach().cpu() for t in self._shared],
-            "outer": self._outer.state_dict(),
-        }
+        outer = self._outer.state_dict()
+        return {"outer_steps": self.outer_steps, "shared": outer["weights"], "outer": outer["sgd"]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # Loaded before on_train_start builds the outer optimizer: keep it until then.
@@ -127,10 +128,4 @@ class DiLoCo(Callback):
         if "shared" not in state:
             return
         assert self._outer is not None
-        with torch.no_grad():
-            for shared, saved in zip(self._shared, state["shared"], strict=True):
-                shared.copy_(saved.to(shared.device))
-        self._outer.load_state_dict(state["outer"])
-
-
-DiLoCoCallback = DiLoCo
+        self._outer.load_state_dict({"weights": state["shared"], "sgd": state["outer"]})

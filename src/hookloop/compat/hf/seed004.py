@@ -34,9 +34,9 @@ from hookloop.callbacks import metrics as _metrics
 from hookloop.callbacks import profiler as _profiler
 from hookloop.callbacks import progress as _progress
 from hookloop.callbacks import tensorboard as _tensorboard
-from hookloop.callbacks.diloco import DiLoCoCallback
 from hookloop.callbacks.norms import WeightNormLogger, spectral_norm
 from hookloop.compat.hf.callback import TrainerCallback
+from hookloop.compat.hf.seed004_diloco import DiLoCoCallback
 from hookloop.state import CallbackContext
 
 log = logging.getLogger("hookloop.compat.hf")
