@@ -125,6 +125,10 @@ def _parser() -> argparse.ArgumentParser:
 
     add_tune_command(sub)  # hookloop tune --recipe R --space FILE --trials N [--workers K] ...
 
+    from hookloop.diloco.cli import add_diloco_command
+
+    add_diloco_command(sub)  # hookloop diloco serve --port P [--checkpoint-dir D] [--token T] ...
+
     from hookloop.control.cli import add_ctl_command, add_jobs_command
 
     add_jobs_command(sub)  # hookloop jobs [--json]
