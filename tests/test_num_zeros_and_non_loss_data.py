@@ -141,3 +141,52 @@ def test_pretrain_passes_non_loss_data_func_to_the_loop():
     seen = _EvalSeen()
     pretrain(cfg, callbacks=[seen], non_loss_data_func=lambda model: type(model).__name__)
     assert seen.at_end == ["Sequential", "Sequential"]
+
+
+def test_seed_pretrain_hands_non_loss_data_to_callbacks_and_tensorboard(tmp_path):
+    """Seed 003's pair: ``non_loss_data_func(model)`` after each evaluation, and
+    ``process_non_loss_data_func(data, iteration, writer)`` with the TensorBoard writer."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from hookloop.compat.megatron_bridge.recipes import tiny_gpt_pretrain_config
+    from hookloop.compat.megatron_bridge.training.callbacks import Callback as SeedCallback
+    from hookloop.compat.megatron_bridge.training.gpt_step import forward_step
+    from hookloop.compat.megatron_bridge.training.pretrain import pretrain
+
+    cfg = tiny_gpt_pretrain_config(train_iters=4, eval_interval=2)
+    cfg.logger.tensorboard_dir = str(tmp_path / "tb")
+    processed: list[tuple[float, int]] = []
+    at_eval_end: list[object] = []
+
+    def weight_norm(model):
+        return float(sum(p.detach().norm() for p in model.parameters()))
+
+    def process(data, iteration, writer):
+        processed.append((data, iteration))
+        writer.add_scalar("weight-norm", data, iteration)
+
+    class Seen(SeedCallback):
+        def on_eval_end(self, context):
+            at_eval_end.append(context.non_loss_data)
+
+    pretrain(
+        cfg, forward_step, callbacks=[Seen()], out_dir=tmp_path / "run",
+        non_loss_data_func=weight_norm, process_non_loss_data_func=process,
+    )  # fmt: skip
+    assert [step for _, step in processed] == [2, 4]
+    assert at_eval_end == [data for data, _ in processed]  # the seed callbacks saw it too
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    written = [(e.step, e.value) for e in events.Scalars("weight-norm")]
+    assert written == [(s, pytest.approx(v)) for v, s in processed]
+
+
+def test_seed_processing_without_a_non_loss_data_func_is_refused():
+    from hookloop.compat.megatron_bridge.recipes import tiny_gpt_pretrain_config
+    from hookloop.compat.megatron_bridge.training.gpt_step import forward_step
+    from hookloop.compat.megatron_bridge.training.pretrain import pretrain
+
+    with pytest.raises(ValueError, match="process_non_loss_data_func needs non_loss_data_func"):
+        pretrain(tiny_gpt_pretrain_config(), forward_step, process_non_loss_data_func=print)
+    with pytest.raises(TypeError, match="non_loss_data_func must be callable or None"):
+        pretrain(tiny_gpt_pretrain_config(), forward_step, non_loss_data_func=3)

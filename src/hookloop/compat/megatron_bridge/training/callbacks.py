@@ -79,7 +79,9 @@ class CallbackContext:
       tensor, when clipping computed it) and whether the update was skipped;
     - ``total_loss_dict`` (``on_eval_end``, ``on_test_end``): the averaged
       losses as floats, keyed like ``loss_dict``;
-    - ``checkpoint_path`` (``on_checkpoint_save``/``_load``, a hookloop addition).
+    - ``checkpoint_path`` (``on_checkpoint_save``/``_load``, a hookloop addition);
+    - ``non_loss_data`` (``on_eval_end``): what ``pretrain``'s ``non_loss_data_func``
+      returned for this evaluation (a hookloop addition).
     """
 
     __slots__ = (
@@ -87,6 +89,7 @@ class CallbackContext:
         "grad_norm",
         "loss_dict",
         "model",
+        "non_loss_data",
         "optimizer",
         "scheduler",
         "skipped_iter",
@@ -119,6 +122,7 @@ class CallbackContext:
         self.skipped_iter = skipped_iter
         self.total_loss_dict = total_loss_dict
         self.checkpoint_path = checkpoint_path
+        self.non_loss_data: Any = None
 
     def _refresh(self, native: NativeContext) -> None:
         """Copy the per-event fields from the native context of the event being fired."""
@@ -133,6 +137,7 @@ class CallbackContext:
             None if metrics is None else {k.partition("_")[2]: v for k, v in metrics.items()}
         )
         self.checkpoint_path = native.checkpoint_path
+        self.non_loss_data = native.non_loss_data
 
     def __repr__(self) -> str:
         return f"CallbackContext(state={self.state!r})"

@@ -10,7 +10,9 @@ instead, from its own checkpoint.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from hookloop.compat.megatron_bridge.training.pretrain import (
     Callbacks,
@@ -28,8 +30,17 @@ def finetune(
     *,
     out_dir: str | Path | None = None,
     resume: str | None = None,
+    non_loss_data_func: Callable[[Any], Any] | None = None,
+    process_non_loss_data_func: Callable[[Any, int, Any], Any] | None = None,
 ) -> TrainResult:
     """Fine-tune the pretrained weights the config names; arguments as ``pretrain``."""
     return run(
-        config, forward_step_func, callbacks, out_dir=out_dir, resume=resume, pretrained=True
+        config,
+        forward_step_func,
+        callbacks,
+        out_dir=out_dir,
+        resume=resume,
+        pretrained=True,
+        non_loss_data_func=non_loss_data_func,
+        process_non_loss_data_func=process_non_loss_data_func,
     )

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hookloop import entry
+from hookloop.compat.megatron_bridge.training import non_loss_data
 from hookloop.compat.megatron_bridge.training.callbacks import (
     Callback,
     CallbackManager,
@@ -47,6 +48,8 @@ def pretrain(
     *,
     out_dir: str | Path | None = None,
     resume: str | None = None,
+    non_loss_data_func: Callable[[Any], Any] | None = None,
+    process_non_loss_data_func: Callable[[Any, int, Any], Any] | None = None,
 ) -> TrainResult:
     """Train ``config``'s model from scratch with ``forward_step_func``.
 
@@ -54,8 +57,19 @@ def pretrain(
     returns ``(output, loss_func)``. ``out_dir`` and ``resume`` are hookloop's
     (checkpoints under ``out_dir``; ``resume="auto"`` continues the newest one);
     a container's ``checkpoint.save`` / ``checkpoint.load`` set them too.
+    ``non_loss_data_func(model)`` runs after each evaluation (callbacks see its result
+    as ``ctx.non_loss_data`` in ``on_eval_end``) and ``process_non_loss_data_func(data,
+    iteration, writer)`` gets it with the TensorBoard writer (:mod:`.non_loss_data`).
     """
-    return run(config, forward_step_func, callbacks, out_dir=out_dir, resume=resume)
+    return run(
+        config,
+        forward_step_func,
+        callbacks,
+        out_dir=out_dir,
+        resume=resume,
+        non_loss_data_func=non_loss_data_func,
+        process_non_loss_data_func=process_non_loss_data_func,
+    )
 
 
 def run(
@@ -66,8 +80,11 @@ def run(
     out_dir: str | Path | None,
     resume: str | None,
     pretrained: bool = False,
+    non_loss_data_func: Callable[[Any], Any] | None = None,
+    process_non_loss_data_func: Callable[[Any, int, Any], Any] | None = None,
 ) -> TrainResult:
     """One run of either entry point: train, test when due, close the writers."""
+    non_loss_data.check(non_loss_data_func, process_non_loss_data_func)
     native, out_dir, resume = resolve(config, out_dir, resume)
     if pretrained and not native.checkpoint.pretrained:
         raise ValueError(
@@ -77,7 +94,9 @@ def run(
         )
     writers = Writers.for_run(config, out_dir)
     step, manager, global_state = prepare(config, forward_step_func, callbacks, native, writers)
+    non_loss_data.register_processing(manager.native, global_state, process_non_loss_data_func)
     trainer = build_trainer(config, native, step, manager, out_dir=out_dir, resume=resume)
+    trainer.non_loss_data_func = non_loss_data_func
     if pretrained and resume is None:
         entry.load_weights(trainer.model, native.checkpoint.pretrained)
     try:
