@@ -18,7 +18,7 @@ from _dist_launch import torchrun
 from _quiet import SERVICES_OFF
 from _rewind_job import KILL_AT, SPIKE, build
 from hookloop import Callback, Config, Control, ExitCode
-from hookloop.callbacks import ProgressBar, read_jsonl
+from hookloop.callbacks import DefaultMetrics, ProgressBar, read_jsonl
 from hookloop.callbacks.defaults import default_callbacks
 from hookloop.callbacks.divergence import DivergenceDetector
 from hookloop.cli import main
@@ -113,6 +113,12 @@ def test_the_progress_bar_follows_the_rewind(tmp_path):
     # 8 steps, then back to 6: 7 and 8 again (one count each), ... 14 of 14 at the end.
     assert counts[:10] == [*range(1, 9), 7, 8]
     assert (counts[-1] == 14 and bar._bar is None) or counts[-1] == 14
+
+
+def test_throughput_after_a_rewind_counts_from_the_restored_step(tmp_path):
+    build(tmp_path, callbacks=[DefaultMetrics(memory=False)])[0].train()
+    rates = {r["step"]: r["samples_per_sec"] for r in records(tmp_path, "train")}
+    assert len(rates) == 14 and all(rate > 0 for rate in rates.values()), rates
 
 
 def test_the_control_status_lists_the_rewinds(tmp_path):

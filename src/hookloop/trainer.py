@@ -627,6 +627,7 @@ class Trainer:
         self._rewinder.apply(rewind, history)
         discard_after(rewind.to_step, managers)
         self._pending_tokens.clear()
+        self._last_log_step = st._step  # the timers' per-step figures count from here
         if st.is_rank_zero:
             say_rewound(rewind)
         self.ctx.rewind = rewind  # loggers cut back to the restored step, as on a resume

@@ -115,6 +115,10 @@ class DefaultMetrics(Callback):
     def on_train_start(self, ctx: CallbackContext) -> None:
         self._reset_interval(ctx, self.clock())
 
+    def on_checkpoint_load(self, ctx: CallbackContext) -> None:
+        if ctx.rewind is not None:  # the counters went back: the next rates count from here
+            self._reset_interval(ctx, self.clock())
+
     def on_train_step_start(self, ctx: CallbackContext) -> None:
         self._step_started = self.clock()
 
