@@ -28,6 +28,7 @@ pytest.importorskip("accelerate")
 datasets = pytest.importorskip("datasets")
 
 from hookloop.compat import hf  # noqa: E402
+from hookloop.compat.hf.optim import decay_parameter_names  # noqa: E402
 
 RTOL = 1e-5
 SPEED_KEYS = ("_runtime", "_per_second")
@@ -385,3 +386,10 @@ def test_a_tokenizer_pads_datasets_batches_as_transformers_pads_them(tmp_path: P
     assert ours["keys"] == theirs["keys"]
     assert {"attention_mask", "labels"} <= set(ours["keys"]) and "text" not in ours["keys"]
     assert ours["losses"] == pytest.approx(theirs["losses"], rel=RTOL)
+
+
+def test_decay_exclusions_match_transformers_on_a_gpt2():
+    model = gpt2()
+    theirs = transformers.Trainer.get_decay_parameter_names(None, model)  # reads only model
+    assert decay_parameter_names(model) == theirs
+    assert "transformer.h.0.ln_1.weight" not in theirs and "lm_head.weight" in theirs
