@@ -238,6 +238,98 @@ def test_with_every_worker_present_the_server_matches_the_all_reduce_variant(tmp
         assert not torch.equal(served[rank][0], served[rank][1])  # the weights did move
 
 
+def _run_workers(address: str, pauses: list[float], steps: int, **settings) -> list:
+    """Workers on threads, worker i pausing ``pauses[i]`` s per local step; returns them."""
+    workers = []
+    for i in range(len(pauses)):
+        model = _model()
+        workers.append(
+            DiLoCoWorker(
+                model,
+                server_addr=address,
+                worker_id=f"w{i}",
+                bf16_comm=False,
+                heartbeat_interval=1.0,
+                timeout=30,
+                max_sync_retries=0,
+                **settings,
+            )
+        )
+    for w in workers:
+        w.start()
+    waits: dict[int, list[float]] = {i: [] for i in range(len(pauses))}
+    synced_at: dict[int, list[int]] = {i: [] for i in range(len(pauses))}
+    periods: dict[int, list[int]] = {i: [] for i in range(len(pauses))}
+
+    def run(i: int) -> None:
+        w = workers[i]
+        opt = torch.optim.SGD(w.model.parameters(), lr=0.05)
+        for step in range(steps):
+            _local_step(w.model, opt, i, step % 12)
+            time.sleep(pauses[i])
+            before = w.fragment_syncs
+            w.after_step()
+            if w.fragment_syncs > before:
+                synced_at[i].append(w.local_step)
+                waits[i].append(w.last_sync_time)
+                periods[i].append(w.sync_every)
+        w.stop()
+
+    _threads(run, len(pauses))
+    for i, w in enumerate(workers):
+        w.waits, w.synced_at, w.periods = waits[i], synced_at[i], periods[i]
+    return workers
+
+
+def test_dylu_gives_a_slower_worker_fewer_local_steps_so_the_fast_one_waits_less():
+    server = ServerThread(ServerSettings(port=0)).start()
+    try:
+        plain = _run_workers(
+            server.address, [0.002, 0.02], 48, sync_every=8, dylu=False, num_fragments=1
+        )
+    finally:
+        server.stop()
+    server = ServerThread(ServerSettings(port=0)).start()
+    try:
+        dylu = _run_workers(
+            server.address, [0.002, 0.02], 48, sync_every=8, dylu=True, num_fragments=1
+        )
+    finally:
+        server.stop()
+    fast, slow = dylu
+    # While both run, the ~10x slower worker syncs after 1 or 2 steps instead of 8 (once
+    # the fast one has left, it is the fastest and goes back to 8).
+    assert set(fast.periods) == {8} and min(slow.periods) <= 2
+    assert slow.dylu_adjustments >= 1 and fast.dylu_adjustments == 0
+    assert all(set(w.periods) == {8} for w in plain)
+    # The fast worker's time blocked in a round (after the first, which sets the speeds).
+    waited_plain = sum(plain[0].waits[1:]) / len(plain[0].waits[1:])
+    waited_dylu = sum(fast.waits[1:]) / len(fast.waits[1:])
+    assert waited_dylu < 0.5 * waited_plain, (waited_dylu, waited_plain)
+
+
+def test_fragments_sync_staggered_through_the_period_each_with_its_own_round():
+    server = ServerThread(ServerSettings(port=0)).start()
+    try:
+        workers = _run_workers(
+            server.address, [0, 0], 12, sync_every=4, num_fragments=2, dylu=False
+        )
+        state = server.server.status()
+        final = server.server.global_weights()
+    finally:
+        server.stop()
+    assert state["rounds"] == [3, 3]
+    for w in workers:
+        assert w.synced_at == [2, 4, 6, 8, 10, 12]  # fragment 0 at H/2, fragment 1 at H
+        assert (w.fragment_syncs, w.sync_count) == (6, 3)
+        # contiguous groups of similar size, in model order: 128 values, then 16 + 16 + 1
+        assert w.fragments == [["0.weight"], ["0.bias", "2.weight", "2.bias"]]
+        # step 12 synced fragment 1 only: fragment 0 has trained on for two steps since
+        params = dict(w.model.named_parameters())
+        assert all(torch.equal(params[n].detach(), final[n]) for n in w.fragments[1])
+        assert not torch.equal(params["0.weight"].detach(), final["0.weight"])
+
+
 def test_a_restarted_server_continues_from_its_checkpoint(tmp_path):
     settings = ServerSettings(port=0, token=TOKEN, checkpoint_dir=str(tmp_path))
     first = ServerThread(settings).start()

@@ -155,8 +155,12 @@ class DiLoCoServer:
     def initialised(self) -> bool:
         return bool(self.fragments)
 
-    def _init_model(self, weights: dict[str, torch.Tensor], num_fragments: int) -> None:
-        names = list(weights)
+    def _init_model(
+        self, weights: dict[str, torch.Tensor], num_fragments: int, order: Any = None
+    ) -> None:
+        # A payload's tensors come back in no particular order: use the model's, when sent.
+        names = order if isinstance(order, list) and sorted(order) == sorted(weights) else None
+        names = names or sorted(weights)
         groups = split_fragments([(n, weights[n].numel()) for n in names], num_fragments)
         s = self.settings
         self.shapes = {n: list(weights[n].shape) for n in names}
@@ -228,7 +232,7 @@ class DiLoCoServer:
             raise ProtocolError(f"heartbeat_interval must be seconds > 0, got {interval!r}")
         if not self.initialised:
             try:
-                self._init_model(weights, num_fragments)
+                self._init_model(weights, num_fragments, meta.get("names"))
             except ValueError as err:
                 raise ProtocolError(str(err)) from None
             log.info("diloco: global weights from worker %s (%d tensors)", worker_id, len(weights))

@@ -145,6 +145,7 @@ class DiLoCoWorker:
                 "worker_id": self.worker_id,
                 "num_fragments": self.num_fragments,
                 "heartbeat_interval": self.heartbeat_interval,
+                "names": list(self.params),  # model order, which fragments follow
             }
             tensors, meta = self._retrying(lambda: self.client.join(weights, join_meta))
             self._adopt(tensors)
