@@ -53,14 +53,15 @@ class Numbered(Dataset):
 class SpikyStep:
     """The forward step: records each step's batch position; explodes on SPIKE."""
 
-    def __init__(self) -> None:
+    def __init__(self, spike: float = 1e4) -> None:
+        self.spike = spike  # the factor on the SPIKE batch's loss (nan: a non-finite loss)
         self.seen: list[tuple[int, int]] = []  # (step, batch position), in training order
 
     def __call__(self, state: Any, data_iterator: Any, model: Any) -> Any:
         x, y, index = next(data_iterator)
         position = int(index[0]) // state.world_size // BATCH
         self.seen.append((state.step, position))
-        spike = 1e4 if position == SPIKE and state.rank == 0 else 1.0
+        spike = self.spike if position == SPIKE and state.rank == 0 else 1.0
         output = model(x)
         return output, lambda out: (torch.nn.functional.mse_loss(out, y) * spike, {})
 
@@ -73,7 +74,8 @@ def build(
     out: Path, *, resume: str | None = None, callbacks: list[Callback] = (), **settings: Any
 ) -> tuple[Trainer, SpikyStep]:
     """The run: 14 steps, checkpoints every 3 (``checkpoint.*`` and detector settings
-    may be overridden by keyword: ``local_every=1``, ``skip_batches=0`` ...)."""
+    may be overridden by keyword: ``local_every=1``, ``skip_batches=0`` ...; ``spike``
+    is the factor on the spiking batch's loss)."""
     _, _, world = rank_info()
     cfg = Config(
         train=TrainConfig(
@@ -82,6 +84,7 @@ def build(
         ),
         data=DataConfig(batch_size=BATCH, shuffle=False),
     )  # fmt: skip
+    spike = settings.pop("spike", 1e4)
     cfg.checkpoint.every = 3
     cfg.checkpoint.keep_last = None
     for key in ("every", "local_every", "keep_last"):
@@ -91,7 +94,7 @@ def build(
         smoothing=1.0, threshold=100.0, patience=1, warmup=2, action="rewind",
         **{"skip_batches": 3, "max_rewinds": 2, **settings},
     )  # fmt: skip
-    step = SpikyStep()
+    step = SpikyStep(spike)
     trainer = Trainer(
         TinyModel(), train_data=Numbered(128 * world), forward_step=step, config=cfg,
         out_dir=str(out), resume=resume,

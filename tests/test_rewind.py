@@ -18,7 +18,7 @@ from _dist_launch import torchrun
 from _quiet import SERVICES_OFF
 from _rewind_job import KILL_AT, SPIKE, build
 from hookloop import Callback, Config, Control, ExitCode
-from hookloop.callbacks import DefaultMetrics, ProgressBar, read_jsonl
+from hookloop.callbacks import DefaultMetrics, NaNDetection, ProgressBar, read_jsonl
 from hookloop.callbacks.defaults import default_callbacks
 from hookloop.callbacks.divergence import DivergenceDetector
 from hookloop.cli import main
@@ -219,6 +219,21 @@ def test_a_window_longer_than_the_epoch_goes_on_into_the_next(tmp_path):
     assert step.seen[0] == (10, 17)
     for a, b in zip(resumed.model.parameters(), trainer.model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_nan_loss_rewinds_too_and_nan_detection_yields_to_it(tmp_path):
+    # The NaN step is skipped and its loss kept out of the logs: the detector counts it.
+    nan = NaNDetection()
+    trainer, step = build(tmp_path, spike=float("nan"), callbacks=[nan])
+    result = trainer.train()
+    assert result.exit_code == ExitCode.OK and result.stop_reason == "max_steps"
+    (rewind,) = trainer.state.rewinds
+    assert (rewind.from_step, rewind.to_step, rewind.since_step) == (8, 6, 8)
+    assert "non-finite" in rewind.reason
+    assert step.timeline() == expected_timeline(skip=3)
+    assert trainer.state.skipped_steps == 0  # the skipped step was rolled back with the rest
+    assert not nan.nan_detected  # it watches afresh after the rewind (a later NaN still stops)
+    assert_each_step_logged_once(tmp_path, 14)
 
 
 def test_the_learning_rate_is_scaled_for_the_steps_asked(tmp_path):

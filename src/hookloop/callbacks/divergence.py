@@ -20,7 +20,9 @@ taken before the divergence began (:mod:`hookloop.rewind`). The divergence is
 taken to begin right after the last observation that was not above (the steps
 since then may all have fed the spike). After ``max_rewinds`` rewinds the next
 divergence ends the run as failed (an abort: the checkpoints from before the
-divergence stay ``latest``).
+divergence stay ``latest``). With ``action="rewind"`` a step skipped for a
+NaN/Inf loss or gradient (``state.nonfinite_steps``; its loss never reaches the
+logs) is a divergence at once too.
 """
 
 from __future__ import annotations
@@ -207,6 +209,7 @@ class DivergenceDetector(Callback):
         self.max_rewinds = max_rewinds
         self.triggered: str | None = None  # the latest reason, for inspection
         self.healthy_step = 0  # the step of the latest observation that was not above
+        self._nonfinite_seen = 0  # state.nonfinite_steps already acted on
 
     @property
     def name(self) -> str:
@@ -219,6 +222,20 @@ class DivergenceDetector(Callback):
     relative_threshold = property(lambda self: self.tracker.relative_threshold)
     patience = property(lambda self: self.tracker.patience)
     warmup = property(lambda self: self.tracker.warmup)
+
+    def on_train_start(self, ctx: CallbackContext) -> None:
+        self._nonfinite_seen = ctx.state.nonfinite_steps
+
+    def on_checkpoint_load(self, ctx: CallbackContext) -> None:
+        self._nonfinite_seen = ctx.state.nonfinite_steps
+
+    def on_train_step_end(self, ctx: CallbackContext) -> None:
+        # A NaN/Inf step is skipped and its loss kept out of the logs: with action="rewind"
+        # it is a divergence too (an int comparison; the loop already read the flag).
+        if self.action == "rewind" and ctx.state.nonfinite_steps != self._nonfinite_seen:
+            self._nonfinite_seen = ctx.state.nonfinite_steps
+            self.triggered = "non-finite loss or gradient (the step's update was skipped)"
+            self._diverged(ctx, self.triggered)
 
     def on_log(self, ctx: CallbackContext) -> None:
         self._observe(ctx, ctx.logs)
@@ -238,7 +255,10 @@ class DivergenceDetector(Callback):
                 self.healthy_step = ctx.state.step
             return
         self.triggered = why
-        reason = f"divergence: {self.key} {why}"
+        self._diverged(ctx, f"{self.key} {why}")
+
+    def _diverged(self, ctx: CallbackContext, what: str) -> None:
+        reason = f"divergence: {what}"
         action = self.action
         rewinds = len(ctx.state.rewinds)
         if action == "rewind" and rewinds >= self.max_rewinds:

@@ -74,6 +74,10 @@ class NaNDetection(Callback):
         self.reason = None
         self._seen_nonfinite = ctx.state.nonfinite_steps  # after a resume, not 0
 
+    def on_checkpoint_load(self, ctx: CallbackContext) -> None:
+        if ctx.rewind is not None:  # rolled back to before the divergence: watch afresh
+            self.on_train_start(ctx)
+
     def on_train_step_end(self, ctx: CallbackContext) -> None:
         # An int comparison: the loop already read the finiteness flag for this step.
         if ctx.state.nonfinite_steps == self._seen_nonfinite:
