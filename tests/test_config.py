@@ -58,6 +58,8 @@ BASE_KEYS = {
     "train.iterations_to_skip",
     "train.handle_signals",
     "train.deterministic",
+    "callbacks.straggler_every",
+    "callbacks.straggler_threshold",
     "train.flops_per_sample",
     "train.gc_every",
     "train.timers",
