@@ -2,6 +2,7 @@
 
     python _diloco_job.py worker OUT INDEX WORKERS SERVER [KEY=VALUE ...]
     torchrun ... _diloco_job.py allreduce OUT 0 RANKS - [KEY=VALUE ...]
+    torchrun ... _diloco_job.py ddp OUT 0 1 SERVER [KEY=VALUE ...]   (one worker, DDP inside)
 
 Both train the small regression recipe without shuffling; worker INDEX of
 WORKERS trains on the same samples as rank INDEX of an all-reduce job with
@@ -32,7 +33,7 @@ SYNC_EVERY = 4
 def main() -> None:
     mode, out, index, workers, server, *overrides = sys.argv[1:]
     index, workers = int(index), int(workers)
-    if mode == "allreduce":
+    if mode in ("allreduce", "ddp"):
         init_from_env()
         index = rank_info()[0]
     cfg = default_config("mlp-regression")
@@ -60,7 +61,7 @@ def main() -> None:
         diloco = DiLoCoCallback(
             server,
             SYNC_EVERY,
-            f"w{index}",
+            "ddp-worker" if mode == "ddp" else f"w{index}",
             bf16_comm=os.environ.get("DILOCO_BF16_COMM") == "1",
             dylu=False,
             heartbeat_interval=0.25,
@@ -96,7 +97,7 @@ def main() -> None:
     record_file.write_text(
         json.dumps({"step": result.step, "synced": synced, "losses": losses, "metrics": metrics})
     )
-    if mode == "allreduce":
+    if mode in ("allreduce", "ddp"):
         leave_process_group()
 
 

@@ -564,3 +564,21 @@ def test_a_killed_server_restarted_on_its_checkpoint_lets_the_workers_continue(t
     assert sum(r["metrics"]["diloco/reconnections"] for r in results) >= 1
     assert "continuing from" in (tmp_path / "server.log").read_text()
     assert results[0]["synced"][-1] == results[1]["synced"][-1]
+
+
+@pytest.mark.slow
+def test_a_worker_that_is_a_torchrun_job_talks_from_rank_0_and_broadcasts(server, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           JOB, "ddp", str(tmp_path), "0", "1", server.address, "data.batch_size=4"]  # fmt: skip
+    env = {**os.environ, "DILOCO_TOKEN": TOKEN}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"result-ddp-{r}.json").read_text()) for r in (0, 1)]
+    assert [r["step"] for r in ranks] == [12, 12]
+    assert ranks[0]["synced"] == ranks[1]["synced"] and len(ranks[0]["synced"]) == 3
+    assert server.server.status()["rounds"] == [3]  # one worker: its rank 0
+    assert ranks[0]["metrics"]["diloco/bytes_sent"] > 0
+    assert ranks[1]["metrics"]["diloco/bytes_sent"] == 0  # rank 1 never talked to the server
+    assert ranks[1]["metrics"]["diloco/sync_count"] == 3  # but took every sync's weights
+    final = torch.cat([t.flatten() for t in server.server.global_weights().values()])
+    torch.testing.assert_close(torch.tensor(ranks[1]["synced"][-1]), final, rtol=0, atol=0)
