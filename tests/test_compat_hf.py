@@ -850,3 +850,13 @@ def test_plain_use_of_the_dialect_does_not_import_transformers(monkeypatch: pyte
     trainer = Trainer(TupleModel(), args, train_dataset=data, eval_dataset=data)
     assert trainer.train().global_step == 2
     assert "eval_loss" in trainer.evaluate()
+
+
+def test_transformers_arguments_the_dialect_does_not_reproduce_are_refused():
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    args = transformers.TrainingArguments(
+        output_dir="unused", use_cpu=True, report_to="none", label_smoothing_factor=0.1
+    )
+    with pytest.raises(ValueError, match=r"label_smoothing_factor=0.1; leave them at .*=0.0"):
+        Trainer(TupleModel(), args, train_dataset=PlainRegression(8))

@@ -109,6 +109,7 @@ class Trainer(NativeTrainer):
         optimizer, scheduler = optimizers
         self._hf_data = self.hf.drives_loop
         if self.hf.drives_loop:
+            _refuse_unsupported(args)
             config = _args_config(args)
             if not config.train.log_every:
                 # HF's logged loss (and train_loss) average every step since the last
@@ -566,6 +567,36 @@ def _args_config(args: Any) -> Config:
         if hasattr(args, name)
     }
     return TrainingArguments(**fields).to_config()
+
+
+#: transformers' fields that would change the numbers or the flow, with the value the
+#: dialect runs (a transformers ``TrainingArguments`` set otherwise is refused).
+_UNSUPPORTED = {
+    "label_smoothing_factor": 0.0,
+    "neftune_noise_alpha": None,
+    "gradient_checkpointing": False,
+    "eval_on_start": False,
+    "include_num_input_tokens_seen": "no",
+    "torch_compile": False,
+    "auto_find_batch_size": False,
+    "full_determinism": False,
+}
+
+
+def _refuse_unsupported(args: Any) -> None:
+    """Name the transformers fields set to what the dialect does not reproduce."""
+    odd = {
+        name: getattr(args, name)
+        for name, value in _UNSUPPORTED.items()
+        if hasattr(args, name) and getattr(args, name) != value
+    }
+    if odd:
+        raise ValueError(
+            "hookloop.compat.hf.Trainer does not reproduce "
+            + ", ".join(f"{k}={v!r}" for k, v in odd.items())
+            + "; leave them at "
+            + ", ".join(f"{k}={_UNSUPPORTED[k]!r}" for k in odd)
+        )
 
 
 class _HFSaves(CheckpointManager):
