@@ -293,6 +293,8 @@ def _train(args: argparse.Namespace) -> int:
     try:
         with _signals_during_startup():  # train() installs its own handlers as it starts
             trainer = build_trainer(cfg, callbacks=callbacks, out_dir=run_dir, resume=args.resume)
+        if cfg.callbacks.profile:  # callbacks.profile=true: time every handler of this run
+            trainer.callbacks.profile()
         result = trainer.train()
     except _StartupSignal as stop:
         if created and rank == 0:
@@ -312,6 +314,9 @@ def _train(args: argparse.Namespace) -> int:
     if joined:
         leave_process_group()  # every rank ended at the same step: a clean torchrun exit
     summary = ", ".join(f"{k} {v:.4f}" for k, v in result.metrics.items())
+    profile = trainer.callbacks.profile(False)
+    if profile is not None and rank == 0:
+        print(profile.table(), file=sys.stderr)
     if rank == 0:
         print(
             f"hookloop: {result.stop_reason} at step {result.step}"

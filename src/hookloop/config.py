@@ -115,6 +115,7 @@ class TrainConfig:
     iterations_to_skip: list[int] = opt([], "Steps whose data is consumed without computing.")
     handle_signals: bool = opt(True, "On SIGTERM/SIGINT finish the step, save, exit.")
     deterministic: bool = opt(False, "torch.use_deterministic_algorithms(True).")
+    compile: bool = opt(False, "torch.compile the model (and the loss_fn) for training.")
     flops_per_sample: float | None = opt(
         None, "Training FLOPs per sample, for throughput (null: the recipe's estimate)."
     )
@@ -239,10 +240,18 @@ class LoggingConfig:
     tensorboard: bool = opt(True, "Write TensorBoard events under tb/ (needs the extra).")
     wandb: bool = opt(False, "Log to Weights & Biases (offline unless WANDB_MODE says).")
     wandb_project: str = opt("hookloop", "W&B project name.")
+    progress_interval: float = opt(
+        1.0, "Least seconds between two shown progress rows (0: every log event)."
+    )
 
     def validate(self) -> None:
         if not self.wandb_project:
             raise ValueError("logging.wandb_project must be a non-empty string")
+        pi = self.progress_interval
+        if isinstance(pi, bool) or not isinstance(pi, (int, float)) or not 0 <= pi < float("inf"):
+            raise ValueError(
+                f"logging.progress_interval must be a number of seconds >= 0, got {pi!r}"
+            )
 
 
 @dataclass
@@ -275,6 +284,7 @@ class CallbacksConfig:
     straggler_threshold: float = opt(
         1.4, "A rank slower than this many times the median step time is a straggler."
     )
+    profile: bool = opt(False, "Time every callback handler; print the cost table at the end.")
 
     def validate(self) -> None:
         if self.peak_flops is not None and not self.peak_flops > 0:

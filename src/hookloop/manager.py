@@ -5,6 +5,10 @@ rebuilds one ``event -> tuple of bound handlers`` index, sorted by priority
 (ties keep registration order) and leaving out every method a callback did not
 override. Firing an event is then one dict lookup and a loop over that tuple;
 an event nobody handles loops over an empty tuple.
+
+Profiling (:meth:`CallbackManager.profile`) rebuilds the same index with each
+handler wrapped in a timer, and switching it off rebuilds it bare: the
+dispatch path never asks whether profiling is on.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from hookloop.events import (
     check_event,
     unknown_event_message,
 )
+from hookloop.profile import CallbackProfile
 from hookloop.state import CallbackContext
 
 Handler = Callable[[CallbackContext], Any]
@@ -64,6 +69,7 @@ class CallbackManager:
         self._seq = itertools.count()
         # The live index: every valid event is a key, unhandled ones map to ().
         self._index: dict[str, tuple[Handler, ...]] = dict.fromkeys(EVENT_NAMES, ())
+        self._profile: CallbackProfile | None = None
         self.user_state: dict[str, Any] = {}
         if callbacks is not None:
             self.add(callbacks)
@@ -179,11 +185,39 @@ class CallbackManager:
     def _rebuild(self) -> None:
         ordered = sorted(self._registrations, key=lambda r: (r.priority, r.seq))
         fresh: dict[str, list[Handler]] = {e: [] for e in EVENT_NAMES}
+        prof = self._profile
         for reg in ordered:
-            fresh[reg.event].append(reg.call)
+            call = reg.call if prof is None else prof.wrap(reg.seq, reg.label, reg.event, reg.call)
+            fresh[reg.event].append(call)
         # Update in place: the Trainer keeps a reference to this very dict.
         for event, calls in fresh.items():
             self._index[event] = tuple(calls)
+
+    # -- profiling ---------------------------------------------------------
+    def profile(self, enabled: bool = True) -> CallbackProfile | None:
+        """Measure every handler's calls and time per event, or (``False``) stop.
+
+        Returns the running profile (or, when stopping, the one just stopped;
+        None if none ran). Print ``profile.table()`` for the report. Handlers
+        added while it runs are measured too.
+        """
+        if not isinstance(enabled, bool):
+            raise ValueError(f"profile() takes True (start) or False (stop), got {enabled!r}")
+        if enabled:
+            if self._profile is None:
+                self._profile = CallbackProfile()
+                self._rebuild()
+            return self._profile
+        stopped, self._profile = self._profile, None
+        if stopped is not None:
+            stopped.stop()
+            self._rebuild()
+        return stopped
+
+    @property
+    def active_profile(self) -> CallbackProfile | None:
+        """The profile being filled in, or None when profiling is off."""
+        return self._profile
 
     # -- introspection -----------------------------------------------------
     @property
@@ -263,11 +297,19 @@ class CallbackManager:
         """Attach who failed and where, then give ``on_exception`` its one chance to run."""
         if getattr(exc, "_hookloop_attributed", False):
             return  # raised by a nested fire (e.g. an evaluation inside a step)
-        label = next((r.label for r in self._registrations if r.call is handler), repr(handler))
+        label = self._label_of(handler)
         add_note(exc, f"hookloop: raised by callback {label!r} during event {event!r}")
         exc._hookloop_attributed = True  # type: ignore[attr-defined]
         if event != "on_exception":
             self.fire_exception(ctx, exc)
+
+    def _label_of(self, handler: object) -> str:
+        """Who registered ``handler`` (also when it is a profiling wrapper)."""
+        inner = getattr(handler, "__wrapped__", None)
+        for r in self._registrations:
+            if r.call is handler or (inner is not None and r.call is inner):
+                return r.label
+        return repr(handler)
 
     def fire_exception(self, ctx: CallbackContext, exc: BaseException) -> None:
         """Fire ``on_exception`` once per exception; a failing handler is noted, not raised."""
@@ -280,9 +322,7 @@ class CallbackManager:
                 try:
                     handler(ctx)
                 except Exception as inner:
-                    label = next(
-                        (r.label for r in self._registrations if r.call is handler), repr(handler)
-                    )
+                    label = self._label_of(handler)
                     add_note(
                         exc,
                         f"hookloop: on_exception handler {label!r} also failed: "

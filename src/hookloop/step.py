@@ -303,6 +303,29 @@ def to_float(value: Any) -> float:
     return float(value)
 
 
+def read_back(values: list[Any]) -> list[list[float] | None]:
+    """Each value as a list of Python floats, with ONE device-to-host transfer for all.
+
+    Tensors are flattened, cast to float32 (so the numbers equal ``.float().item()``)
+    and then to float64 (exact, and so that an integer count stays exact past
+    2**24), concatenated and read back with one ``tolist()``. Numbers pass
+    through as ``[float(v)]``; ``None`` stays ``None``.
+    """
+    tensors = [v.detach().reshape(-1) for v in values if isinstance(v, torch.Tensor)]
+    if tensors:
+        flat = [t.double() if not t.is_floating_point() else t.float().double() for t in tensors]
+        host = iter(torch.cat(flat).tolist() if len(flat) > 1 else flat[0].tolist())
+    out: list[list[float] | None] = []
+    for value in values:
+        if value is None:
+            out.append(None)
+        elif isinstance(value, torch.Tensor):
+            out.append([next(host) for _ in range(value.numel())])
+        else:
+            out.append([float(value)])
+    return out
+
+
 class LossWindow:
     """The steps' losses since the last log, kept as device tensors until it reads them.
 

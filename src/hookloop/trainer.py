@@ -38,6 +38,7 @@ from hookloop.checkpoint import (
     DictState,
     RNGState,
 )
+from hookloop.compile import check_can_compile, compile_loss, compile_module, unwrap_compiled
 from hookloop.config import Config, TrainConfig
 from hookloop.data import DataPosition, is_map_style, make_loader
 from hookloop.distributed import (
@@ -75,6 +76,7 @@ from hookloop.step import (
     bind_forward_step,
     count_zeros,
     default_forward_step,
+    read_back,
     to_float,
 )
 from hookloop.timers import LOOP_TIMERS, NULL_TIMER, Timers, per_step_ms
@@ -146,6 +148,8 @@ class Trainer:
             if scheduler is not None
             else build_scheduler(self.config.scheduler, self.optimizer, st.max_steps)
         )
+        if self.config.train.compile:
+            loss_fn = compile_loss(loss_fn)
         self._forward = bind_forward_step(
             forward_step or default_forward_step(loss_fn, self.device)
         )
@@ -181,13 +185,19 @@ class Trainer:
     # -- set-up helpers ------------------------------------------------------
     def _place_model(self, model: torch.nn.Module, optimizer: Any) -> None:
         # What users and callbacks see: never wrapped (but sharded in place under fsdp,
-        # its parameters then DTensors).
+        # its parameters then DTensors). A model given compiled is unwrapped (hookloop.compile).
+        model, compiled = unwrap_compiled(model)
         self.model = model.to(self.device)
         # What the training step runs: DDP-wrapped or FSDP2-sharded when there are several
         # ranks. Sharding replaces the parameters, so the optimizer is built afterwards.
         self._train_model = parallelize(
             self.model, self.config.train.parallel, self.device, optimizer
         )
+        if self.config.train.compile or compiled is not None:
+            if self.config.train.compile:
+                check_can_compile(self.device)
+            single = self._train_model is self.model and compiled is not None
+            self._train_model = compiled if single else compile_module(self._train_model)
         self.optimizer = optimizer or build_optimizer(self.config.optimizer, self.model)
 
     def _open_data(self, train: Any, evaluation: Any, test: Any) -> None:
@@ -649,21 +659,26 @@ class Trainer:
     def _sync_tokens(self) -> None:
         """Fold device-side token counts into ``state.tokens`` (one host read)."""
         if self._pending_tokens:
-            self.state._tokens += int(to_float(sum(self._pending_tokens)))
+            self.state._tokens += int(read_back([sum(self._pending_tokens)])[0][0])
             self._pending_tokens.clear()
 
     def _log(self) -> None:
         """Build ``ctx.logs`` (this is where values are read back from the device)."""
         st, hooks, window = self.state, self._hooks, self._losses
-        self._sync_tokens()
-        logs: dict[str, Any] = {}
         keys, means = window.means()
-        if means is not None:
-            if st._world_size > 1:
-                means = all_reduce_mean(means)  # every rank logs the same numbers
-            logs.update(zip(keys, means.tolist(), strict=True))
-        if window.grad_norm is not None:
-            logs["grad_norm"] = to_float(window.grad_norm)
+        if means is not None and st._world_size > 1:
+            means = all_reduce_mean(means)  # every rank logs the same numbers
+        tokens = sum(self._pending_tokens) if self._pending_tokens else None
+        self._pending_tokens.clear()
+        # One device-to-host transfer for the losses, the grad norm and the token count.
+        means_h, norm_h, tokens_h = read_back([means, window.grad_norm, tokens])
+        if tokens_h is not None:
+            st._tokens += int(tokens_h[0])
+        logs: dict[str, Any] = {}
+        if means_h is not None:
+            logs.update(zip(keys, means_h, strict=True))
+        if norm_h is not None:
+            logs["grad_norm"] = norm_h[0]
         logs["lr"] = float(self.optimizer.param_groups[0]["lr"])
         logs["epoch"] = st._epoch + (
             st._epoch_step / st._steps_per_epoch if st._steps_per_epoch else 0
@@ -881,14 +896,16 @@ class FiniteCheck:
         tensors = local_shards(tensors)
         if not self.fused:
             return not all(bool(torch.isfinite(t).all()) for t in tensors)
-        self.found.zero_()
         try:
             # Multiplies by 1 in place (a no-op) and sets found if anything is non-finite.
             torch._amp_foreach_non_finite_check_and_unscale_(tensors, self.found, self.one)
         except (RuntimeError, TypeError):  # mixed dtypes/devices: check one by one
             self.fused = False
             return self.any_nonfinite(tensors)
-        return bool(self.found)
+        found = bool(self.found)
+        if found:  # found stays 0 until a non-finite value sets it: reset only then
+            self.found.zero_()
+        return found
 
 
 def _check_flops(value: Any) -> float | None:

@@ -95,7 +95,7 @@ def default_callbacks(cfg: Config, run_dir: str | Path | None) -> list[Callback]
         wandb_dir = run.wandb.parent if run is not None else None
         callbacks.append(WandbLoggingCallback(project=log.wandb_project, dir=wandb_dir))
     if log.progress:
-        callbacks.append(ProgressBar())
+        callbacks.append(ProgressBar(min_interval=log.progress_interval))
     return callbacks
 
 

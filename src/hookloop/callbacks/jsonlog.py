@@ -1,9 +1,14 @@
 """A JSON Lines record of every log and evaluation event, and of each run's start and end.
 
-One line per event, flushed as written, so the file stays parseable even if
-the process is killed (at most the line being written is lost, and
-:func:`read_jsonl` skips it). Every record has ``kind``, ``time`` (Unix
-seconds), ``step`` and ``epoch``; the other keys depend on the kind:
+One line per event. The loop only hands each record to the shared background
+writer (:mod:`hookloop.callbacks._writer`), which encodes and appends it and
+passes it to the OS as soon as its queue is empty. The queue is drained before
+a checkpoint's state is taken and again at ``on_checkpoint_save`` (then
+fsynced), at the end of training, after an exception and at exit; so a killed
+process leaves every record up to its last checkpoint, and at most the line
+being written is torn (:func:`read_jsonl` skips it). Every record has ``kind``,
+``time`` (Unix seconds, when the event happened), ``step`` and ``epoch``; the
+other keys depend on the kind:
 
 ``start``
     training began (``train()``): ``pid``, ``host``, ``resumed`` (bool) and
@@ -42,6 +47,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from hookloop.callback import Callback
+from hookloop.callbacks._writer import log_writer
 from hookloop.state import CallbackContext
 
 
@@ -68,24 +74,45 @@ class JsonLogger(Callback):
         if not isinstance(path, (str, Path)) or not str(path):
             raise ValueError(f"path must be a file path, got {path!r}")
         self.path = Path(path)
-        self._file: TextIO | None = None
+        self._file: TextIO | None = None  # touched on the writer thread, or after a flush
+        self._writer = log_writer()
         self._restored = False  # set by load_state_dict, read once at the next train start
 
     def _write(self, kind: str, ctx: CallbackContext, values: dict[str, Any]) -> None:
         if not ctx.state.is_rank_zero:
             return
-        if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("a", encoding="utf-8")
         record = {
             "kind": kind,
             "time": round(time.time(), 3),
             "step": ctx.state.step,
             "epoch": ctx.state.epoch,
         }
-        record.update({k: _jsonable(v) for k, v in values.items()})
+        # Converted here, on the loop's thread: a tensor value is read while it holds
+        # this step's number; the encoding and the write happen on the writer thread.
+        for key, value in values.items():
+            record[key] = value if type(value) in _PLAIN else _jsonable(value)
+        self._writer.submit(self._append, record)
+
+    def _append(self, record: dict[str, Any]) -> None:
+        """On the writer thread: encode and append one record."""
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a", encoding="utf-8")
         self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        if self._writer.idle():  # a burst is over: let readers (tail, dashboards) see it
+            self._file.flush()
+
+    def flush(self) -> None:
+        """Wait until every record handed over so far has reached the OS."""
+        self._writer.flush()
+        if self._file is not None:
+            self._file.flush()
+
+    def _sync(self) -> None:
+        """On the writer thread: put the records on disk (the loop does not wait for it)."""
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
 
     def on_train_start(self, ctx: CallbackContext) -> None:
         restored, self._restored = self._restored, False
@@ -115,6 +142,11 @@ class JsonLogger(Callback):
     def on_test_end(self, ctx: CallbackContext) -> None:
         self._write("test", ctx, ctx.metrics or {})
 
+    def on_checkpoint_save(self, ctx: CallbackContext) -> None:
+        if ctx.state.is_rank_zero:
+            self.flush()  # a SIGKILL from now on leaves every record up to this checkpoint
+            self._writer.submit(self._sync)
+
     def on_train_end(self, ctx: CallbackContext) -> None:
         reason = ctx.state.stop_reason
         status = "failed" if ctx.state.failed else run_status(reason)
@@ -132,8 +164,7 @@ class JsonLogger(Callback):
         self.close()
 
     def state_dict(self) -> dict[str, Any]:
-        if self._file is not None:
-            self._file.flush()
+        self.flush()  # the offset counts every record written before this checkpoint
         return {"offset": self.path.stat().st_size if self.path.exists() else 0}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -156,6 +187,7 @@ class JsonLogger(Callback):
         os.replace(tmp, self.path)
 
     def close(self) -> None:
+        self._writer.flush()
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -164,6 +196,9 @@ class JsonLogger(Callback):
 def _step_of(record: dict[str, Any]) -> int:
     step = record.get("step")
     return step if isinstance(step, int) else 0
+
+
+_PLAIN = (int, str, bool, type(None))  # written as they are (floats may be NaN/Inf)
 
 
 def _jsonable(value: Any) -> Any:

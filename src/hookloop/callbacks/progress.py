@@ -5,7 +5,10 @@ metrics as its postfix, and, while an evaluation or test runs, a second bar over
 its batches; evaluation results are written above the bars. Anywhere else (a
 file, CI, a pipe) each log event prints one row of a table whose header is
 printed again every ``header_every`` rows and whenever the set of columns shown
-changes, so a long log stays readable at any point.
+changes, so a long log stays readable at any point. ``min_interval`` limits
+this by wall time: a log event less than that many seconds after the last shown
+one is not shown (the next row's steps/s covers both), which keeps printing off
+the step time of a fast loop; ``hookloop train`` uses ``logging.progress_interval``.
 
 Which metrics appear, under what label and in what format, is a list of
 :class:`Column` (only columns whose key is in the log event are shown).
@@ -152,7 +155,9 @@ class ProgressBar(Callback):
 
     ``use_tqdm`` ``None`` picks bars when ``stream`` is a terminal. ``stream`` is a
     text stream or ``"stdout"`` / ``"stderr"`` (default stderr). ``header_every``
-    re-prints the plain-mode header after that many rows. The seed's names
+    re-prints the plain-mode header after that many rows. ``min_interval``
+    (seconds, default 0: every log event) is the least wall time between two
+    shown log events, in rows or in the bar's metrics. The seed's names
     ``output_stream``, ``step_columns`` and ``header_interval`` are accepted too.
     """
 
@@ -168,6 +173,7 @@ class ProgressBar(Callback):
         output_stream: TextIO | str | None = None,
         step_columns: Any = None,
         header_interval: int | None = None,
+        min_interval: float = 0.0,
     ) -> None:
         stream = _alias("stream", stream, None, "output_stream", output_stream)
         columns = _alias("columns", columns, None, "step_columns", step_columns)
@@ -177,6 +183,15 @@ class ProgressBar(Callback):
             header_every = header_interval
         if isinstance(header_every, bool) or not isinstance(header_every, int) or header_every < 1:
             raise ValueError(f"header_every must be an int >= 1, got {header_every!r}")
+        if (
+            isinstance(min_interval, bool)
+            or not isinstance(min_interval, (int, float))
+            or not 0 <= min_interval < float("inf")
+        ):
+            raise ValueError(
+                "min_interval must be a number of seconds >= 0 (0: every log event), "
+                f"got {min_interval!r}"
+            )
         if use_tqdm is not None and not isinstance(use_tqdm, bool):
             raise ValueError(f"use_tqdm must be True, False or None (auto), got {use_tqdm!r}")
         if isinstance(stream, str) and stream not in ("stdout", "stderr"):
@@ -185,6 +200,7 @@ class ProgressBar(Callback):
         self.stream = stream
         self.use_tqdm = use_tqdm
         self.header_every = header_every
+        self.min_interval = float(min_interval)
         self._bar: Any = None
         self._eval_bar: Any = None
         self._eval_total: dict[str, int] = {}  # batches seen in the last run of each kind
@@ -192,6 +208,7 @@ class ProgressBar(Callback):
         self._shown: tuple[str, ...] = ()
         self._last_step = 0
         self._last_time = 0.0
+        self._next_show = 0.0  # monotonic time before which a log event is not shown
 
     def _out(self) -> TextIO:
         if self.stream == "stdout":
@@ -211,6 +228,7 @@ class ProgressBar(Callback):
         if not ctx.state.is_rank_zero:
             return
         self._last_step, self._last_time = ctx.state.step, time.monotonic()
+        self._next_show = 0.0
         self._rows, self._shown = 0, ()
         if self._tty():
             from tqdm.auto import tqdm
@@ -239,6 +257,10 @@ class ProgressBar(Callback):
     def on_log(self, ctx: CallbackContext) -> None:
         if not ctx.state.is_rank_zero or ctx.logs is None:
             return
+        now = time.monotonic()
+        if now < self._next_show:
+            return
+        self._next_show = now + self.min_interval
         shown = [c for c in self.columns if _is_number(ctx.logs.get(c.key))]
         if self._bar is not None:
             if self._bar.total != ctx.state.max_steps:
@@ -246,7 +268,6 @@ class ProgressBar(Callback):
             text = " | ".join(f"{c.title} {c.format(ctx.logs[c.key])}" for c in shown)
             self._bar.set_postfix_str(text, refresh=False)
             return
-        now = time.monotonic()
         rate = (ctx.state.step - self._last_step) / max(now - self._last_time, 1e-9)
         self._last_step, self._last_time = ctx.state.step, now
         keys = tuple(c.key for c in shown)

@@ -21,6 +21,14 @@ Why ``torch.utils.tensorboard.SummaryWriter`` rather than
 (``tensorboard.summary.writer.EventFileWriter``) behind a small API, and it has
 the two things this module needs that the bare writer lacks: ``purge_step``
 and text summaries. Only rank 0 writes.
+
+Scalars and text are handed to the shared background writer
+(:mod:`hookloop.callbacks._writer`), which builds the protobufs and passes them
+to TensorBoard's own writer; the loop pays for a queue entry. The other
+``add_*`` methods (histograms, images, ...) run at once, since their tensors
+may change by the next step. The queue is drained and the event file flushed
+before a checkpoint's state is taken, and again in the background at
+``on_checkpoint_save``.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +45,7 @@ import yaml
 
 from hookloop._optional import require
 from hookloop.callback import Callback
+from hookloop.callbacks._writer import log_writer
 from hookloop.callbacks.jsonlog import metric_tag, numeric_metrics, run_status
 from hookloop.state import CallbackContext
 
@@ -71,6 +81,8 @@ class ResumableSummaryWriter(Callback):
         self.max_queue = max_queue
         self.enabled = True  # False on ranks other than 0: every call is then a no-op
         self._writer: Any = None
+        self._open_lock = threading.Lock()  # the loop and the writer thread may both open it
+        self._background = log_writer()
         self._purge_step: int | None = None
         self._rewound = False
 
@@ -99,6 +111,10 @@ class ResumableSummaryWriter(Callback):
     def on_exception(self, ctx: CallbackContext) -> None:
         self.close()
 
+    def on_checkpoint_save(self, ctx: CallbackContext) -> None:
+        if self.enabled:
+            self._background.submit(self._flush_now)
+
     def state_dict(self) -> dict[str, Any]:
         self.flush()  # everything up to the checkpoint is on disk when it is committed
         return {"log_dir": str(self.log_dir)}
@@ -111,17 +127,23 @@ class ResumableSummaryWriter(Callback):
     def writer(self) -> Any:
         """The underlying ``SummaryWriter``, opened on first use."""
         if self._writer is None:
-            cls = _summary_writer_class()
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            _wait_for_a_later_second(self.log_dir)
-            self._writer = cls(
-                str(self.log_dir),
-                purge_step=self._purge_step,
-                flush_secs=self.flush_secs,
-                max_queue=self.max_queue,
-            )
-            self._purge_step = None  # purge once, when the writer after a resume opens
+            with self._open_lock:
+                if self._writer is None:
+                    self._writer = self._open()
         return self._writer
+
+    def _open(self) -> Any:
+        cls = _summary_writer_class()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        _wait_for_a_later_second(self.log_dir)
+        writer = cls(
+            str(self.log_dir),
+            purge_step=self._purge_step,
+            flush_secs=self.flush_secs,
+            max_queue=self.max_queue,
+        )
+        self._purge_step = None  # purge once, when the writer after a resume opens
+        return writer
 
     def add_scalar(self, tag: str, value: float, step: int, **kwargs: Any) -> None:
         if self.enabled:
@@ -136,6 +158,10 @@ class ResumableSummaryWriter(Callback):
         """
         if not self.enabled or not values:
             return
+        self._background.submit(self._add_summary, values, step)
+
+    def _add_summary(self, values: dict[str, float], step: int) -> None:
+        """On the writer thread: one ``Summary`` protobuf for all of them."""
         from tensorboard.compat.proto.summary_pb2 import Summary
 
         summary = Summary(
@@ -145,7 +171,10 @@ class ResumableSummaryWriter(Callback):
 
     def add_text(self, tag: str, text: str, step: int, **kwargs: Any) -> None:
         if self.enabled:
-            self.writer.add_text(tag, text, global_step=step, **kwargs)
+            self._background.submit(self._add_text, tag, text, step, kwargs)
+
+    def _add_text(self, tag: str, text: str, step: int, kwargs: dict[str, Any]) -> None:
+        self.writer.add_text(tag, text, global_step=step, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         """Any other ``SummaryWriter`` method (``add_histogram``, ``add_figure``, ...)."""
@@ -156,10 +185,20 @@ class ResumableSummaryWriter(Callback):
         raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
 
     def flush(self) -> None:
+        """Wait until everything handed over so far is in the event file."""
+        self._background.flush()
+        self._flush_now()
+
+    def flush_later(self) -> None:
+        """Flush the event file on the writer thread, without waiting for it."""
+        self._background.submit(self._flush_now)
+
+    def _flush_now(self) -> None:
         if self._writer is not None:
             self._writer.flush()
 
     def close(self) -> None:
+        self._background.flush()
         if self._writer is not None:
             self._writer.close()
             self._writer = None
@@ -227,6 +266,10 @@ class TBLogger(Callback):
         if self._owns_writer:
             self.writer.on_checkpoint_load(ctx)
 
+    def on_checkpoint_save(self, ctx: CallbackContext) -> None:
+        if self._owns_writer:
+            self.writer.on_checkpoint_save(ctx)
+
     # -- writing ----------------------------------------------------------------
     def on_train_start(self, ctx: CallbackContext) -> None:
         if self._owns_writer:
@@ -264,7 +307,7 @@ class TBLogger(Callback):
         self.writer.add_scalars_at(
             {metric_tag(kind, key): value for key, value in values.items()}, ctx.state.step
         )
-        self.writer.flush()  # evaluations are rare: show them at once
+        self.writer.flush_later()  # evaluations are rare: show them soon
 
     def on_train_end(self, ctx: CallbackContext) -> None:
         reason = ctx.state.stop_reason

@@ -7,7 +7,9 @@ handler, so priority 80 sees all of them). Keys are ``train/<key>``.
 Evaluation results are logged by a second call with the *same* step as
 ``eval/<key>`` (``eval_loss`` becomes ``eval/loss``); W&B merges calls with an
 equal step into one history row, so a step that was both logged and evaluated
-is one row with both.
+is one row with both. The ``run.log`` calls run on the shared background
+writer (:mod:`hookloop.callbacks._writer`), in order; the queue is drained at
+``on_checkpoint_save``, before the run's state is saved and before it finishes.
 
 The run is created at ``on_train_start`` on rank 0 with
 ``wandb.init(project=..., dir=..., mode=..., config=<resolved config>)`` and
@@ -44,6 +46,7 @@ from typing import Any
 
 from hookloop._optional import require
 from hookloop.callback import Callback
+from hookloop.callbacks._writer import log_writer
 from hookloop.callbacks.jsonlog import metric_tag, numeric_metrics, run_status
 from hookloop.state import CallbackContext
 
@@ -92,9 +95,11 @@ class WandbLoggingCallback(Callback):
         self.init_kwargs = dict(init_kwargs or {})
         self.run: Any = None
         self._resume_id: str | None = None
+        self._background = log_writer()
 
     # -- resume ----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        self._background.flush()  # every step before the checkpoint is with W&B
         run_id = self.run.id if self.run is not None else self._resume_id
         return {"run_id": run_id}
 
@@ -154,9 +159,14 @@ class WandbLoggingCallback(Callback):
             return
         data = {metric_tag(kind, k): v for k, v in numeric_metrics(values).items()}
         if data:
-            self.run.log(data, step=ctx.state.step)
+            self._background.submit(self.run.log, data, ctx.state.step)
+
+    def on_checkpoint_save(self, ctx: CallbackContext) -> None:
+        if self.run is not None:
+            self._background.flush()
 
     def on_train_end(self, ctx: CallbackContext) -> None:
+        self._background.flush()
         if self.run is not None:
             reason = ctx.state.stop_reason
             self.run.summary["status"] = run_status(reason)
@@ -164,9 +174,12 @@ class WandbLoggingCallback(Callback):
         self._finish(0)
 
     def on_exception(self, ctx: CallbackContext) -> None:
-        if self.run is not None:
-            self.run.summary["status"] = "failed"
-        self._finish(1)
+        try:
+            self._background.flush()
+        finally:
+            if self.run is not None:
+                self.run.summary["status"] = "failed"
+            self._finish(1)
 
     def _finish(self, exit_code: int) -> None:
         if self.run is not None:
