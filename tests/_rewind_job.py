@@ -9,7 +9,8 @@ position each step trained on.
 Run as ``python _rewind_job.py MODE OUT [KEY=VALUE ...]`` (or under torchrun):
 MODE ``plain`` trains to the end; ``kill`` SIGKILLs itself at the end of step
 ``KILL_AT`` once it has rewound; ``resume`` continues ``OUT`` with
-``resume="auto"``. Every rank writes ``result-MODE-rankR.json``.
+``resume="auto"``. ``detect_on_rank=R`` leaves the divergence to rank R's
+detector alone (the others' never fire). Every rank writes ``result-MODE-rankR.json``.
 """
 
 from __future__ import annotations
@@ -91,8 +92,8 @@ def build(
         if key in settings:
             setattr(cfg.checkpoint, key, settings.pop(key))
     detector = DivergenceDetector(
-        smoothing=1.0, threshold=100.0, patience=1, warmup=2, action="rewind",
-        **{"skip_batches": 3, "max_rewinds": 2, **settings},
+        smoothing=1.0, patience=1, warmup=2, action="rewind",
+        **{"threshold": 100.0, "skip_batches": 3, "max_rewinds": 2, **settings},
     )  # fmt: skip
     step = SpikyStep(spike)
     trainer = Trainer(
@@ -114,6 +115,8 @@ def main() -> None:
     init_from_env()
     rank, _, world = rank_info()
     settings = {k: json.loads(v) for k, v in (o.split("=", 1) for o in overrides)}
+    if settings.pop("detect_on_rank", rank) != rank:  # the others' detectors never fire
+        settings["threshold"] = 1e30
     callbacks = [KillAfterRewind()] if mode == "kill" else []
     trainer, step = build(
         Path(out), resume="auto" if mode == "resume" else None, callbacks=callbacks, **settings
