@@ -393,3 +393,23 @@ def test_decay_exclusions_match_transformers_on_a_gpt2():
     theirs = transformers.Trainer.get_decay_parameter_names(None, model)  # reads only model
     assert decay_parameter_names(model) == theirs
     assert "transformer.h.0.ln_1.weight" not in theirs and "lm_head.weight" in theirs
+
+
+def _lm_losses(out: Path, resume: str | None = None) -> dict[int, float]:
+    spec = language_model({"num_train_epochs": 2, "save_strategy": "steps", "save_steps": 8})
+    args = transformers.TrainingArguments(output_dir=str(out), **{**BASE, **spec["args"]})
+    args.save_strategy = "steps"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = hf.Trainer(
+            gpt2(), args, train_dataset=spec["train"](), data_collator=spec["collator"]()
+        )
+        trainer.train(resume_from_checkpoint=resume)
+    return {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
+
+
+def test_a_run_resumed_mid_epoch_logs_the_losses_of_an_uninterrupted_one(tmp_path: Path):
+    whole = _lm_losses(tmp_path / "run")  # 11 steps an epoch; saves at step 8 (and 16)
+    resumed = _lm_losses(tmp_path / "run", resume=str(tmp_path / "run" / "checkpoint-8"))
+    assert sorted(resumed) == list(range(1, 23))  # the log history comes back with the state
+    assert resumed == whole  # the steps after the resume too, dropout masks included

@@ -244,7 +244,13 @@ class Trainer(NativeTrainer):
             super()._run_epoch()
             return
         st, control, k = self.state, self.hf.control, self.config.train.grad_accum
+        # Opening a loader draws its worker seed from torch's RNG. Resumed mid-epoch,
+        # the checkpoint's RNG state already follows that draw: undo this one (as HF
+        # restores its RNG after skipping into the epoch), so dropout goes on as before.
+        rng = torch.get_rng_state() if st._epoch_step and self._hf_data else None
         micro_batches = self._data.epoch(st._epoch, st._epoch_step)
+        if rng is not None:
+            torch.set_rng_state(rng)
         self._fire("on_epoch_start")
         exhausted = stopped = False
         while st._max_steps is None or st._step < st._max_steps:
