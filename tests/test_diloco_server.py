@@ -169,6 +169,8 @@ def test_with_every_worker_present_the_server_matches_the_all_reduce_variant(tmp
     )
 
     workers, rounds, sync_every = 3, 3, 4
+    # Built here, one after another: torch.manual_seed is global, threads would race on it.
+    models = {kind: [_model() for _ in range(workers)] for kind in ("reduce", "server")}
     reference: dict[int, list[torch.Tensor]] = {}
     store = dist.HashStore()
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
@@ -178,7 +180,7 @@ def test_with_every_worker_present_the_server_matches_the_all_reduce_variant(tmp
         def all_reduce_rank(rank: int) -> None:
             dist.init_process_group("threaded", rank=rank, world_size=workers, store=store)
             try:
-                model = _model()
+                model = models["reduce"][rank]
                 opt = torch.optim.SGD(model.parameters(), lr=0.05)
                 diloco = DiLoCo(sync_every=sync_every, outer_lr=0.7, outer_momentum=0.9)
                 ctx = types.SimpleNamespace(
@@ -209,7 +211,7 @@ def test_with_every_worker_present_the_server_matches_the_all_reduce_variant(tmp
     try:
 
         def worker(rank: int) -> None:
-            model = _model()
+            model = models["server"][rank]
             opt = torch.optim.SGD(model.parameters(), lr=0.05)
             w = DiLoCoWorker(
                 model, server_addr=server.address, sync_every=sync_every,
@@ -320,11 +322,14 @@ def test_fragments_sync_staggered_through_the_period_each_with_its_own_round():
         server.stop()
     assert state["rounds"] == [3, 3]
     for w in workers:
-        assert w.synced_at == [2, 4, 6, 8, 10, 12]  # fragment 0 at H/2, fragment 1 at H
+        # Fragment 0 is sent at H/2 and fragment 1 at H; each answer is taken in when the
+        # next fragment is due (training went on meanwhile), the last one when training ends.
+        assert w.synced_at == [4, 6, 8, 10, 12]
         assert (w.fragment_syncs, w.sync_count) == (6, 3)
         # contiguous groups of similar size, in model order: 128 values, then 16 + 16 + 1
         assert w.fragments == [["0.weight"], ["0.bias", "2.weight", "2.bias"]]
-        # step 12 synced fragment 1 only: fragment 0 has trained on for two steps since
+        # fragment 1 came back after the last step; fragment 0 took in its weights with the
+        # two steps trained since step 10 added
         params = dict(w.model.named_parameters())
         assert all(torch.equal(params[n].detach(), final[n]) for n in w.fragments[1])
         assert not torch.equal(params["0.weight"].detach(), final["0.weight"])

@@ -4,7 +4,11 @@ The worker counts its local optimizer steps within a period of H steps.
 With ``num_fragments`` F, fragment *k* is due at step ``(k + 1) * H // F`` of
 the period: the F fragments are spread evenly over it, in order, so a worker
 sends 1/F of the parameters F times per period instead of everything at once
-(streaming DiLoCo). With F = 1 everything syncs every H steps. Every worker
+(streaming DiLoCo). With F = 1 everything syncs every H steps and the worker
+waits for the round. With F > 1 a fragment's sync runs in the background
+while training goes on, and its answer is adopted when the next fragment is
+due (at most one in flight), keeping what the worker learned meanwhile: the
+fragment becomes ``global + (local now - local when sent)``. Every worker
 goes through the fragments in the same order (a joining worker starts at the
 fragment the others sync next), so no two workers ever wait on each other in
 different fragments' rounds. A sync sends ``base - local`` for the fragment (``base``: the global
@@ -29,6 +33,7 @@ import secrets
 import socket
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -69,6 +74,19 @@ def dylu_period(base: int, own: float | None, fastest: float | None, floor: int)
     if not own or not fastest:
         return base
     return max(floor, min(base, round(base * own / fastest)))
+
+
+@dataclass
+class _Pending:
+    """One fragment's sync: sent, possibly still on its way back."""
+
+    k: int
+    started: float
+    sent: dict[str, torch.Tensor] = field(default_factory=dict)
+    answer: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
+    error: BaseException | None = None
+    thread: threading.Thread | None = None
+    blocked: float = 0.0
 
 
 class DiLoCoWorker:
@@ -133,6 +151,8 @@ class DiLoCoWorker:
         self._period_start = (time.monotonic(), 0)
         self._stop = threading.Event()
         self._beats: threading.Thread | None = None
+        self._in_flight: _Pending | None = None
+        self._in_flight_overlaps = num_fragments > 1  # training went on while it was away
 
     # -- lifecycle ----------------------------------------------------------------
     def start(self) -> None:
@@ -165,7 +185,11 @@ class DiLoCoWorker:
         self._period_start = (time.monotonic(), self.local_step)
 
     def stop(self) -> None:
-        """Stop the heartbeats and tell the server this worker is gone."""
+        """Adopt the fragment still in flight, stop the heartbeats, tell the server we left."""
+        try:
+            self.finish_in_flight()
+        except Exception as err:  # leaving anyway: the server drops us if this fails too
+            log.warning("diloco: the last fragment's sync failed: %s", err)
         self._stop.set()
         if self._beats is not None:
             self._beats.join(timeout=5.0)
@@ -184,7 +208,11 @@ class DiLoCoWorker:
         while k < self.num_fragments and self.cycle_step >= fragment_offset(
             k, self.sync_every, self.num_fragments
         ):
-            self.sync(k)
+            if self.num_fragments == 1:
+                self.sync(k)
+            else:  # streaming: the previous fragment's answer first, then send this one
+                self.finish_in_flight()
+                self._in_flight = self._send(k, background=True)
             k = self.next_fragment = (k + 1) % self.num_fragments
             if k == 0:  # the period is over (its length may have changed: DyLU)
                 self.cycle_step = 0
@@ -192,24 +220,62 @@ class DiLoCoWorker:
 
     # -- one sync -------------------------------------------------------------------
     def sync(self, k: int) -> None:
+        """Send fragment ``k``'s pseudo-gradient and adopt the round's answer (blocking)."""
+        self._complete(self._send(k, background=False))
+
+    def finish_in_flight(self) -> None:
+        """Wait for the fragment still in flight (streaming) and adopt its answer."""
+        pending, self._in_flight = self._in_flight, None
+        if pending is not None:
+            self._complete(pending)
+
+    def _send(self, k: int, *, background: bool) -> _Pending:
         started = time.monotonic()
+        pending = _Pending(k, started)
+        if not self.talks:
+            return pending
+        assert self.client is not None
+        client = self.client
+        self._measure_speed(started)
         names = self.fragments[k]
+        with torch.no_grad():
+            pending.sent = {n: self.params[n].detach().float().clone() for n in names}
+            grads = {n: self.base[n] - pending.sent[n] for n in names}
+        send_meta = {
+            "worker_id": self.worker_id,
+            "fragment": k,
+            "round": self.rounds[k],
+            "steps_per_sec": self.steps_per_sec,
+            "local_step": self.local_step,
+        }
+
+        def call() -> None:
+            try:
+                pending.answer = self._retrying(
+                    lambda: client.sync(grads, send_meta, bf16=self.bf16_comm)
+                )
+            except BaseException as err:  # raised again where the answer is needed
+                pending.error = err
+
+        if background:
+            pending.thread = threading.Thread(target=call, name="hookloop-diloco-sync", daemon=True)
+            pending.thread.start()
+        else:
+            call()
+        pending.blocked = time.monotonic() - started
+        return pending
+
+    def _complete(self, pending: _Pending) -> None:
+        started = time.monotonic()
+        k, names = pending.k, self.fragments[pending.k]
         meta: dict[str, Any] = {}
         if self.talks:
-            assert self.client is not None
-            self._measure_speed(started)
-            with torch.no_grad():
-                grads = {n: self.base[n] - self.params[n].detach().float() for n in names}
-            send_meta = {
-                "worker_id": self.worker_id,
-                "fragment": k,
-                "round": self.rounds[k],
-                "steps_per_sec": self.steps_per_sec,
-                "local_step": self.local_step,
-            }
-            tensors, meta = self._retrying(
-                lambda: self.client.sync(grads, send_meta, bf16=self.bf16_comm)
-            )
+            if pending.thread is not None:
+                pending.thread.join()
+            if pending.error is not None:
+                raise pending.error
+            assert pending.answer is not None
+            tensors, meta = pending.answer
             if meta.get("stale"):
                 self.stale_syncs += 1
                 log.warning(
@@ -219,7 +285,7 @@ class DiLoCoWorker:
                     self.worker_id,
                     meta["round"],
                 )
-            self._adopt(tensors)
+            self._adopt(tensors, since=pending.sent)
             meta["period"] = self._next_period(k, meta)
         meta = self._share(meta, names)
         self.rounds[k] = meta["round"]
@@ -229,7 +295,7 @@ class DiLoCoWorker:
         self.fragment_syncs += 1
         if k == self.num_fragments - 1:
             self.sync_count += 1
-        self.last_sync_time = time.monotonic() - started
+        self.last_sync_time = pending.blocked + time.monotonic() - started  # time not training
         self.total_sync_time += self.last_sync_time
         self._period_start = (time.monotonic(), self.local_step)
 
@@ -245,12 +311,18 @@ class DiLoCoWorker:
         return dylu_period(self.base_sync_every, self.steps_per_sec, fastest, self.num_fragments)
 
     @torch.no_grad()
-    def _adopt(self, tensors: dict[str, torch.Tensor]) -> None:
-        """The server's weights become this worker's weights and its new base."""
+    def _adopt(
+        self, tensors: dict[str, torch.Tensor], since: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        """The server's weights become this worker's new base and its weights, plus what
+        it learned since it sent them (``since``: its weights then; streaming only)."""
         for name, value in tensors.items():
             param = self.params[name]
-            param.copy_(value.to(device=param.device, dtype=param.dtype))
-            self.base[name] = value.to(device=param.device, dtype=torch.float32)
+            base = value.to(device=param.device, dtype=torch.float32)
+            self.base[name] = base
+            if since is not None and self._in_flight_overlaps:
+                base = base + (param.detach().float() - since[name])
+            param.copy_(base.to(param.dtype))
 
     def _share(self, meta: dict[str, Any], names: list[str]) -> dict[str, Any]:
         """Rank 0's answer and weights on every rank of this worker's own job."""
