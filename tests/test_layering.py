@@ -22,7 +22,7 @@ PACKAGE = "hookloop"
 ENGINE = tuple(
     f"{PACKAGE}.{name}"
     for name in ("events", "manager", "state", "callback", "trainer", "checkpoint", "step",
-                 "data", "config", "distributed")
+                 "data", "config", "distributed", "local_checkpoints", "rewind")
 )  # fmt: skip
 #: What sits above the engine; the engine imports none of it.
 ABOVE = tuple(f"{PACKAGE}.{name}" for name in ("callbacks", "compat", "control", "cli"))
