@@ -121,6 +121,20 @@ def test_throughput_after_a_rewind_counts_from_the_restored_step(tmp_path):
     assert len(rates) == 14 and all(rate > 0 for rate in rates.values()), rates
 
 
+def test_the_progress_log_has_a_rewound_line(tmp_path):
+    from hookloop.callbacks.progress_log import ProgressLog, first_job_start
+
+    build(tmp_path, callbacks=[ProgressLog(tmp_path / "progress.txt", job="7")])[0].train()
+    lines = (tmp_path / "progress.txt").read_text().splitlines()
+    (rewound,) = [line.split("\t") for line in lines if "\tRewound\t" in line]
+    assert rewound[1:] == ["Job ID: 7", "# GPUs: 1", "Rewound", "Iteration: 8",
+                           "To iteration: 6", "Diverged from: 8", "Batches skipped: 3"]  # fmt: skip
+    saves = [line.split("\t")[4] for line in lines if "\tSaved checkpoint\t" in line]
+    assert saves == ["Iteration: 3", "Iteration: 6", "Iteration: 9", "Iteration: 12",
+                     "Iteration: 14"]  # fmt: skip
+    assert first_job_start(tmp_path / "progress.txt", 1) is not None  # still parses
+
+
 def test_the_control_status_lists_the_rewinds(tmp_path):
     from hookloop.control import ControlServer
 

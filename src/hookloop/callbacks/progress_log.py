@@ -13,7 +13,9 @@ line per event, tab-separated, every field but the message written as ``Key: val
 
 (the save line is one line in the file). The first seven fields of a save line
 sit where Megatron-LM's own tools look for them; ``Save time`` and ``Blocked``
-(the checkpoint's :class:`~hookloop.state.SaveTiming`) come after them.
+(the checkpoint's :class:`~hookloop.state.SaveTiming`) come after them. A rewind
+after a divergence (:mod:`hookloop.rewind`) adds a ``Rewound`` line: ``Iteration``
+(where it was confirmed), ``To iteration``, ``Diverged from``, ``Batches skipped``.
 
 *Job throughput* counts the FLOPs and wall time of this job only. *Cumulative
 throughput* counts from the start of the first job that ran with the same
@@ -44,6 +46,8 @@ STARTING_JOB = "Starting job"
 SAVED_CHECKPOINT = "Saved checkpoint"
 #: What Megatron-LM writes for a save still being finished in the background.
 SAVING_ASYNC = "Saving async checkpoint"
+#: A divergence rolled back (hookloop.rewind); Megatron-LM's tools skip lines they do not know.
+REWOUND = "Rewound"
 
 
 def job_id() -> str:
@@ -171,6 +175,19 @@ class ProgressLog(Callback):
                 f"Blocked: {timing.blocked_seconds:.3f} s",
             ]
         self._append("\t".join(fields), world)
+
+    def on_checkpoint_load(self, ctx: CallbackContext) -> None:
+        rewind = ctx.rewind
+        if self._target is None or rewind is None:
+            return
+        fields = [
+            REWOUND,
+            f"Iteration: {rewind.from_step}",
+            f"To iteration: {rewind.to_step}",
+            f"Diverged from: {rewind.since_step}",
+            f"Batches skipped: {rewind.batches_skipped}",
+        ]
+        self._append("\t".join(fields), ctx.state.world_size)
 
     def _append(self, message: str, world_size: int) -> None:
         assert self._target is not None
