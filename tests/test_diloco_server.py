@@ -335,6 +335,32 @@ def test_fragments_sync_staggered_through_the_period_each_with_its_own_round():
         assert not torch.equal(params["0.weight"].detach(), final["0.weight"])
 
 
+def test_a_round_closes_at_its_deadline_and_a_late_pseudo_gradient_is_answered_stale():
+    server = ServerThread(ServerSettings(port=0, round_timeout=0.5)).start()
+    try:
+        model = torch.nn.Linear(4, 2)
+        names = dict(model.named_parameters())
+        grads = {n: torch.ones_like(p) for n, p in names.items()}
+        clients = {w: DiLoCoClient(server.address, timeout=20) for w in ("fast", "late")}
+        for w, client in clients.items():  # both live: the round expects both
+            client.join(names, {"worker_id": w, "heartbeat_interval": 60.0})
+        started = time.monotonic()
+        fresh, meta = clients["fast"].sync(
+            grads, {"worker_id": "fast", "fragment": 0, "round": 0}, bf16=False
+        )
+        waited = time.monotonic() - started
+        assert 0.4 < waited < 10 and meta["round"] == 1 and meta["contributors"] == 1
+        stale, meta = clients["late"].sync(
+            grads, {"worker_id": "late", "fragment": 0, "round": 0}, bf16=False
+        )
+        assert meta["stale"] is True and meta["round"] == 1  # not applied: the weights of now
+        for n in names:
+            assert torch.equal(stale[n], fresh[n])
+        assert server.server.status()["rounds"] == [1]
+    finally:
+        server.stop()
+
+
 def test_a_restarted_server_continues_from_its_checkpoint(tmp_path):
     settings = ServerSettings(port=0, token=TOKEN, checkpoint_dir=str(tmp_path))
     first = ServerThread(settings).start()
