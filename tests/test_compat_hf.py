@@ -860,3 +860,9 @@ def test_transformers_arguments_the_dialect_does_not_reproduce_are_refused():
     )
     with pytest.raises(ValueError, match=r"label_smoothing_factor=0.1; leave them at .*=0.0"):
         Trainer(TupleModel(), args, train_dataset=PlainRegression(8))
+
+
+def test_evaluate_returns_the_epoch_as_transformers_does():
+    trainer = _hf_run(num_train_epochs=1)
+    trainer.train()
+    assert trainer.evaluate()["epoch"] == 1.0

@@ -30,6 +30,8 @@ from typing import Any
 from hookloop.callback import Stateful
 from hookloop.compat.hf.adapter import HFSession
 from hookloop.compat.hf.callback import TrainerCallback
+from hookloop.compat.hf.data import default_data_collator
+from hookloop.compat.hf.evaluation import EvalPrediction
 from hookloop.compat.hf.handler import (
     CallbackHandler,
     DefaultFlowCallback,
@@ -52,7 +54,7 @@ from hookloop.compat.hf.seed004 import (  # seed 004's constructors and files
     TextgenCallback,
     WeightNormLogger,
 )
-from hookloop.compat.hf.trainer import Trainer
+from hookloop.compat.hf.trainer import Trainer, TrainOutput
 from hookloop.compat.hf.types import TrainerControl, TrainerState, TrainingArguments
 
 
@@ -78,6 +80,7 @@ __all__ = [
     "DefaultMetrics",
     "DiLoCoCallback",
     "DivergenceDetector",
+    "EvalPrediction",
     "ExportableState",
     "GradNormLogger",
     "HFSession",
@@ -92,6 +95,7 @@ __all__ = [
     "Stateful",
     "TBLogger",
     "TextgenCallback",
+    "TrainOutput",
     "Trainer",
     "TrainerCallback",
     "TrainerControl",
@@ -99,5 +103,6 @@ __all__ = [
     "TrainerState",
     "TrainingArguments",
     "WeightNormLogger",
+    "default_data_collator",
     "hf_callbacks",
 ]

@@ -471,9 +471,12 @@ class Trainer(NativeTrainer):
             raise ValueError(f"ignore_keys must be a list of output names, got {ignore_keys!r}")
         self._metric_prefix, self._ignore_keys = metric_key_prefix, ignore_keys
         try:
-            return super().evaluate(eval_dataset)
+            metrics = super().evaluate(eval_dataset)
         finally:
             self._metric_prefix = self._ignore_keys = None
+        if self.hf.drives_loop:  # HF's log() adds the epoch to the dict evaluate returns
+            metrics["epoch"] = self.hf.state.epoch
+        return metrics
 
     def _run_eval_loop(self, loader: Iterable[Any], kind: str) -> dict[str, float]:
         """HF's ``evaluation_loop``: the loss per sample, then ``compute_metrics``."""
