@@ -86,10 +86,14 @@ def test_num_zeros_in_grad_is_off_by_default():
 class _EvalSeen(Callback):
     def __init__(self) -> None:
         self.at_end: list[object] = []
+        self.at_test_end: list[object] = []
         self.elsewhere: list[object] = []
 
     def on_eval_end(self, ctx) -> None:
         self.at_end.append(ctx.non_loss_data)
+
+    def on_test_end(self, ctx) -> None:
+        self.at_test_end.append(ctx.non_loss_data)
 
     def on_eval_step_end(self, ctx) -> None:
         self.elsewhere.append(ctx.non_loss_data)
@@ -98,7 +102,7 @@ class _EvalSeen(Callback):
         self.elsewhere.append(ctx.non_loss_data)
 
 
-def test_non_loss_data_func_runs_once_per_evaluation_on_the_model_in_eval_mode():
+def test_non_loss_data_func_runs_once_per_evaluation_and_test_on_the_model_in_eval_mode():
     calls: list[tuple[bool, bool]] = []
 
     def non_loss_data(model: nn.Module) -> dict[str, float]:
@@ -122,8 +126,8 @@ def test_non_loss_data_func_runs_once_per_evaluation_on_the_model_in_eval_mode()
     assert all(v is None for v in seen.elsewhere)  # only during on_eval_end
     assert trainer.model.training  # back in training mode afterwards
 
-    trainer.test(ToyData(n=8, seed=2))  # the test phase does not call it
-    assert len(calls) == 2
+    trainer.test(ToyData(n=8, seed=2))  # the test phase calls it too, as Megatron's does
+    assert calls == [(False, False)] * 3 and seen.at_test_end == [seen.at_end[-1]]
 
 
 def test_a_non_callable_non_loss_data_func_is_refused():
@@ -169,11 +173,16 @@ def test_seed_pretrain_hands_non_loss_data_to_callbacks_and_tensorboard(tmp_path
         def on_eval_end(self, context):
             at_eval_end.append(context.non_loss_data)
 
+        def on_test_end(self, context):
+            at_eval_end.append(context.non_loss_data)
+
     pretrain(
         cfg, forward_step, callbacks=[Seen()], out_dir=tmp_path / "run",
         non_loss_data_func=weight_norm, process_non_loss_data_func=process,
     )  # fmt: skip
-    assert [step for _, step in processed] == [2, 4]
+    # Evaluations at steps 2 and 4, then the test phase at the end (the config splits off
+    # test data), as Megatron's entry point runs it.
+    assert [step for _, step in processed] == [2, 4, 4]
     assert at_eval_end == [data for data, _ in processed]  # the seed callbacks saw it too
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()

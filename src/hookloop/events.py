@@ -124,7 +124,7 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     "on_eval_end": ("metrics", "total_loss_dict", "non_loss_data"),
     "on_test_step_start": ("batch",),
     "on_test_step_end": ("batch", "outputs", "loss"),
-    "on_test_end": ("metrics", "total_loss_dict"),
+    "on_test_end": ("metrics", "total_loss_dict", "non_loss_data"),
     "on_checkpoint_save": ("checkpoint_path", "checkpoint_timing"),
     "on_checkpoint_load": ("checkpoint_path", "rewind"),
     "on_exception": ("exception",),

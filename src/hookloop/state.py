@@ -504,7 +504,8 @@ class CallbackContext:
     - ``metrics`` (alias ``total_loss_dict``): evaluation results (``on_eval_end``, ``on_test_end``)
     - ``checkpoint_path``: the directory saved or loaded (``on_checkpoint_*``)
     - ``checkpoint_timing``: :class:`SaveTiming` of the save just committed (``on_checkpoint_save``)
-    - ``non_loss_data``: what ``non_loss_data_func(model)`` returned (``on_eval_end``)
+    - ``non_loss_data``: what ``non_loss_data_func(model)`` returned (``on_eval_end``,
+      ``on_test_end``)
     - ``exception``: the exception being raised (``on_exception``)
     - ``rewind``: the :class:`Rewind` of a rollback (``on_checkpoint_load`` fired by it)
     """

@@ -826,8 +826,8 @@ class Trainer:
                     ctx.batch, ctx.outputs, ctx.loss = batch, output, loss
                     self.callbacks.fire(step_end, ctx)
                 ctx.batch = ctx.outputs = ctx.loss = None
-            if kind == "eval" and self.non_loss_data_func is not None:
-                ctx.non_loss_data = self.non_loss_data_func(self.model)  # seed 003's hook
+            if self.non_loss_data_func is not None:  # seed 003's hook (evaluation and test)
+                ctx.non_loss_data = self.non_loss_data_func(self.model)
         if st._world_size > 1:
             reducer.reduce_across_ranks(self.device)  # each rank evaluated its own share
         metrics = {f"{kind}_{k}": to_float(v) for k, v in reducer.result().items()}

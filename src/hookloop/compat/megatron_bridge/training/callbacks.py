@@ -80,8 +80,8 @@ class CallbackContext:
     - ``total_loss_dict`` (``on_eval_end``, ``on_test_end``): the averaged
       losses as floats, keyed like ``loss_dict``;
     - ``checkpoint_path`` (``on_checkpoint_save``/``_load``, a hookloop addition);
-    - ``non_loss_data`` (``on_eval_end``): what ``pretrain``'s ``non_loss_data_func``
-      returned for this evaluation (a hookloop addition).
+    - ``non_loss_data`` (``on_eval_end``, ``on_test_end``): what ``pretrain``'s
+      ``non_loss_data_func`` returned for this evaluation or test (seed 003's hook).
     """
 
     __slots__ = (

@@ -1,7 +1,8 @@
 """Seed 003's evaluation hooks for the dialect's ``pretrain`` / ``finetune``.
 
-``non_loss_data_func(model)`` is computed at the end of each evaluation (the
-native loop does that: ``ctx.non_loss_data`` during ``on_eval_end``), and
+``non_loss_data_func(model)`` is computed at the end of each evaluation and of
+the test phase (the native loop does that: ``ctx.non_loss_data`` during
+``on_eval_end`` / ``on_test_end``), and
 ``process_non_loss_data_func(collected, iteration, writer)`` receives it with
 the step and the run's TensorBoard writer, on the rank that holds the writer,
 as Megatron's ``evaluate_and_print_results`` does. Megatron can also collect
@@ -39,7 +40,8 @@ def register_processing(
     global_state: GlobalState,
     process: Callable[[Any, int, Any], Any] | None,
 ) -> None:
-    """Call ``process(ctx.non_loss_data, step, tensorboard_writer)`` after each evaluation."""
+    """Call ``process(ctx.non_loss_data, step, tensorboard_writer)`` after each evaluation
+    and after the test phase."""
     if process is None:
         return
 
@@ -49,3 +51,4 @@ def register_processing(
             process(ctx.non_loss_data, ctx.state.step, writer)
 
     manager.register("on_eval_end", after_evaluation)
+    manager.register("on_test_end", after_evaluation)
