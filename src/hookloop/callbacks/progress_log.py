@@ -11,9 +11,10 @@ line per event, tab-separated, every field but the message written as ``Key: val
         <TAB>Floating-point operations: 5.71e+18<TAB>Tokens (in billions): 1.05
         <TAB>Save time: 2.41 s<TAB>Blocked: 2.41 s
 
-(the save line is one line in the file). The first seven fields of a save line
-sit where Megatron-LM's own tools look for them; ``Save time`` and ``Blocked``
-(the checkpoint's :class:`~hookloop.state.SaveTiming`) come after them. A rewind
+(the save line is one line in the file). Every field up to ``Tokens`` sits
+where Megatron-LM writes it (its own reader takes the FLOPs from the eighth);
+``Save time`` and ``Blocked`` (the checkpoint's :class:`~hookloop.state.SaveTiming`)
+come after them. A rewind
 after a divergence (:mod:`hookloop.rewind`) adds a ``Rewound`` line: ``Iteration``
 (where it was confirmed), ``To iteration``, ``Diverged from``, ``Batches skipped``.
 
