@@ -866,3 +866,28 @@ def test_evaluate_returns_the_epoch_as_transformers_does():
     trainer = _hf_run(num_train_epochs=1)
     trainer.train()
     assert trainer.evaluate()["epoch"] == 1.0
+
+
+@pytest.mark.slow
+def test_report_to_wandb_logs_each_record_to_an_offline_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+):
+    pytest.importorskip("wandb")
+    from hookloop.callbacks.wandb_logger import offline_history
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # the dialect's default: offline
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")
+    trainer = _hf_run(
+        max_steps=4,
+        logging_strategy="steps",
+        logging_steps=2,
+        output_dir=str(tmp_path),
+        report_to="wandb",
+    )
+    trainer.train()
+    rows = offline_history(tmp_path / "wandb", wait_s=30)
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+    assert [r["train/loss"] for r in rows if "train/loss" in r] == pytest.approx(
+        [e["loss"] for e in logged]
+    )
