@@ -9,7 +9,9 @@ What is not the loop lives beside it: step mechanics and loss reduction in
 :mod:`hookloop.step`, mixed precision in :mod:`hookloop.precision`, data order
 and resume position in :mod:`hookloop.data`, checkpoint files in
 :mod:`hookloop.checkpoint` (which receives named state, never the Trainer),
-request draining and cross-rank agreement in :class:`~hookloop.state.Control`.
+request draining and cross-rank agreement in :class:`~hookloop.state.Control`,
+local checkpoints and what a resume picks in :mod:`hookloop.local_checkpoints`,
+rolling back a divergence in :mod:`hookloop.rewind`.
 
 Hot-path rules: events are fired only when someone handles them (the payload
 is not even built otherwise); loss, grad norm and finiteness stay tensors and
