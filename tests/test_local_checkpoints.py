@@ -128,6 +128,16 @@ def test_a_damaged_local_checkpoint_falls_back_to_the_persistent_one_and_says_so
     assert steps_logged(tmp_path) == list(range(1, 11))
 
 
+def test_a_run_killed_before_its_first_persistent_checkpoint_resumes_from_the_local_one(
+    tmp_path, uninterrupted
+):
+    run(tmp_path, callbacks=[Crash(at=3)])  # local at 2, no persistent checkpoint yet
+    assert not list((tmp_path / "checkpoints").glob("step-*"))
+    resumed = run(tmp_path, resume="auto")
+    assert resumed.ctx.run.resumed_from == tmp_path / "local_checkpoints" / "step-00000002"
+    assert all(torch.equal(a, b) for a, b in zip(weights(resumed), uninterrupted, strict=True))
+
+
 def test_a_damaged_local_checkpoint_with_no_persistent_one_refuses_to_start_over(tmp_path):
     run(tmp_path, callbacks=[Crash(at=3)])  # local at 2, no persistent checkpoint yet
     (tmp_path / "local_checkpoints" / "step-00000002" / "optimizer.pt").unlink()
