@@ -891,3 +891,22 @@ def test_report_to_wandb_logs_each_record_to_an_offline_run(
     assert [r["train/loss"] for r in rows if "train/loss" in r] == pytest.approx(
         [e["loss"] for e in logged]
     )
+
+
+class DictStream(torch.utils.data.IterableDataset):
+    """An unsized stream of samples."""
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        data = PlainRegression(64)
+        return iter(data[i] for i in range(len(data)))
+
+
+def test_a_stream_trains_for_max_steps_and_needs_them():
+    assert _hf_run_on(DictStream(), max_steps=5).train().global_step == 5
+    expected = r"no length \(a stream\), so TrainingArguments.max_steps must be > 0"
+    with pytest.raises(ValueError, match=expected):
+        _hf_run_on(DictStream(), num_train_epochs=1)
+
+
+def _hf_run_on(data: Any, **fields: Any) -> Trainer:
+    return Trainer(TupleModel(), _args(disable_tqdm=True, **fields), train_dataset=data)

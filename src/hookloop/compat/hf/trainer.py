@@ -399,11 +399,11 @@ class Trainer(NativeTrainer):
     def _plan_budget(self) -> None:
         """HF's budget: an epoch is ``ceil(batches / gradient_accumulation_steps)``
         steps, ``num_train_epochs`` may be fractional; ``epoch`` counts micro-batches."""
-        if not self.hf.drives_loop or not hasattr(self.train_loader, "__len__"):
+        st, k = self.state, self.config.train.grad_accum
+        plan = _hf_plan(self.hf.args, self.train_loader, k) if self.hf.drives_loop else None
+        if plan is None or not plan.batches:  # a stream: max_steps decides (checked there)
             super()._plan_budget()
             return
-        st, k = self.state, self.config.train.grad_accum
-        plan = _hf_plan(self.hf.args, self.train_loader, k)
         st._steps_per_epoch, st._max_steps, st._num_epochs = (
             plan.steps_per_epoch,
             plan.max_steps,
@@ -648,11 +648,19 @@ class _Plan:
 def _hf_plan(args: Any, loader: Any, grad_accum: int) -> _Plan:
     """``set_initial_training_values``: steps per epoch (a partial last group
     counts), the step budget and the epochs it spans."""
-    batches = len(loader)
+    max_steps = hf_optim.arg(args, "max_steps", -1)
+    try:
+        batches = len(loader)
+    except TypeError:  # a stream has no length: the budget is max_steps
+        if max_steps <= 0:
+            raise ValueError(
+                "the train data has no length (a stream), so TrainingArguments.max_steps must "
+                f"be > 0 to say how long to train; got max_steps={max_steps}"
+            ) from None
+        return _Plan(0, max_steps, max_steps, None)
     if batches == 0:
         raise ValueError("the train data has no batch (fewer samples than a batch, with drop_last)")
     per_epoch = max(math.ceil(batches / grad_accum), 1)
-    max_steps = hf_optim.arg(args, "max_steps", -1)
     if max_steps > 0:
         return _Plan(batches, per_epoch, max_steps, None)
     epochs = float(hf_optim.arg(args, "num_train_epochs", 3.0))
