@@ -181,12 +181,14 @@ def test_sigkill_at_random_times_then_auto_resume_matches_uninterrupted(uninterr
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("point", FAULT_POINTS)
 def test_crash_inside_the_save_protocol_never_leaves_a_loadable_partial(
-    uninterrupted, tmp_path, point
+    uninterrupted, tmp_path, point, mode
 ):
     run = tmp_path / "run"
-    crashed = hookloop(run, env={FAULT_ENV: f"{point}@6"}, check=False)
+    async_save = f"checkpoint.async_save={str(mode == 'async').lower()}"
+    crashed = hookloop(run, async_save, env={FAULT_ENV: f"{point}@6"}, check=False)
     assert crashed.returncode == 86, crashed.stderr[-2000:]
     root = run / "checkpoints"
     newest_intact = 6 if point in ("renamed", "latest_staged", "committed") else 3

@@ -78,6 +78,7 @@ BASE_KEYS = {
     "checkpoint.strict_resume",
     "checkpoint.allow_restart",
     "checkpoint.pretrained",
+    "checkpoint.async_save",
     "checkpoint.local_every",
     "checkpoint.local_dir",
     "callbacks.divergence_action",

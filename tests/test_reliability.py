@@ -352,8 +352,9 @@ def test_a_second_trainer_in_another_process_cannot_take_a_held_lock(tmp_path):
     assert RunDirLocked.__name__ == "RunDirLocked"
 
 
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_disk_full_during_a_save_keeps_the_previous_checkpoint_and_says_so(
-    make_config, tmp_path, monkeypatch
+    make_config, tmp_path, monkeypatch, async_save
 ):
     import errno
 
@@ -363,6 +364,7 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint_and_says_so(
 
     cfg = make_config(max_steps=4)
     cfg.checkpoint.every = 2
+    cfg.checkpoint.async_save = async_save
 
     def trainer():
         return Trainer(

@@ -46,7 +46,7 @@ import random
 import shutil
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -559,6 +559,29 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+@dataclass
+class SaveJob:
+    """One captured save: stage, serialise, write and fsync, manifest, rename, ``latest``,
+    retention. :meth:`run` is the whole commit protocol, the same whether it runs
+    at once or on a writer thread (``checkpoint.async_save``)."""
+
+    manager: CheckpointManager
+    name: str
+    state: Mapping[str, Stateful]
+    step: int
+    epoch: int
+    config: dict[str, Any] | None
+    metrics: dict[str, Any]
+
+    @property
+    def path(self) -> Path:
+        """Where the checkpoint is committed."""
+        return self.manager.storage.root / self.name
+
+    def run(self) -> Path:
+        return self.manager._write(self)
+
+
 # -- the manager: policy + storage for one run ------------------------------------
 
 
@@ -629,16 +652,45 @@ class CheckpointManager:
 
         Returns the checkpoint's path, or None when this step is already saved.
         """
+        job = self.capture(state, step=step, epoch=epoch, config=config, metrics=metrics)
+        return None if job is None else job.run()
+
+    def capture(
+        self,
+        state: Mapping[str, Stateful],
+        *,
+        step: int,
+        epoch: int,
+        config: dict[str, Any] | None = None,
+        metrics: Mapping[str, Any] | None = None,
+        copy: Callable[[Mapping[str, Stateful]], Mapping[str, Stateful]] | None = None,
+    ) -> SaveJob | None:
+        """The part of a save that must see this step's state; the job returned commits it.
+
+        Without ``copy`` the job reads the live objects, so run it at once. With
+        ``copy`` (:class:`hookloop.async_save.HostCopy`) every entry's state is
+        copied off the live objects here, and the job may run on another thread
+        while training goes on (one process, unsharded model). None when this
+        step is already saved.
+        """
         if self.last_saved_step == step:
             return None  # this exact state is already on disk
         self.last_saved_step = step
-        name = f"step-{step:08d}"
+        if copy is not None:
+            state = copy({**state, MODEL: _unwrap(state[MODEL])})  # type: ignore[dict-item]
+        return SaveJob(self, f"step-{step:08d}", state, step, epoch, config, dict(metrics or {}))
+
+    def _write(self, job: SaveJob) -> Path:
+        """The commit protocol of one save (see :class:`SaveJob`)."""
+        name = job.name
         rank_zero = rank_info()[0] == 0
         staging = self.storage.stage(name) if rank_zero else None
-        if is_sharded(state[MODEL]):  # type: ignore[arg-type]
+        if is_sharded(job.state[MODEL]):  # type: ignore[arg-type]
             staging = Path(broadcast_object(str(staging) if rank_zero else ""))
         try:
-            path = self._commit(name, state, staging, step, epoch, config, metrics)
+            path = self._commit(
+                name, job.state, staging, job.step, job.epoch, job.config, job.metrics
+            )
         except OSError as err:  # a full disk, a lost mount: the last commit still stands
             if rank_zero:
                 self.storage.clean_incomplete()

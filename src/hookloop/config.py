@@ -202,6 +202,11 @@ class CheckpointConfig:
         False, "resume=auto with every checkpoint damaged starts over (default: refuse)."
     )
     pretrained: str | None = opt(None, "Weights to start from (finetune): a checkpoint or file.")
+    async_save: bool = opt(
+        True,
+        "Write checkpoints on a background thread: training waits only for a copy to host "
+        "memory (one process, unsharded; otherwise saves are synchronous).",
+    )
     local_every: int | None = opt(
         None, "Also save a local (non-persistent) checkpoint every N steps (null: off)."
     )
@@ -215,6 +220,10 @@ class CheckpointConfig:
         if self.keep_last is not None:
             _positive(self, "keep_last", "checkpoint")
         _positive(self, "keep_best", "checkpoint")
+        if not isinstance(self.async_save, bool):
+            raise ValueError(
+                f"checkpoint.async_save must be true or false, got {self.async_save!r}"
+            )
         if self.local_every is not None:
             _positive(self, "local_every", "checkpoint")
         if self.local_dir is not None and (

@@ -22,6 +22,7 @@ check that ``train.skip_nonfinite`` asks for.
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import signal
 import threading
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 
+from hookloop.async_save import BackgroundSaves, HostCopy, PendingSave
 from hookloop.callback import Callback
 from hookloop.checkpoint import (
     CallbackStates,
@@ -48,6 +50,7 @@ from hookloop.distributed import (
     all_reduce_mean,
     broadcast_object,
     full_tensor,
+    is_sharded,
     local_shards,
     no_gradient_sync,
     parallelize,
@@ -179,6 +182,8 @@ class Trainer:
         self._last_logs: dict[str, float] = {}
         self._last_eval_step = -1
         self._pending_tokens: list[Any] = []  # token counts not yet read back from the device
+        self._saves, self._host_copy = BackgroundSaves(), HostCopy()  # checkpoint.async_save
+        self._unlogged_saves: list[SaveTiming] = []  # saves committed since the last log
         self._gc = GCPolicy(self.config.train.gc_every)
         self._start_timers()
         self._zeros: torch.Tensor | None = None  # zero gradient elements, counted on log steps
@@ -346,12 +351,15 @@ class Trainer:
             self._check_skipped()
             if self.checkpoints is not None and self.checkpoints.due_at_end(st._stop_reason):
                 self.save_checkpoint()  # not after an abort
+            self._collect_saves(wait=True)  # the last commit and its event before on_train_end
             self._fire("on_train_end")
         except BaseException as exc:
+            self._saves.finish_quietly()  # any exit waits for the checkpoint being written
             self.callbacks.fire_exception(self.ctx, exc)
             self.ctx.clear_event_fields()  # nothing stale for a later evaluate() or test()
             raise
         finally:
+            self._saves.close()
             self._gc.end()
             st._in_training = False
             if restore_signals:
@@ -532,6 +540,8 @@ class Trainer:
     def _step_boundary(self) -> bool:
         """Act on what is due or requested after a step. Returns True to stop training."""
         cfg, st = self.config.train, self.state
+        if self._saves.busy:  # a background commit that has ended fires on_checkpoint_save now
+            self._collect_saves(wait=False)
         requests = self._take_requests()
         if self._aborts(requests):
             return True
@@ -686,6 +696,12 @@ class Trainer:
             st._epoch_step / st._steps_per_epoch if st._steps_per_epoch else 0
         )
         logs["skipped_steps"] = st._skipped_steps
+        if self._unlogged_saves:  # the saves committed since the last log: count and cost
+            saves = self._unlogged_saves
+            logs["checkpoint/saves"] = len(saves)
+            logs["checkpoint/save_seconds"] = sum(t.seconds for t in saves)
+            logs["checkpoint/blocked_seconds"] = sum(t.blocked_seconds for t in saves)
+            saves.clear()
         if self._zeros is not None:
             logs["num_zeros_in_grad"] = int(to_float(self._zeros))
             self._zeros = None
@@ -726,26 +742,72 @@ class Trainer:
 
     def save_checkpoint(self) -> Path | None:
         """Write a checkpoint of this exact state (every rank calls it) and fire
-        ``on_checkpoint_save``. None if this step is already saved."""
+        ``on_checkpoint_save`` once it is committed. None if this step is already saved.
+
+        With ``checkpoint.async_save`` (in training, one process, unsharded) the state
+        is copied to host memory here and committed by a writer thread: the path
+        returned is where it is being committed, and the event fires at a later step
+        boundary with ``ctx.state`` as it was at this step (:mod:`hookloop.async_save`).
+        """
         if self.checkpoints is None:
             raise ValueError("save_checkpoint() needs a run directory: pass out_dir to Trainer")
         st = self.state
         self._sync_tokens()
         self._t_save.start()
+        self._collect_saves(wait=True)  # at most one save in flight: the previous one commits
         started = time.perf_counter()
-        path = self.checkpoints.save(
+        background = self._saves_in_background()
+        job = self.checkpoints.capture(
             self._checkpoint_state(),
             step=st._step,
             epoch=st._epoch,
             config=self.config.to_dict(),
             metrics=st._last_eval,
+            copy=self._host_copy if background else None,
         )
+        if job is None:
+            self._t_save.stop()
+            return None
+        pending = PendingSave(job.path, copy.copy(st) if background else st, started, 0.0)
+        if background:
+            pending.blocked = time.perf_counter() - started
+            self._saves.start(job.run, pending)
+            self._t_save.stop()
+            return job.path
+        path = job.run()
         self._t_save.stop()
-        if path is not None:
-            took = time.perf_counter() - started
-            self.ctx.checkpoint_timing = SaveTiming(seconds=took, blocked_seconds=took)
-            self._fire_checkpoint_event("on_checkpoint_save", path)
+        pending.finished = time.perf_counter()
+        pending.blocked = pending.seconds
+        self._announce_save(pending)
         return path
+
+    def _saves_in_background(self) -> bool:
+        """checkpoint.async_save applies in training, in one process, to an unsharded model
+        (several ranks save together: their collectives stay on the loop's thread)."""
+        return (
+            self.config.checkpoint.async_save
+            and self.state._in_training
+            and self.state._world_size == 1
+            and not is_sharded(self.model)
+        )
+
+    def _collect_saves(self, *, wait: bool) -> None:
+        """Fire ``on_checkpoint_save`` for a background save that has committed (raising
+        its error if it failed); with ``wait``, wait for the one in flight first."""
+        pending = self._saves.take(wait=wait)
+        if pending is not None:
+            self._announce_save(pending)
+
+    def _announce_save(self, pending: PendingSave) -> None:
+        """``on_checkpoint_save`` with the save's timing, handlers seeing the saved step's state."""
+        timing = SaveTiming(seconds=pending.seconds, blocked_seconds=pending.blocked)
+        self.ctx.checkpoint_timing = timing
+        self._unlogged_saves.append(timing)
+        live, self.ctx.state = self.ctx.state, pending.state
+        try:
+            self._fire_checkpoint_event("on_checkpoint_save", pending.path)
+        finally:
+            self.ctx.state = live
 
     def _save_local_checkpoint(self) -> None:
         """A local checkpoint: the same state, kept only until the next (no event fired)."""

@@ -126,7 +126,10 @@ class CheckpointPolicy(Callback):
             self.best_path = str(ctx.checkpoint_path)
             self.best_step = ctx.state.step
             ctx.user_state["best_checkpoint"] = self.best_path
-        self._new_best_step = None  # a best whose step was never saved is gone
+        # A best whose step was never saved is gone; an older save announced late (an
+        # asynchronous save commits while training goes on) leaves it pending.
+        if self._new_best_step is not None and self._new_best_step <= ctx.state.step:
+            self._new_best_step = None
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

@@ -115,6 +115,8 @@ class Trainer(NativeTrainer):
                 # HF's logged loss (and train_loss) average every step since the last
                 # log: the loss window keeps them all, and no step is a native log.
                 config.train.log_every = _NO_NATIVE_LOG
+            # HF saves where the flags say and on_save clears should_save: at the save step.
+            config.checkpoint.async_save = False
             _seed_everything(int(hf_optim.arg(args, "seed", 42)))  # as HF's Trainer does
             self._hf_model = model
             self._collator = hf_data.collator_for(data_collator, processing_class)

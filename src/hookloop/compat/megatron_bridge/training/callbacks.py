@@ -161,6 +161,9 @@ class _Binding:
             state.attach(native.state)
             self.context = CallbackContext(state=state, model=[native.model], user_state=user_state)
             self.native = native
+        # Each event's own state: a late on_checkpoint_save (checkpoint.async_save) carries
+        # the state of the saved step, every other event the trainer's.
+        self.context.state.attach(native.state)  # type: ignore[union-attr]
         self.context._refresh(native)
         return self.context
 
