@@ -95,11 +95,14 @@ def test_a_worker_killed_mid_run_is_restarted_by_torchrun_and_ends_on_the_same_w
         [*TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=3",
          "--monitor-interval=0.2", SCRIPT, *TRAIN, "--out", str(out), "--resume", "auto"],
         capture_output=True, text=True, timeout=240,
-        env=environment(HOOKLOOP_TEST_KILL_AT="1:6"),  # rank 1 dies after step 6
+        # rank 0 dies after step 6: the rank that holds the run directory's lock and writes
+        # the checkpoints (and whose address the next attempt must not read back: #135712)
+        env=environment(HOOKLOOP_TEST_KILL_AT="0:6"),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     output = proc.stdout + proc.stderr
-    assert "failed (exitcode: -9) local_rank: 1" in output  # torchrun saw the worker die
+    assert "failed (exitcode: -9) local_rank: 0" in output  # torchrun saw the worker die
+    assert "taking over the lock of" in output  # the dead rank 0's lock, released by the kernel
     assert re.search(r"resumed_at_step\s+4\n", output)  # the restart resumed the step-4 save
     assert "max_steps at step 12" in output
     restored = final_weights(out)

@@ -89,8 +89,40 @@ def init_from_env() -> bool:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend=backend)
+    store = _attempt_store(world)
+    if store is None:
+        dist.init_process_group(backend=backend)
+    else:
+        rank = int(os.environ["RANK"])
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world)
     return True
+
+
+def _attempt_store(world: int) -> Any:
+    """The store of this torchrun attempt, or None to let torch connect as it does.
+
+    torchrun's agent keeps one rendezvous store for the whole job and its workers
+    use it without a per-attempt namespace (pytorch/pytorch#135712), so after an
+    elastic restart a rank can read the address a dead rank of the previous
+    attempt published and fail (or hang) connecting to it. With a single agent
+    (``GROUP_WORLD_SIZE`` 1) every worker sees the same ``TORCHELASTIC_RESTART_COUNT``,
+    so each attempt gets keys of its own. Several agents keep their own counts;
+    there ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a fresh store each round) is
+    the fix, set where torchrun is started (see the README).
+    """
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or env.get("GROUP_WORLD_SIZE") != "1":
+        return None
+    shared = dist.TCPStore(
+        env["MASTER_ADDR"],
+        int(env["MASTER_PORT"]),
+        world_size=world,
+        is_master=False,
+        timeout=dist.distributed_c10d.default_pg_timeout,
+    )
+    return dist.PrefixStore(
+        f"hookloop/attempt-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", shared
+    )
 
 
 def leave_process_group(*, wait: bool = True) -> None:
