@@ -7,7 +7,8 @@ joins the collective. :class:`StragglerDetection` measures, per step:
 
 - **data wait**: from the end of the previous step to the start of this one
   (fetching the micro-batches, and whatever later callbacks did at the step
-  end), less the evaluation and checkpoint time the loop spent in between;
+  end), less the evaluation time and the time checkpoint saves blocked the
+  loop in between;
 - **compute**: from the start of the step to the end of the model's forward
   pass on its last micro-batch (callbacks at the step start, the forward, and
   under accumulation the earlier micro-batches, which do not synchronise).
@@ -125,7 +126,7 @@ class StragglerDetection(Callback):
     def on_checkpoint_save(self, ctx: CallbackContext) -> None:
         timing = ctx.checkpoint_timing
         if timing is not None:
-            self._excluded += timing.seconds
+            self._excluded += timing.blocked_seconds  # what the loop waited for
 
     def on_train_end(self, ctx: CallbackContext) -> None:
         self._remove_hook()
