@@ -952,3 +952,28 @@ def test_container_fields_are_validated_with_the_allowed_values(section, field, 
     setattr(getattr(config, section), field, value)
     with pytest.raises(ValueError, match=message):
         pretrain(config, forward_step)
+
+
+def test_pretrain_logs_losses_and_evaluations_through_the_config_writers(tmp_path):
+    # seed 002: the loop itself logs the loss components to TensorBoard (Megatron's tags)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config = tiny_gpt_pretrain_config(train_iters=4, eval_interval=2)
+    config.logger.tensorboard_dir = str(tmp_path / "tb")
+    logged: dict[int, float] = {}
+    manager = CallbackManager()
+
+    def keep(ctx) -> None:
+        logged[ctx.state.step] = ctx.logs["lm loss"]
+
+    manager.native.register("on_log", keep)
+    result = pretrain(config, forward_step, callbacks=manager)
+
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"lm loss", "lr", "lm loss validation", "lm loss test"} <= tags
+    assert {e.step: e.value for e in events.Scalars("lm loss")} == pytest.approx(logged)
+    assert [e.step for e in events.Scalars("lm loss validation")] == [2, 4]
+    [test] = events.Scalars("lm loss test")
+    assert (test.step, test.value) == (4, pytest.approx(result.metrics["test_lm loss"]))

@@ -17,6 +17,11 @@ Where the settings come from:
 
 W&B runs offline unless ``WANDB_MODE`` says otherwise (hookloop's rule for
 every W&B writer; the original goes online by default).
+
+:class:`LogToWriters` is the entry point's own logging through the same
+writers (seed 002: the loop logs the loss components to TensorBoard/W&B): each
+log's numbers at its step, and each evaluation's as ``<name> validation`` and
+the test phase's as ``<name> test``, as Megatron's tags read.
 """
 
 from __future__ import annotations
@@ -26,9 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from hookloop._optional import require
+from hookloop.callback import Callback
 from hookloop.compat.megatron_bridge.training.config import ConfigContainer
 from hookloop.distributed import rank_info
 from hookloop.rundir import RunDir
+from hookloop.state import CallbackContext
 
 
 class Writers:
@@ -76,6 +83,11 @@ class Writers:
             config=cfg.to_dict(),
         )
 
+    @property
+    def enabled(self) -> bool:
+        """Whether the config asks for any writer (on some rank)."""
+        return bool(self.tensorboard_dir or self.wandb_project)
+
     @staticmethod
     def _on_last_rank() -> bool:
         rank, _, world = rank_info()
@@ -122,3 +134,37 @@ class Writers:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+class LogToWriters(Callback):
+    """Writes every log and evaluation to the run's enabled writers (last rank only)."""
+
+    priority = 100  # after the producers of on_before_log
+
+    def __init__(self, writers: Writers) -> None:
+        self.writers = writers
+
+    def on_log(self, ctx: CallbackContext) -> None:
+        self._write(ctx.logs, ctx.state.step, suffix="")
+
+    def on_eval_end(self, ctx: CallbackContext) -> None:
+        self._write(ctx.metrics, ctx.state.step, suffix=" validation")
+
+    def on_test_end(self, ctx: CallbackContext) -> None:
+        self._write(ctx.metrics, ctx.state.step, suffix=" test")
+
+    def _write(self, values: dict[str, Any] | None, step: int, suffix: str) -> None:
+        numbers = {
+            # evaluation keys carry the loop's prefix ("eval_lm loss"): Megatron's tags don't
+            (key.partition("_")[2] if suffix else key) + suffix: float(value)
+            for key, value in (values or {}).items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)
+        }
+        if not numbers:
+            return
+        tensorboard, wandb = self.writers.tensorboard, self.writers.wandb
+        if tensorboard is not None:
+            for tag, value in numbers.items():
+                tensorboard.add_scalar(tag, value, step)
+        if wandb is not None:
+            wandb.log(numbers, step=step)

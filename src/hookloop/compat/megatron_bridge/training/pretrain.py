@@ -5,10 +5,12 @@
 ``CallbackManager``) become native registrations; the forward step receives
 the run's :class:`GlobalState` as its first argument, the same object the
 callbacks see as ``context.state``, with the TensorBoard and W&B writers the
-config enables. When the run has test data (a container's ``dataset.split``
-with a test weight, or a recipe that gives test data) and training finished
-its budget, the test phase runs at the end, firing the ``on_test_*`` events,
-as Megatron's entry point does; its ``test_*`` metrics join the result's.
+config enables. The entry point logs through them too (seed 002's logging
+integration): each log step's numbers and each evaluation's. When the run has
+test data (a container's ``dataset.split`` with a test weight, or a recipe
+that gives test data) and training finished its budget, the test phase runs at
+the end, firing the ``on_test_*`` events, as Megatron's entry point does; its
+``test_*`` metrics join the result's.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from hookloop.compat.megatron_bridge.training.callbacks import (
     as_manager,
 )
 from hookloop.compat.megatron_bridge.training.config import ConfigContainer
-from hookloop.compat.megatron_bridge.training.loggers import Writers
+from hookloop.compat.megatron_bridge.training.loggers import LogToWriters, Writers
 from hookloop.compat.megatron_bridge.training.state import GlobalState
 from hookloop.config import Config
 from hookloop.distributed import rank_info
@@ -94,6 +96,8 @@ def run(
         )
     writers = Writers.for_run(config, out_dir)
     step, manager, global_state = prepare(config, forward_step_func, callbacks, native, writers)
+    if writers.enabled:
+        manager.native.add(LogToWriters(writers))
     non_loss_data.register_processing(manager.native, global_state, process_non_loss_data_func)
     trainer = build_trainer(config, native, step, manager, out_dir=out_dir, resume=resume)
     trainer.non_loss_data_func = non_loss_data_func
