@@ -106,7 +106,7 @@ class Trainer:
     Public attributes: ``model`` (never wrapped), ``optimizer``, ``scheduler``,
     ``config``, ``callbacks`` (the manager), ``state``, ``control``, ``ctx``,
     ``device``, ``precision``, ``train_loader`` / ``eval_loader`` /
-    ``test_loader``, ``flops_per_sample``, ``out_dir``, ``resume``,
+    ``test_loader``, ``flops_per_sample``, ``non_loss_data_func``, ``out_dir``, ``resume``,
     ``checkpoints`` (a CheckpointManager, or None without ``out_dir`` and
     ``resume``). Callbacks read the run's facts from ``ctx.run``.
     """
