@@ -465,7 +465,7 @@ def test_https_with_a_certificate_and_key(tmp_path):
 # -- separate processes ------------------------------------------------------------------
 def _serve(port: int, state_dir: Path, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "hookloop", "diloco", "serve", "--port", str(port),
-           "--checkpoint-dir", str(state_dir), "--token", TOKEN,
+           "--checkpoint-dir", str(state_dir), "--token", TOKEN, "--min-workers", "2",
            "--round-timeout", "30", "--outer-momentum", "0.5"]  # fmt: skip
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("ab"))
 
@@ -526,17 +526,22 @@ def _mean_loss(result: dict, first: bool) -> float:
     return sum(values) / len(values)
 
 
+def _server_thread(min_workers: int = 1) -> ServerThread:
+    """The server in this process (the killed-server test runs `hookloop diloco serve`)."""
+    settings = ServerSettings(port=0, token=TOKEN, outer_momentum=0.5, min_workers=min_workers)
+    return ServerThread(settings).start()
+
+
 @pytest.mark.slow
 def test_three_worker_processes_and_a_server_lower_the_loss(tmp_path):
-    port = _free_port()
-    server = _serve(port, tmp_path / "server", tmp_path / "server.log")
+    server = _server_thread(min_workers=3)  # no round before all three have joined
+    port = server.port
     try:
-        _wait_for(lambda: _status(port) is not None, 60, "the server to listen")
         procs = [(i, _worker(tmp_path, i, 3, port, "train.max_steps=24")) for i in range(3)]
         results = _finish(procs, tmp_path)
         state = _status(port)
     finally:
-        _stop(server)
+        server.stop()
     assert state is not None and state["rounds"] == [6]  # 24 steps / sync_every 4
     for r in results:
         assert r["step"] == 24 and r["metrics"]["diloco/sync_count"] == 6
@@ -547,11 +552,10 @@ def test_three_worker_processes_and_a_server_lower_the_loss(tmp_path):
 
 @pytest.mark.slow
 def test_a_killed_worker_is_dropped_and_rejoins_and_the_run_finishes(tmp_path):
-    port = _free_port()
-    server = _serve(port, tmp_path / "server", tmp_path / "server.log")
+    server = _server_thread()
+    port = server.port
     steps = "train.max_steps=40"
     try:
-        _wait_for(lambda: _status(port) is not None, 60, "the server to listen")
         procs = {i: _worker(tmp_path, i, 2, port, steps, sleep=0.05) for i in range(2)}
         _wait_for(lambda: _round(port) >= 2, 60, "two rounds")
         procs[1].kill()  # SIGKILL: no leave, no goodbye
@@ -563,7 +567,7 @@ def test_a_killed_worker_is_dropped_and_rejoins_and_the_run_finishes(tmp_path):
         results = _finish(sorted(procs.items()), tmp_path)
         state = _status(port)
     finally:
-        _stop(server)
+        server.stop()
     assert [r["step"] for r in results] == [40, 40]
     assert state["members"] == []  # both left when they finished
     assert state["rounds"][0] >= 10  # 40 / 4 rounds for worker 0, plus the rejoined worker's
