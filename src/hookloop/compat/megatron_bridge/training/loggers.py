@@ -63,7 +63,8 @@ class Writers:
         """The writers ``cfg`` asks for, for a run writing into ``out_dir`` (may be None)."""
         if isinstance(cfg, ConfigContainer):
             lg = cfg.logger
-            save_dir = lg.wandb_save_dir or (Path(out_dir) / "wandb" if out_dir else None)
+            # wandb.init(dir=D) writes under D/wandb, so D is the parent of the run's wandb part
+            save_dir = lg.wandb_save_dir or (RunDir(out_dir).wandb.parent if out_dir else None)
             return cls(
                 tensorboard_dir=lg.tensorboard_dir,
                 wandb_project=lg.wandb_project,
