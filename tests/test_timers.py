@@ -7,6 +7,7 @@ import re
 import time
 
 import pytest
+import torch
 
 from hookloop import Callback, CallbackManager, Config, DataConfig, TrainConfig, Trainer
 from hookloop.compat.megatron_bridge.recipes import small_gpt_pretrain_config
@@ -151,3 +152,24 @@ def test_seed_000_callbacks_read_the_loops_timers_from_context_state():
     assert len(seen) == 2
     assert all(v > 0 for step in seen for v in step.values())
     assert seen[1]["forward-backward"] > seen[0]["forward-backward"]  # adds up over steps
+
+
+def test_only_sync_mode_or_a_barrier_waits_for_the_device(monkeypatch):
+    """``on`` never synchronises the device (no host-device sync in a step); ``sync``
+    does at every start and stop, and ``barrier=True`` does in either mode."""
+    waits: list[object] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waits.append(device))
+    gpu = torch.device("cuda", 0)  # only its type is read: no GPU is needed
+
+    on = Timers(device=gpu)("fb")
+    on.start()
+    on.stop()
+    assert waits == []
+    on.start(barrier=True)
+    on.stop(barrier=True)
+    assert waits == [gpu, gpu]
+
+    synced = Timers(sync=True, device=gpu)("fb")
+    synced.start()
+    synced.stop()
+    assert waits == [gpu] * 4
