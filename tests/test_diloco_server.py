@@ -98,6 +98,18 @@ def test_a_wrong_token_is_refused_and_an_unreachable_server_is_named(server):
         DiLoCoClient(f"127.0.0.1:{closed}", timeout=2).status()
 
 
+def test_a_worker_with_another_model_or_fragment_count_is_refused_with_the_reason(server):
+    client = DiLoCoClient(server.address, token=TOKEN, timeout=20)
+    first = dict(torch.nn.Linear(4, 2).named_parameters())
+    client.join(first, {"worker_id": "a", "heartbeat_interval": 5.0, "num_fragments": 2})
+    other = dict(torch.nn.Linear(4, 3).named_parameters())
+    with pytest.raises(ServerRefused, match=r"409.*not the server's.*other shapes \['weight'"):
+        client.join(other, {"worker_id": "b", "heartbeat_interval": 5.0, "num_fragments": 2})
+    with pytest.raises(ServerRefused, match="num_fragments=1, but the server runs 2 fragments"):
+        client.join(first, {"worker_id": "b", "heartbeat_interval": 5.0, "num_fragments": 1})
+    assert server.server.status()["members"] == ["a"]
+
+
 def test_bf16_communication_halves_the_bytes_a_worker_sends(server):
     model = torch.nn.Linear(256, 256)  # 65,792 parameters
     client = DiLoCoClient(server.address, token=TOKEN, timeout=20)

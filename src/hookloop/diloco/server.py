@@ -82,6 +82,8 @@ class ServerSettings:
 
     def check(self) -> ServerSettings:
         check_outer_settings(self.outer_lr, self.outer_momentum, self.nesterov)
+        if not isinstance(self.host, str) or not self.host.strip():
+            raise ValueError(f"host must be an address to bind (e.g. 127.0.0.1), got {self.host!r}")
         if isinstance(self.port, bool) or not isinstance(self.port, int):
             raise ValueError(f"port must be an int in [0, 65535], got {self.port!r}")
         if not 0 <= self.port <= 65535:
