@@ -103,7 +103,8 @@ def test_a_worker_with_another_model_or_fragment_count_is_refused_with_the_reaso
     first = dict(torch.nn.Linear(4, 2).named_parameters())
     client.join(first, {"worker_id": "a", "heartbeat_interval": 5.0, "num_fragments": 2})
     other = dict(torch.nn.Linear(4, 3).named_parameters())
-    with pytest.raises(ServerRefused, match=r"409.*not the server's.*other shapes \['weight'"):
+    mismatch = r"409.*not the server's.*other shapes \['bias', 'weight'\]"
+    with pytest.raises(ServerRefused, match=mismatch):
         client.join(other, {"worker_id": "b", "heartbeat_interval": 5.0, "num_fragments": 2})
     with pytest.raises(ServerRefused, match="num_fragments=1, but the server runs 2 fragments"):
         client.join(first, {"worker_id": "b", "heartbeat_interval": 5.0, "num_fragments": 1})

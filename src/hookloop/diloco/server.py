@@ -185,7 +185,8 @@ class DiLoCoServer:
         if shapes != self.shapes:
             missing = sorted(set(self.shapes) - set(shapes))[:5]
             extra = sorted(set(shapes) - set(self.shapes))[:5]
-            differ = [n for n in shapes if n in self.shapes and shapes[n] != self.shapes[n]][:5]
+            differ = sorted(n for n in shapes if n in self.shapes and shapes[n] != self.shapes[n])
+            differ = differ[:5]
             raise ProtocolError(
                 "this worker's model is not the server's: "
                 f"missing {missing}, unexpected {extra}, other shapes {differ}",
