@@ -348,6 +348,32 @@ def test_fragments_sync_staggered_through_the_period_each_with_its_own_round():
         assert not torch.equal(params["0.weight"].detach(), final["0.weight"])
 
 
+def test_a_streamed_fragment_keeps_what_the_worker_learned_while_it_was_away():
+    server = ServerThread(ServerSettings(port=0)).start()
+    try:
+        model = _model()
+        w = DiLoCoWorker(
+            model, server_addr=server.address, sync_every=4, worker_id="solo", bf16_comm=False,
+            dylu=False, heartbeat_interval=5.0, num_fragments=2, timeout=30, max_sync_retries=0,
+        )  # fmt: skip
+        w.start()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        weight = dict(model.named_parameters())["0.weight"]  # fragment 0
+        seen = {}
+        for step in range(1, 5):
+            _local_step(model, opt, 0, step)
+            seen[step] = weight.detach().clone()  # before after_step: what training made
+            w.after_step()
+        # Fragment 0 was sent after step 2 and taken in at step 4: the server's new weights
+        # plus the two steps trained meanwhile, not the server's weights alone.
+        fresh = server.server.global_weights(0)["0.weight"]
+        assert not torch.equal(fresh, seen[4])
+        torch.testing.assert_close(weight.detach(), fresh + (seen[4] - seen[2]))
+        w.stop()
+    finally:
+        server.stop()
+
+
 def test_a_round_closes_at_its_deadline_and_a_late_pseudo_gradient_is_answered_stale():
     server = ServerThread(ServerSettings(port=0, round_timeout=0.5)).start()
     try:
