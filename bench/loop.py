@@ -368,6 +368,22 @@ def profile_default(problem: Problem, top: int = 18) -> str:
     )
 
 
+def callback_cost(problem: Problem) -> str:
+    """hookloop's own cost report (``CallbackManager.profile()``) for one hookloop-default run."""
+    prepared = prepare("hookloop-default", problem)
+    trainer = prepared.run.__self__  # the bound Trainer.train
+    profile = trainer.callbacks.profile()
+    try:
+        prepared.run()
+    finally:
+        trainer.callbacks.profile(False)
+        prepared.close()
+    steps = len(problem.data)
+    return "\n".join(
+        ["", f"hookloop-default, {steps} steps, CallbackManager.profile():", profile.table()]
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=25, help="interleaved rounds (default 25)")
@@ -375,6 +391,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="5 rounds of 500 steps")
     parser.add_argument(
         "--profile", action="store_true", help="also cProfile one hookloop-default run"
+    )
+    parser.add_argument(
+        "--callback-cost",
+        action="store_true",
+        help="also run hookloop-default once under CallbackManager.profile() and print its table",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the contender order")
     args = parser.parse_args(argv)
@@ -394,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
         print(report(results, rounds, steps, source, names, check))
         if args.profile:
             print(profile_default(problem))
+        if args.callback_cost:
+            print(callback_cost(problem))
     return 0
 
 

@@ -15,6 +15,7 @@ from torch import nn
 from _quiet import SERVICES_OFF
 from hookloop import Callback, CallbackManager, TrainConfig, Trainer
 from hookloop.cli import main
+from hookloop.profile import current_profile
 
 SLOW_S = 0.003
 
@@ -73,12 +74,13 @@ def test_profiling_off_leaves_the_bare_handlers_in_the_dispatch_index():
     manager = CallbackManager([cb])
     bare = manager.index["on_train_step_end"]
     assert bare == (cb.on_train_step_end,)  # nothing wrapped: dispatch costs what it did
-    manager.profile()
+    running = manager.profile()
     assert manager.index["on_train_step_end"] != bare
-    assert manager.active_profile is not None
+    assert manager.active_profile is running is current_profile()  # what the server serves
     stopped = manager.profile(False)
     assert manager.index["on_train_step_end"] == bare
-    assert manager.active_profile is None and stopped is not None
+    assert manager.active_profile is None and stopped is running
+    assert current_profile() is None
     assert manager.profile(False) is None  # stopping twice is harmless
     with pytest.raises(ValueError, match=r"profile\(\) takes True .* or False"):
         manager.profile("yes")

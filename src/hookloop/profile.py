@@ -11,6 +11,9 @@ The table's share is each handler's time over the wall time since profiling
 began (up to the report, or until it was switched off): for ``hookloop train
 … callbacks.profile=true`` that is the whole ``train()``, so the column reads
 as the part of the loop's time a handler takes.
+
+The profile that runs is also published process-wide (:func:`current_profile`),
+so the control server can serve it without reaching into the Trainer.
 """
 
 from __future__ import annotations
@@ -21,6 +24,21 @@ from dataclasses import dataclass
 from typing import Any
 
 Handler = Callable[[Any], Any]
+
+_current: CallbackProfile | None = None
+
+
+def current_profile() -> CallbackProfile | None:
+    """The profile most recently started in this process and not yet stopped, or None."""
+    return _current
+
+
+def _publish(profile: CallbackProfile | None, *, replacing: CallbackProfile | None = None) -> None:
+    """Make ``profile`` the current one (``None`` clears it if ``replacing`` is current)."""
+    global _current
+    if profile is not None or _current is replacing:
+        _current = profile
+
 
 #: Column titles of :meth:`CallbackProfile.table`, in order.
 COLUMNS = ("callback", "event", "calls", "total ms", "us/call", "share")

@@ -65,6 +65,7 @@ from hookloop.control.registry import (
     new_job_id,
     process_start_ticks,
 )
+from hookloop.profile import current_profile
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -310,7 +311,6 @@ class ControlServer(Callback):
         self._can_save = False
         self._can_evaluate = False
         self._user_state: dict[str, Any] = {}
-        self._manager: Any = None
 
     # -- events (training thread) ----------------------------------------------
     def on_train_start(self, ctx: CallbackContext) -> None:
@@ -318,7 +318,6 @@ class ControlServer(Callback):
             return
         self._state, self._control = ctx.state, ctx.control
         self._user_state = ctx.user_state  # what other callbacks publish (e.g. stragglers)
-        self._manager = getattr(ctx.trainer, "callbacks", None)  # its cost report, if profiled
         self._can_save = ctx.run.can_checkpoint
         self._can_evaluate = ctx.run.has_eval_data
         self._snapshot = _Snapshot()
@@ -683,7 +682,7 @@ class ControlServer(Callback):
             }
             for key, value in snap.logs.items():  # and the latest log's keys, flat, as the seed
                 out.setdefault(key, value)
-        profile = getattr(self._manager, "active_profile", None)  # callbacks.profile=true
+        profile = current_profile()  # callbacks.profile=true: the cost report per callback
         out["callback_profile"] = profile.rows() if profile is not None else None
         return out
 
