@@ -64,39 +64,47 @@ class HostCopy:
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def __call__(self, state: Mapping[str, Any]) -> dict[str, Frozen]:
-        memo: dict[tuple[Any, ...], torch.Tensor] = {}
-        devices: set[torch.device] = set()
+        walk = _Walk(self._buffers)
         # One intra-op thread: a copy is bound by memory, and on a busy machine the
         # second OpenMP worker waiting for a core made a 2 ms copy take 100 ms or more.
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            frozen = {
-                name: Frozen(
-                    self._copy(obj.state_dict(), (name,), memo, devices),
-                    per_rank=getattr(obj, "per_rank", False),
-                )
-                for name, obj in state.items()
-            }
+            with torch.no_grad():
+                frozen = {
+                    name: Frozen(
+                        walk.copy(obj.state_dict(), (name,)),
+                        per_rank=getattr(obj, "per_rank", False),
+                    )
+                    for name, obj in state.items()
+                }
+                walk.finish()
         finally:
             torch.set_num_threads(threads)
-        for device in devices:  # the one wait for the device-to-host copies
-            torch.cuda.synchronize(device)
         return frozen
 
-    def _copy(
-        self, obj: Any, key: tuple[Any, ...], memo: dict[Any, Any], devices: set[torch.device]
-    ) -> Any:
+
+class _Walk:
+    """One copy: rebuilds containers, fills a buffer per tensor, copies in one go."""
+
+    def __init__(self, buffers: dict[tuple[Any, ...], torch.Tensor]) -> None:
+        self.buffers = buffers
+        self.memo: dict[tuple[Any, ...], torch.Tensor] = {}
+        self.dst: list[torch.Tensor] = []  # host tensors copied at finish() (one dispatch)
+        self.src: list[torch.Tensor] = []
+        self.devices: set[torch.device] = set()
+
+    def copy(self, obj: Any, key: tuple[Any, ...]) -> Any:
         if isinstance(obj, torch.Tensor):
-            return self._tensor(obj.detach(), key, memo, devices)
+            return self.tensor(obj, key)
         if isinstance(obj, dict):
-            items = ((k, self._copy(v, (*key, k), memo, devices)) for k, v in obj.items())
+            items = ((k, self.copy(v, (*key, k))) for k, v in obj.items())
             return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
         if isinstance(obj, (list, tuple)):
             if all(type(v) in _SCALARS for v in obj):  # e.g. the Python RNG's 625 ints
                 items = list(obj)
             else:
-                items = [self._copy(v, (*key, i), memo, devices) for i, v in enumerate(obj)]
+                items = [self.copy(v, (*key, i)) for i, v in enumerate(obj)]
             if isinstance(obj, list):
                 return items
             return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
@@ -107,24 +115,31 @@ class HostCopy:
         except Exception:  # not copyable: the save's portability check will name it
             return obj
 
-    def _tensor(
-        self, t: torch.Tensor, key: tuple[Any, ...], memo: dict[Any, Any], devices: set[Any]
-    ) -> torch.Tensor:
+    def tensor(self, t: torch.Tensor, key: tuple[Any, ...]) -> torch.Tensor:
         if t.layout != torch.strided:
             return t.to("cpu", copy=True)
         ident = (t.device, t.data_ptr(), t.shape, t.stride(), t.dtype)
-        if t.numel() and ident in memo:  # the same memory under another name: keep it shared
-            return memo[ident]
+        if t.numel() and ident in self.memo:  # the same memory under another name: shared
+            return self.memo[ident]
         on_gpu = t.device.type == "cuda"
-        buf = self._buffers.get(key)
+        buf = self.buffers.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=on_gpu)
-            self._buffers[key] = buf
-        buf.copy_(t, non_blocking=on_gpu)
-        if on_gpu:
-            devices.add(t.device)
-        memo[ident] = buf
+            self.buffers[key] = buf
+        if on_gpu:  # queued on the device's stream; finish() waits once
+            buf.copy_(t, non_blocking=True)
+            self.devices.add(t.device)
+        else:
+            self.dst.append(buf)
+            self.src.append(t)
+        self.memo[ident] = buf
         return buf
+
+    def finish(self) -> None:
+        if self.dst:
+            torch._foreach_copy_(self.dst, self.src)
+        for device in self.devices:  # the one wait for the device-to-host copies
+            torch.cuda.synchronize(device)
 
 
 @dataclass
