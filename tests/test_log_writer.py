@@ -243,3 +243,27 @@ def test_sigkill_after_a_checkpoint_keeps_every_step_up_to_it_and_resume_logs_ea
     assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, stop + 1))
     assert [r["kind"] for r in records].count("start") == 2
     assert records[-1]["kind"] == "end" and records[-1]["status"] == "finished"
+
+
+# -- TensorBoard's record checksums ----------------------------------------------------------
+
+
+def test_fast_tensorboard_checksums_equal_tensorboards_own_and_its_reader_accepts_them(tmp_path):
+    import os
+
+    pytest.importorskip("google_crc32c")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+    from tensorboard.summary.writer import record_writer
+
+    from hookloop.callbacks.tensorboard import TBLogger, use_fast_checksums
+
+    assert use_fast_checksums()
+    for size in (0, 1, 8, 12, 300, 4097):
+        data = os.urandom(size)
+        assert record_writer.masked_crc32c(data) == masked_crc32c(data), size  # TB's, in Python
+    tb_dir = tmp_path / "tb"
+    _tiny_trainer([TBLogger(tb_dir)], steps=4, log_every=2).train()
+    events = EventAccumulator(str(tb_dir))
+    events.Reload()  # and TensorBoard's own reader loads the file written with them
+    assert [e.step for e in events.Scalars("train/loss")] == [2, 4]

@@ -55,7 +55,38 @@ _EVENT_FILE = re.compile(r"events\.out\.tfevents\.(\d+)\.")
 def _summary_writer_class() -> Any:
     require("tensorboard", extra="tensorboard", feature="TensorBoard logging")
     module = require("torch.utils.tensorboard", extra="tensorboard", feature="TensorBoard logging")
+    use_fast_checksums()
     return module.SummaryWriter
+
+
+def use_fast_checksums() -> bool:
+    """Have TensorBoard's record writer compute its CRC-32C checksums in C.
+
+    Without TensorFlow, TensorBoard checksums every event record in pure Python,
+    about 0.1 ms of CPU per log event on a slow machine; google-crc32c (installed
+    with the ``tensorboard`` extra) gives the same checksum in about 0.5 µs. The
+    files are byte for byte the same. Returns whether the fast one is in use.
+    """
+    from tensorboard.summary.writer import record_writer
+
+    current = record_writer.masked_crc32c
+    if getattr(current, "hookloop_fast", False):
+        return True
+    try:
+        import google_crc32c
+    except ImportError:
+        return False
+    if google_crc32c.implementation != "c":
+        return False
+    crc = google_crc32c.value
+
+    def masked_crc32c(data: bytes) -> int:
+        x = crc(bytes(data))
+        return (((x >> 15) | (x << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+    masked_crc32c.hookloop_fast = True  # type: ignore[attr-defined]
+    record_writer.masked_crc32c = masked_crc32c
+    return True
 
 
 class ResumableSummaryWriter(Callback):
