@@ -52,9 +52,11 @@ class HeldWriter:
         self.steps_during_write: list[int] = []
         self.active = self.most_active = 0
         self.lock = threading.Lock()
+        self.writes: list[str] = []  # every file the writer wrote, in order
         real = ckpt._write_synced
 
         def held(path, data):
+            self.writes.append(str(path))
             if self.name in str(path):
                 with self.lock:
                     self.active += 1
@@ -153,6 +155,12 @@ def test_a_second_save_waits_for_the_first_and_its_wait_counts_as_blocked(tmp_pa
     run.callbacks.register("on_checkpoint_save", lambda ctx: timings.append(ctx.checkpoint_timing))
     run.train()
     assert held.most_active == 1
+    # Checkpoint 2 was staged only after checkpoint 1's manifest was written.
+    first_of_2 = next(i for i, w in enumerate(held.writes) if "step-00000002" in w)
+    manifest_of_1 = next(
+        i for i, w in enumerate(held.writes) if "step-00000001" in w and "manifest" in w
+    )
+    assert manifest_of_1 < first_of_2
     assert [p.name for p in sorted((tmp_path / "checkpoints").glob("step-*"))] == [
         "step-00000001", "step-00000002", "step-00000003",
     ]  # fmt: skip
