@@ -8,6 +8,10 @@ during the write, a second save waiting, an exit waiting, a failure surfacing.
 from __future__ import annotations
 
 import errno
+import json
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -15,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from _quiet import SERVICES_OFF
 from hookloop import Config, DataConfig, TrainConfig, Trainer
 from hookloop import checkpoint as ckpt
 from hookloop.async_save import HostCopy
@@ -203,6 +208,27 @@ def test_a_failed_background_save_stops_the_run_and_keeps_the_previous_checkpoin
     root = tmp_path / "checkpoints"
     assert (root / "latest").read_text() == "step-00000003"
     assert not [p for p in root.iterdir() if p.name.startswith(".staging")]
+
+
+@pytest.mark.slow
+def test_hookloop_train_exits_1_naming_the_checkpoint_still_latest_when_a_background_save_fails(
+    tmp_path,
+):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hookloop", "train", "--out", str(run),
+           "--recipe", "mlp-regression", "train.max_steps=200", "train.log_every=1",
+           "checkpoint.every=3", "logging.progress=false", *SERVICES_OFF]  # fmt: skip
+    env = {**os.environ, ckpt.FAULT_ENV: "enospc@6"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("hookloop train: error: ") and "Traceback" not in proc.stderr
+    assert "could not write checkpoint step-00000006" in last
+    assert "the latest checkpoint is still step-00000003, nothing was lost" in last
+    assert (run / "checkpoints" / "latest").read_text() == "step-00000003"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if r["kind"] == "train"]
+    assert 6 <= max(steps) <= 9  # the save due at 9 waits for 6 and meets its failure
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])

@@ -37,6 +37,7 @@ staging directory, and the manifest lists those files like any other::
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -73,7 +74,9 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 FORMAT_VERSION = 1
 #: Crash-safety testing: ``POINT`` or ``POINT@STEP`` makes the process die (``os._exit``)
-#: at that point of the save protocol (at the save of checkpoint STEP, if given).
+#: at that point of the save protocol (at the save of checkpoint STEP, if given);
+#: ``enospc`` or ``enospc@STEP`` makes the save fail once its files are written, as a
+#: full disk would (an ``OSError``; the process goes on to report it).
 FAULT_ENV = "HOOKLOOP_CHECKPOINT_FAULT"
 FAULT_POINTS = ("files_written", "manifest_written", "renamed", "latest_staged", "committed")
 #: Subdirectory of a checkpoint holding a sharded model and optimizer (DCP format).
@@ -991,5 +994,9 @@ def _fsync(path: Path) -> None:
 
 def _fault(point: str, step: int | None) -> None:
     spec = os.environ.get(FAULT_ENV)
-    if spec and spec in (point, f"{point}@{step}"):
+    if not spec:
+        return
+    if spec in (point, f"{point}@{step}"):
         os._exit(86)
+    if point == FAULT_POINTS[0] and spec in ("enospc", f"enospc@{step}"):
+        raise OSError(errno.ENOSPC, f"No space left on device ({FAULT_ENV}={spec})")
