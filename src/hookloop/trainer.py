@@ -634,6 +634,7 @@ class Trainer:
         :mod:`hookloop.rewind`); the run fails when there is none. Returns True: the epoch
         loop is left, to start again where the restored state stands."""
         st = self.state
+        self._collect_saves(wait=True)  # a checkpoint still being written counts
         managers = [m for m in (self.checkpoints, self.local_checkpoints) if m is not None]
         chosen = self._rewinder.choose(request.since_step, managers)
         if chosen is None:
