@@ -147,7 +147,9 @@ class PendingSave:
     """One save handed to the writer: where it commits and what the loop saw when it began."""
 
     path: Path
-    #: ``ctx.state`` for ``on_checkpoint_save``: the TrainState as it was at the saved step.
+    #: ``ctx.state`` for ``on_checkpoint_save``: a copy of the TrainState as it was at
+    #: the saved step, for a save announced later; None when announced at once (the
+    #: handlers then see ``ctx.state`` unchanged).
     state: Any
     started: float  # time.perf_counter() when the save began
     blocked: float  # seconds the loop has waited for this save so far

@@ -769,7 +769,7 @@ class Trainer:
         if job is None:
             self._t_save.stop()
             return None
-        pending = PendingSave(job.path, copy.copy(st) if background else st, started, 0.0)
+        pending = PendingSave(job.path, copy.copy(st) if background else None, started, 0.0)
         if background:
             pending.blocked = time.perf_counter() - started
             self._saves.start(job.run, pending)
@@ -804,7 +804,9 @@ class Trainer:
         timing = SaveTiming(seconds=pending.seconds, blocked_seconds=pending.blocked)
         self.ctx.checkpoint_timing = timing
         self._unlogged_saves.append(timing)
-        live, self.ctx.state = self.ctx.state, pending.state
+        live = self.ctx.state
+        if pending.state is not None:
+            self.ctx.state = pending.state
         try:
             self._fire_checkpoint_event("on_checkpoint_save", pending.path)
         finally:
