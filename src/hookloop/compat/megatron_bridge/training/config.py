@@ -10,7 +10,7 @@ GPT hookloop trains) and :meth:`ConfigContainer.to_native` turns it into the
 >>> cfg.train.train_iters = 10
 >>> native = cfg.to_native(world_size=1)
 >>> native.train.max_steps, native.train.grad_accum
-(10, 1)
+(10, 2)
 """
 
 from __future__ import annotations
