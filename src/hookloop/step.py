@@ -368,5 +368,8 @@ class LossWindow:
 def _mean(values: Any) -> torch.Tensor:
     """Mean of 0-dim tensors (or numbers) as a float32 tensor, without a host read."""
     items = list(values)
+    if all(type(v) is torch.Tensor for v in items):  # usual: one stack, not two ops per value
+        stacked = torch.stack(items)
+        return (stacked if stacked.dtype == torch.float32 else stacked.float()).mean()
     device = next((v.device for v in items if isinstance(v, torch.Tensor)), None)
     return torch.stack([torch.as_tensor(v, device=device).float() for v in items]).mean()
