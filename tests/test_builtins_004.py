@@ -29,8 +29,9 @@ from hookloop.callbacks.norms import (
     spectral_norm,
 )
 from hookloop.callbacks.profiler import ProfilerCallback
-from hookloop.callbacks.progress import Column, ProgressBar, ProgressCallback, resolve_columns
+from hookloop.callbacks.progress import Column, ProgressBar, resolve_columns
 from hookloop.callbacks.textgen import TextgenCallback
+from hookloop.compat.hf import ProgressCallback
 from hookloop.recipes.gpt import GPT, GPTConfig, forward_step, split_corpus
 from hookloop.testing import TinyModel, ToyData
 
@@ -214,7 +215,7 @@ def test_default_metrics_accepts_the_seed_parameter_name():
 
 def test_plain_output_is_a_table_whose_header_repeats_every_header_every_rows():
     out = io.StringIO()
-    tiny_trainer([ProgressCallback(stream=out, header_every=3)], max_steps=7, log_every=1).train()
+    tiny_trainer([ProgressBar(stream=out, header_every=3)], max_steps=7, log_every=1).train()
     lines = out.getvalue().splitlines()
     headers = [i for i, line in enumerate(lines) if line.split()[:2] == ["step", "loss"]]
     rows = [line for line in lines if line.lstrip()[:1].isdigit()]
@@ -257,7 +258,7 @@ def test_columns_take_a_list_or_overrides_of_the_defaults():
 
 def test_bars_cover_training_and_each_evaluation():
     out = io.StringIO()
-    bar = ProgressCallback(stream=out, use_tqdm=True)
+    bar = ProgressBar(stream=out, use_tqdm=True)
     tiny_trainer([bar], n=32, eval_n=12, max_steps=4, log_every=2, eval_every=2).train()
     text = out.getvalue()
     assert "4/4" in text  # the training bar reached the end
@@ -268,8 +269,10 @@ def test_bars_cover_training_and_each_evaluation():
 
 
 def test_progress_bar_keeps_its_name_and_accepts_the_seed_arguments():
-    assert ProgressCallback is ProgressBar
-    bar = ProgressCallback(output_stream="stdout", step_columns={"lr": None}, header_interval=5)
+    assert ProgressCallback.__mro__[1] is ProgressBar  # the seed's name lives in compat
+    with pytest.raises(ImportError, match=r"hookloop\.compat\.hf"):
+        from hookloop.callbacks import ProgressCallback as _  # noqa: F401
+    bar = ProgressBar(output_stream="stdout", step_columns={"lr": None}, header_interval=5)
     assert bar.header_every == 5 and bar.stream == "stdout"
     assert "lr" not in [c.key for c in bar.columns]
     for kwargs, name in (({"header_every": 0}, "header_every"), ({"stream": "log"}, "stream")):
@@ -736,7 +739,7 @@ def test_profiler_rejects_bad_windows_by_name():
 def test_every_callback_survives_two_train_calls_and_a_test_run(tmp_path):
     callbacks = [
         DefaultMetrics(peak_flops=1e12),
-        ProgressCallback(stream=io.StringIO()),
+        ProgressBar(stream=io.StringIO()),
         InfoCallback(stream=None),
         DivergenceDetector(),
         GradNormLogger(),

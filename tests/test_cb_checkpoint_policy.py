@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from hookloop import Callback, Trainer
-from hookloop.callbacks.checkpoint_policy import CheckpointCallback, CheckpointPolicy
+from hookloop.callbacks.checkpoint_policy import CheckpointPolicy
+from hookloop.compat.hpo import CheckpointCallback
 from hookloop.testing import TinyModel, ToyData
 
 
@@ -120,7 +121,9 @@ def test_it_warns_when_retention_could_delete_the_best(make_config, tmp_path):
 
 
 def test_seed_name_priority_and_validation():
-    assert CheckpointCallback is CheckpointPolicy
+    assert CheckpointCallback.__mro__[1] is CheckpointPolicy  # the seed's name lives in compat
+    with pytest.raises(ImportError, match=r"hookloop\.compat\.hpo"):
+        from hookloop.callbacks import CheckpointCallback as _  # noqa: F401
     assert CheckpointPolicy.priority == 95
     for kwargs, named in [
         ({"every_n_epochs": 0}, "every_n_epochs"),

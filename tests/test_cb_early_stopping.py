@@ -7,7 +7,8 @@ import warnings
 import pytest
 
 from hookloop import Callback, Trainer
-from hookloop.callbacks.early_stopping import EarlyStopping, EarlyStoppingCallback
+from hookloop.callbacks.early_stopping import EarlyStopping
+from hookloop.compat.hpo import EarlyStoppingCallback
 from hookloop.testing import TinyModel, ToyData
 
 
@@ -144,7 +145,9 @@ def test_name_keys_the_checkpoint_state_by_monitor():
 
 
 def test_seed_name_priority_and_validation():
-    assert EarlyStoppingCallback is EarlyStopping
+    assert EarlyStoppingCallback.__mro__[1] is EarlyStopping  # the seed's name lives in compat
+    with pytest.raises(ImportError, match=r"hookloop\.compat\.hpo"):
+        from hookloop.callbacks import EarlyStoppingCallback as _  # noqa: F401
     assert EarlyStopping.priority == 90
     for kwargs, named in [
         ({"mode": "down"}, "mode"),

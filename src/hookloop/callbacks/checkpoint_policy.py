@@ -162,7 +162,3 @@ class CheckpointPolicy(Callback):
             f"CheckpointPolicy(every_n_epochs={self.every_n_epochs}, "
             f"every_n_steps={self.every_n_steps}, monitor={self.monitor!r}, mode={self.mode!r})"
         )
-
-
-#: The seed-001 name.
-CheckpointCallback = CheckpointPolicy

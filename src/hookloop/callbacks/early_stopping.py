@@ -168,7 +168,3 @@ class EarlyStopping(Callback):
             f"EarlyStopping(monitors={self.monitors!r}, patience={self.patience}, "
             f"min_delta={self.min_delta}, require={self.require!r})"
         )
-
-
-#: The seed-001 name.
-EarlyStoppingCallback = EarlyStopping

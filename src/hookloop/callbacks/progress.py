@@ -372,10 +372,6 @@ class ProgressBar(Callback):
         print(text, file=self._out(), flush=True)
 
 
-#: The seed's name for the same callback.
-ProgressCallback = ProgressBar
-
-
 def _batches(ctx: CallbackContext, kind: str) -> int | None:
     """How many batches the coming evaluation or test will run, when that is known."""
     return ctx.run.eval_batches if kind == "eval" else ctx.run.test_batches
