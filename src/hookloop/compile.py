@@ -64,9 +64,10 @@ def check_can_compile(device: torch.device) -> None:
 
 def unwrap_compiled(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module | None]:
     """``(eager module, compiled wrapper or None)`` for a model that may come compiled."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    if isinstance(model, OptimizedModule):
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:  # never compiled: importing dynamo here would cost a second a run
+        return model, None
+    if isinstance(model, eval_frame.OptimizedModule):
         return model._orig_mod, model
     return model, None
 

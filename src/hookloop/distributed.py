@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -22,10 +23,16 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # a torch build without distributed support: nothing is ever sharded
-    DTensor = None  # type: ignore[assignment,misc]
+
+def _dtensor_class() -> type | None:
+    """``DTensor`` if torch's DTensor module is loaded, else None (then no tensor is one).
+
+    Importing ``torch.distributed.tensor`` costs about a second at start-up, and only
+    sharded runs need it: a DTensor cannot exist before its module has been imported.
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
 
 T = TypeVar("T")
 
@@ -297,8 +304,8 @@ def _fsdp_no_sync(model: Any) -> Iterator[None]:
 
 def is_sharded(model: torch.nn.Module) -> bool:
     """Whether ``model`` was sharded by FSDP2 (its weights are then saved through DCP)."""
-    if not dist.is_available():
-        return False
+    if not dist.is_available() or "torch.distributed.fsdp" not in sys.modules:
+        return False  # FSDP2 was never imported, so nothing is sharded (and it stays unloaded)
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
@@ -306,14 +313,16 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 def local_shards(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """This rank's slice of each DTensor (other tensors as they are), for per-rank checks."""
-    if DTensor is None:
+    dtensor = _dtensor_class()
+    if dtensor is None:
         return list(tensors)
-    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return [t.to_local() if isinstance(t, dtensor) else t for t in tensors]
 
 
 def full_tensor(value: torch.Tensor) -> torch.Tensor:
     """A plain tensor with the whole value of a DTensor (a collective if it is sharded)."""
-    if DTensor is not None and isinstance(value, DTensor):
+    dtensor = _dtensor_class()
+    if dtensor is not None and isinstance(value, dtensor):
         return value.full_tensor()
     return value
 
