@@ -74,6 +74,9 @@ def move_to(batch: Any, device: torch.device) -> Any:
 
 def batch_size_of(batch: Any) -> int:
     """Samples in a batch: the leading dimension of its first tensor (1 if none)."""
+    if type(batch) is tuple and batch and type(batch[0]) is torch.Tensor:  # (inputs, targets)
+        first = batch[0]
+        return int(first.shape[0]) if first.dim() else 1
     while True:
         if isinstance(batch, torch.Tensor):
             return int(batch.shape[0]) if batch.dim() else 1

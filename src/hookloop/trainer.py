@@ -66,6 +66,7 @@ from hookloop.rewind import Rewinder, discard_after, say_rewound
 from hookloop.rundir import RunDir
 from hookloop.runlock import RunDirLocked, run_lock
 from hookloop.state import (
+    NO_REQUESTS,
     CallbackContext,
     Control,
     Requests,
@@ -466,7 +467,7 @@ class Trainer:
 
     def _forward_backward(self, group: list[Any]) -> None:
         """Forward, loss and backward for each micro-batch, firing the micro-step events."""
-        st, hooks, ctx, reducer = self.state, self._hooks, self.ctx, self._reducer
+        st, hooks, ctx = self.state, self._hooks, self.ctx
         k, model, precision = len(group), self._train_model, self.precision
         data = iter(group)
         for i, batch in enumerate(group):
@@ -476,18 +477,27 @@ class Trainer:
                 self.callbacks.fire("on_micro_step_start", ctx)
             # Gradients are reduced across ranks only on the last micro-batch of the step.
             last = i == k - 1
-            with precision.autocast(), _NULL_CONTEXT if last else no_gradient_sync(model):
-                output, loss_func = self._forward(st, data, model)
-                loss, _ = reducer.add(loss_func(output))
-                # (loss, meta): average over micro-batches. (loss_sum, tokens, meta): keep
-                # the sum; gradients are divided by the total token count afterwards.
-                precision.backward(loss if (reducer.token_mode or k == 1) else loss / k)
+            if last and precision.dtype is None:  # fp32, no sync to hold: no context to enter
+                output, loss = self._micro_step(st, data, model, k)
+            else:
+                with precision.autocast(), _NULL_CONTEXT if last else no_gradient_sync(model):
+                    output, loss = self._micro_step(st, data, model, k)
             if hooks["on_micro_step_end"]:
                 ctx.batch, ctx.outputs, ctx.loss = batch, output, loss.detach()
                 self.callbacks.fire("on_micro_step_end", ctx)
                 ctx.outputs = ctx.loss = None
             ctx.batch = None
         st._micro_step = 0
+
+    def _micro_step(self, st: TrainState, data: Any, model: Any, k: int) -> tuple[Any, Any]:
+        """Forward, loss and backward of one micro-batch of ``k``; returns (output, loss)."""
+        reducer = self._reducer
+        output, loss_func = self._forward(st, data, model)
+        loss, _ = reducer.add(loss_func(output))
+        # (loss, meta): average over micro-batches. (loss_sum, tokens, meta): keep
+        # the sum; gradients are divided by the total token count afterwards.
+        self.precision.backward(loss if (reducer.token_mode or k == 1) else loss / k)
+        return output, loss
 
     def _prepare_gradients(self) -> torch.Tensor | None:
         """Unscale, normalise by tokens, clip. Returns the total norm as a tensor, or None."""
@@ -516,7 +526,8 @@ class Trainer:
                 if grad_norm is not None
                 else [loss_dict["loss"], *_grads(self.optimizer)]
             )
-            skip = self._finite_check.any_nonfinite(checked)
+            sharded = st._world_size > 1 or cfg.parallel == "fsdp"  # DTensor gradients
+            skip = self._finite_check.any_nonfinite(checked, sharded=sharded)
             st._nonfinite_steps += skip
         if st._world_size > 1:
             skip = bool(agree_flags([int(skip)], self.device)[0])
@@ -529,8 +540,11 @@ class Trainer:
                     f"{cfg.max_skipped_steps}; last at step {st._step}"
                 )
         else:
-            with self._rewinder.lr_scaled(self.optimizer, st._step):
+            if self._rewinder.lr_factor == 1.0:  # no rewind's lower learning rate in force
                 self.precision.step(self.optimizer)
+            else:
+                with self._rewinder.lr_scaled(self.optimizer, st._step):
+                    self.precision.step(self.optimizer)
             if self.scheduler is not None:
                 self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -594,6 +608,8 @@ class Trainer:
 
     def _take_requests(self) -> Requests:
         """Drain control requests and the signal flag, agreed across ranks."""
+        if self._signal is None and self.state._world_size == 1 and not self.control._pending:
+            return NO_REQUESTS  # what drain() returns then, without its three calls
         requests = self.control.drain(
             signal=self._signal, world_size=self.state._world_size, device=self.device
         )
@@ -954,13 +970,15 @@ class FiniteCheck:
         self.one = torch.ones(1, device=device)
         self.fused = hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_")
 
-    def any_nonfinite(self, tensors: list[torch.Tensor]) -> bool:
+    def any_nonfinite(self, tensors: list[torch.Tensor], *, sharded: bool = True) -> bool:
         """``tensors`` must not require grad (detached losses, ``p.grad``).
 
         Sharded gradients are checked on this rank's slice; the caller agrees the
-        answer across ranks.
+        answer across ranks. ``sharded=False`` (one process: no DTensor) skips the
+        look for slices.
         """
-        tensors = local_shards(tensors)
+        if sharded:
+            tensors = local_shards(tensors)
         if not self.fused:
             return not all(bool(torch.isfinite(t).all()) for t in tensors)
         try:
