@@ -13,6 +13,11 @@ from pathlib import Path
 import torch
 
 from hookloop.callback import Callback
+
+try:  # imported once: DefaultMetrics reads the peak RSS on every log step
+    import resource
+except ImportError:  # Windows
+    resource = None  # type: ignore[assignment]
 from hookloop.state import CallbackContext
 
 log = logging.getLogger("hookloop.memory")
@@ -25,9 +30,7 @@ def peak_rss_mib() -> float | None:
 
     ``getrusage`` reports ``ru_maxrss`` in KiB on Linux and in bytes on macOS.
     """
-    try:
-        import resource
-    except ImportError:  # Windows
+    if resource is None:
         return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / MIB if sys.platform == "darwin" else peak / 1024
@@ -43,7 +46,8 @@ def cuda_peaks_mib(device: torch.device) -> dict[str, float]:
 
 def peak_memory_mib(device: torch.device | str | None) -> float | None:
     """One headline number: CUDA peak allocated on a CUDA device, else the peak RSS."""
-    device = torch.device(device) if device is not None else torch.device("cpu")
+    if not isinstance(device, torch.device):  # a str or None; a device is used as it is
+        device = torch.device(device) if device is not None else torch.device("cpu")
     if device.type == "cuda" and torch.cuda.is_available():
         return cuda_peaks_mib(device)["allocated"]
     return peak_rss_mib()
