@@ -200,7 +200,8 @@ class BackgroundSaves:
         if not pending.done.is_set():
             began = time.perf_counter()
             pending.done.wait()
-            pending.blocked += time.perf_counter() - began
+            # up to the commit, not up to this thread waking: a save blocks no longer than it lasts
+            pending.blocked += max(0.0, min(time.perf_counter(), pending.finished) - began)
         self._pending = None
         self.busy = False
         if pending.error is not None:
