@@ -315,7 +315,9 @@ def read_back(values: list[Any]) -> list[list[float] | None]:
     through as ``[float(v)]``; ``None`` stays ``None``.
     """
     tensors = [v.detach().reshape(-1) for v in values if isinstance(v, torch.Tensor)]
-    if tensors:
+    if len(tensors) == 1 and tensors[0].dtype == torch.float32:  # usual: the losses alone
+        host = iter(tensors[0].tolist())  # float32 -> Python float is exact: no cast needed
+    elif tensors:
         flat = [t.double() if not t.is_floating_point() else t.float().double() for t in tensors]
         host = iter(torch.cat(flat).tolist() if len(flat) > 1 else flat[0].tolist())
     out: list[list[float] | None] = []
