@@ -7,6 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/ruff check src tests bench gpu_tests
 .venv/bin/ruff format --check src tests bench gpu_tests
-# Two workers, each taking whole files (module fixtures are shared within a file): the
-# multi-process tests of one file overlap the in-process tests of another.
-.venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"
+# Three workers on two cores, stealing work from each other: a third of the time goes to
+# subprocess tests waiting on their children (kills, restarts, torchrun), which the
+# other workers fill.
+.venv/bin/python -m pytest -q -n 3 --dist worksteal "$@"
