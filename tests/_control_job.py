@@ -40,7 +40,7 @@ def main() -> int:
     parser.add_argument("job_id")
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()  # overrides may follow --sleep
     torch.set_num_threads(1)
     cfg = default_config("mlp-regression")
     apply_overrides(
@@ -63,6 +63,8 @@ def main() -> int:
     if args.sleep > 0:
         callbacks.append(_Pause(args.sleep))
     trainer = build_trainer(cfg, callbacks=callbacks, out_dir=out)
+    if cfg.callbacks.profile:  # as hookloop train does: the cost report in the status
+        trainer.callbacks.profile()
     result = trainer.train()
     print(f"hookloop: {result.stop_reason} at step {result.step}", file=sys.stderr, flush=True)
     return result.exit_code

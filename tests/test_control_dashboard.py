@@ -66,7 +66,9 @@ def test_dashboard_shows_a_growing_curve_and_its_stop_button_stops_the_job(tmp_p
     executable = chromium
     from playwright.sync_api import sync_playwright
 
-    job = Job(tmp_path / "job", tmp_path / "jobs", "dash-job", sleep=0.005)
+    job = Job(
+        tmp_path / "job", tmp_path / "jobs", "dash-job", "callbacks.profile=true", sleep=0.005
+    )
     try:
         with sync_playwright() as pw:
             context = pw.chromium.launch_persistent_context(
@@ -130,6 +132,19 @@ def _drive(context, job: Job) -> None:
     assert page.text_content("#conn") == "live"
     assert int(page.text_content("#step").split("/")[0]) > 0
     assert page.evaluate("sessionStorage.getItem('hookloop.token')") == job.token
+    # the job profiles its callbacks: the cost table lists their handlers
+    page.wait_for_selector("#costs", state="visible", timeout=MS)
+    page.wait_for_function(
+        "() => document.querySelectorAll('#cost-rows tr').length >= 2", timeout=MS
+    )
+    labels = page.eval_on_selector_all(
+        "#cost-rows tr td:first-child", "els => els.map(e => e.textContent)"
+    )
+    assert "ControlServer" in labels and "JsonLogger" in labels, labels
+    shares = page.eval_on_selector_all(
+        "#cost-rows tr td:last-child", "els => els.map(e => e.textContent)"
+    )
+    assert all(s.endswith(" %") for s in shares), shares
 
     page.click("button[data-command='graceful_stop']")
     page.wait_for_function(

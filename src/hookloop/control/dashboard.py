@@ -70,6 +70,10 @@ button:hover { border-color: var(--line); }
 button.danger { color: var(--bad); }
 button:disabled { opacity: .5; cursor: default; }
 #message { margin-top: 10px; min-height: 1.4em; color: var(--mute); }
+#costs table { width: 100%; border-collapse: collapse; font-variant-numeric: tabular-nums; }
+#costs th, #costs td { text-align: right; padding: 2px 8px; border-bottom: 1px solid var(--grid); }
+#costs th:nth-child(-n+2), #costs td:nth-child(-n+2) { text-align: left; }
+#costs caption { text-align: left; color: var(--mute); padding-bottom: 6px; }
 """
 
 SCRIPT = """
@@ -151,6 +155,27 @@ function render(st) {
   }
 }
 
+const COST_COLUMNS = ["callback", "event", "calls", "total_ms", "us_per_call", "share"];
+
+function renderCosts(rows) {
+  // callbacks.profile=true: the cost of each handler, most expensive first (top 12)
+  $("costs").classList.toggle("hidden", !Array.isArray(rows));
+  if (!Array.isArray(rows)) { return; }
+  const body = $("cost-rows");
+  body.replaceChildren();
+  for (const row of rows.slice(0, 12)) {
+    const tr = document.createElement("tr");
+    for (const key of COST_COLUMNS) {
+      const td = document.createElement("td");
+      const v = row[key];
+      td.textContent = key === "share" && typeof v === "number"
+        ? (100 * v).toFixed(2) + " %" : fmt(v);
+      tr.appendChild(td);
+    }
+    body.appendChild(tr);
+  }
+}
+
 function addRecord(rec) {
   const values = {};
   for (const [k, v] of Object.entries(rec)) {
@@ -228,6 +253,7 @@ async function poll() {
     const st = await api(base() + "/status");
     if (st.status !== 200) { throw new Error(st.body.error || "HTTP " + st.status); }
     render(st.body);
+    renderCosts(st.body.callback_profile);
     if (st.body.history_seq > state.seq) {
       const h = await api(base() + "/history?after=" + state.seq);
       if (h.status === 200) {
@@ -355,6 +381,14 @@ BODY = """
         <button type="button" id="forget" class="legend">Forget token</button>
       </div>
       <div id="message"></div>
+    </section>
+    <section id="costs" class="hidden">
+      <table>
+        <caption>Cost per callback (callbacks.profile=true), most expensive first</caption>
+        <thead><tr><th>callback</th><th>event</th><th>calls</th><th>total ms</th>
+          <th>&#181;s / call</th><th>share of run</th></tr></thead>
+        <tbody id="cost-rows"></tbody>
+      </table>
     </section>
   </div>
 </main>
