@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hookloop.callback import Callback
+from hookloop.control.background import run_while_serving
 from hookloop.control.registry import (
     JobDir,
     JobRecord,
@@ -548,14 +549,7 @@ class ControlServer(Callback):
                     self._snapshot.sample_rate(time.monotonic(), state.step)
                 await asyncio.sleep(1.0)
 
-        task = asyncio.get_running_loop().create_task(sample())
-
-        async def cancel(app: web.Application) -> None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-        app.on_cleanup.append(cancel)
+        run_while_serving(app, sample)
 
     def _authorized(self, header: str) -> bool:
         if self.disable_auth:

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hookloop.control.background import run_while_serving
 from hookloop.diloco.outer import OuterOptimizer, check_outer_settings, mean_of
 from hookloop.diloco.wire import CONTENT_TYPE, decode, encode, split_fragments
 
@@ -497,14 +498,7 @@ class DiLoCoServer:
                 except Exception:  # a bad round must not stop the reaper
                     log.exception("diloco: closing a round failed")
 
-        task = asyncio.get_running_loop().create_task(reap())
-
-        async def cancel(app: web.Application) -> None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-        app.on_cleanup.append(cancel)
+        run_while_serving(app, reap)
 
     def _authorized(self, header: str) -> bool:
         token = self.settings.token
