@@ -10,6 +10,7 @@ skips an update whose gradients overflowed).
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Any
 
 import torch
@@ -29,6 +30,9 @@ class Precision:
         self.device_type = dev
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
         self.scaler = torch.amp.GradScaler(dev) if precision == "fp16" else None
+        if self.scaler is None:  # the step's calls go straight to torch: no layer in between
+            self.backward = torch.Tensor.backward  # type: ignore[method-assign]
+            self.step = operator.methodcaller("step")  # type: ignore[method-assign]
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The forward pass's context: autocast to the reduced dtype, or nothing."""

@@ -75,8 +75,8 @@ def move_to(batch: Any, device: torch.device) -> Any:
 def batch_size_of(batch: Any) -> int:
     """Samples in a batch: the leading dimension of its first tensor (1 if none)."""
     if type(batch) is tuple and batch and type(batch[0]) is torch.Tensor:  # (inputs, targets)
-        first = batch[0]
-        return int(first.shape[0]) if first.dim() else 1
+        shape = batch[0].shape
+        return shape[0] if shape else 1
     while True:
         if isinstance(batch, torch.Tensor):
             return int(batch.shape[0]) if batch.dim() else 1
@@ -127,7 +127,7 @@ def default_forward_step(loss_fn: LossFn | None, device: torch.device) -> Forwar
                 )
             inputs, targets = batch
             output = model(inputs)
-            return output, lambda out: (loss_fn(out, targets), {})
+            return output, lambda out: loss_fn(out, targets)  # a bare loss: pattern 1
         if isinstance(batch, dict):
             output = model(**batch)
         elif isinstance(batch, (list, tuple)):
@@ -172,6 +172,15 @@ class LossReducer:
         of micro-batches); pattern 2 returns the token sum (the caller divides
         the gradients by the total tokens once all micro-batches are in).
         """
+        if type(result) is torch.Tensor and not self.token_mode:  # a bare loss (pattern 1)
+            if result.numel() != 1:
+                raise TypeError(
+                    f"{PATTERNS_HELP}; the loss must be a scalar tensor, got shape "
+                    f"{tuple(result.shape)} (reduce it, e.g. .mean() or .sum())"
+                )
+            self.token_mode = False
+            self._losses.append(result.detach())
+            return result, None
         if type(result) is not tuple:
             if isinstance(result, torch.Tensor):
                 result = (result, {})
@@ -345,17 +354,24 @@ class LossWindow:
 
     def add(self, loss_dict: dict[str, Any], grad_norm: Any, *, keep_all: bool = True) -> None:
         """Keep a step's losses (no sync). ``keep_all=False`` keeps only the latest."""
-        if not keep_all:
-            self.losses.clear()
-        self.losses.append(loss_dict)
+        if keep_all:
+            self.losses.append(loss_dict)
+        else:
+            self.losses = [loss_dict]
         self.grad_norm = grad_norm
 
     def means(self) -> tuple[list[str], torch.Tensor | None]:
         """Keys of the latest step and each key's mean over the window, as one tensor."""
-        if not self.losses:
+        losses = self.losses
+        if not losses:
             return [], None
-        keys = list(self.losses[-1])
-        return keys, torch.stack([_mean(d[k] for d in self.losses if k in d) for k in keys])
+        keys = list(losses[-1])
+        values = [d.get(k) for k in keys for d in losses]  # key-major: one row per key
+        if all(type(v) is torch.Tensor and v.dtype == torch.float32 for v in values):
+            # Usual: every step logged the same float32 scalars. One stack, one mean per row
+            # (each row reduced as a contiguous vector, as a mean of that key alone would be).
+            return keys, torch.stack(values).view(len(keys), len(losses)).mean(1)
+        return keys, torch.stack([_mean(d[k] for d in losses if k in d) for k in keys])
 
     def clear(self) -> None:
         self.losses, self.grad_norm = [], None

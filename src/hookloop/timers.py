@@ -19,6 +19,7 @@ first, as Megatron's do. Both cost a host-device round trip, so neither is the d
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from time import perf_counter
 from typing import Any
 
@@ -81,6 +82,12 @@ class Timer:
         self._started = None
         self.count += 1
 
+    def add(self, seconds: float) -> None:
+        """Add an interval measured elsewhere (the loop reads one clock per step
+        boundary and hands each timer its share, instead of a start and a stop)."""
+        self._elapsed += seconds
+        self.count += 1
+
     def reset(self) -> None:
         """Forget the time added up so far (and stop a running timer)."""
         self._elapsed = 0.0
@@ -128,8 +135,33 @@ class NullTimer:
     def stop(self, barrier: bool = False) -> None:
         pass
 
+    def add(self, seconds: float) -> None:
+        pass
+
 
 NULL_TIMER = NullTimer()
+
+
+def loop_clock(mode: str, device: Any = None) -> Callable[[], float]:
+    """The clock the loop reads at each step boundary for ``train.timers=mode``.
+
+    ``on``: the host clock; ``sync``: waits for ``device``'s queued work first;
+    ``off``: always 0.0 (the loop's timers are :data:`NULL_TIMER` then).
+    """
+    if mode == "off":
+        return _no_clock
+    if mode == "sync":
+
+        def synced_clock() -> float:
+            _wait(device, False)
+            return perf_counter()
+
+        return synced_clock
+    return perf_counter
+
+
+def _no_clock() -> float:
+    return 0.0
 
 
 class Timers:

@@ -25,6 +25,7 @@ import contextlib
 import copy
 import itertools
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -85,7 +86,7 @@ from hookloop.step import (
     read_back,
     to_float,
 )
-from hookloop.timers import LOOP_TIMERS, NULL_TIMER, Timers, per_step_ms
+from hookloop.timers import LOOP_TIMERS, NULL_TIMER, Timers, loop_clock, per_step_ms
 
 __all__ = ["ExitCode", "TrainResult", "Trainer"]  # ExitCode, TrainResult: from hookloop.result
 
@@ -284,9 +285,14 @@ class Trainer:
         )
 
     def _start_timers(self) -> None:
-        """``state.timers`` for everyone; the loop's own timers, or no-ops when off."""
+        """``state.timers`` for everyone; the loop's own timers, or no-ops when off.
+
+        A step reads ``self._clock`` once per boundary (data, forward-backward,
+        optimizer) and adds each interval to its timer, instead of a start and a stop each.
+        """
         mode = self.config.train.timers
         self.state._timers = Timers(sync=mode == "sync", device=self.device)
+        self._clock = loop_clock(mode, self.device)
         self._t_data, self._t_fb, self._t_opt, self._t_eval, self._t_save = (
             NULL_TIMER if mode == "off" else self.state._timers(name)
             for name in LOOP_TIMERS  # data-iterator, forward-backward, optimizer, eval, save
@@ -332,6 +338,7 @@ class Trainer:
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True)
         self._skip_steps = frozenset(cfg.iterations_to_skip)
+        self._next_scheduled = 0  # the first boundary works out when the next is due
         st._stop_reason, st._failed = None, False
         self._start_time = time.monotonic()
         restore_signals = self._install_signal_handlers() if cfg.handle_signals else None
@@ -383,21 +390,23 @@ class Trainer:
         )
         if st._epoch_step == 0:
             self._fire("on_epoch_start")
+        clock, rewinder, collect_every = self._clock, self._rewinder, self._gc.every
         while True:
             if st._max_steps is not None and st._step >= st._max_steps:
                 st._stop_reason = "max_steps" if cfg.max_steps else "max_epochs"
                 if st._epoch_step != st._steps_per_epoch:
                     return  # budget spent mid-epoch: no epoch end, so a longer resume is exact
                 break
-            self._t_data.start()
-            if self._rewinder.pending and self._rewinder.skip_due(st._step):
-                self._rewinder.skip(micro_batches, st._epoch)  # the data after a divergence
+            fetching = clock()
+            if rewinder.pending and rewinder.skip_due(st._step):
+                rewinder.skip(micro_batches, st._epoch)  # the data after a divergence
             group = list(itertools.islice(micro_batches, k))
-            self._t_data.stop()
             if len(group) < k:  # epoch exhausted; a partial accumulation group is dropped
+                self._t_data.add(clock() - fetching)
                 break
-            self._train_step(group)
-            self._gc.after_step(st._step)
+            self._train_step(group, fetching)
+            if collect_every is not None:
+                self._gc.after_step(st._step)
             if self._step_boundary():
                 return  # stopped mid-epoch: no epoch-end events
         if self.eval_loader is not None and cfg.eval_at_epoch_end and not self._evaluated_now():
@@ -407,9 +416,13 @@ class Trainer:
         st._epoch_step = 0
         self._epoch_boundary()
 
-    def _train_step(self, group: list[Any]) -> None:
-        """One optimizer step over ``len(group)`` accumulated micro-batches."""
-        st, hooks, ctx = self.state, self._hooks, self.ctx
+    def _train_step(self, group: list[Any], fetching: float | None = None) -> None:
+        """One optimizer step over ``len(group)`` accumulated micro-batches, fetched
+        since ``fetching`` (a reading of ``self._clock``; None: not timed)."""
+        st, hooks, ctx, clock = self.state, self._hooks, self.ctx, self._clock
+        fetched = clock()
+        if fetching is not None:
+            self._t_data.add(fetched - fetching)
         st._step += 1
         st._epoch_step += 1
         self.control._skip = False  # a skip filed after last step's update does not carry over
@@ -421,28 +434,31 @@ class Trainer:
             st._flops += self.flops_per_sample * samples
         if st._step in self._skip_steps:
             return  # iterations_to_skip: data consumed, nothing computed
+        computing = fetched
         if hooks["on_train_step_start"]:
             self.callbacks.fire("on_train_step_start", ctx)
+            computing = clock()  # the timers leave the step-start handlers out
         reducer = self._reducer
         reducer.reset()
-        self._t_fb.start()
         self._forward_backward(group)
-        self._t_fb.stop()
-        self._t_opt.start()
+        computed = clock()
+        self._t_fb.add(computed - computing)
         grad_norm = self._prepare_gradients()
         if st._will_log and self.config.train.log_num_zeros_in_grad:
             sharded = self.config.train.parallel == "fsdp" and st._world_size > 1
             self._zeros = count_zeros(_grads(self.optimizer), sharded=sharded)
-        self._t_opt.stop()
+        prepared = clock()
         loss_dict = reducer.result()
         if reducer.token_mode:
             self._pending_tokens.append(reducer.tokens)  # a tensor: summed when read
         ctx.loss_dict, ctx.grad_norm = loss_dict, grad_norm
+        resumed = prepared
         if hooks["on_before_optimizer_step"]:
             self.callbacks.fire("on_before_optimizer_step", ctx)
-        self._t_opt.start()
+            resumed = clock()  # the optimizer timer leaves the handlers out
         skipped = self._optimizer_step(loss_dict, grad_norm)
-        self._t_opt.stop()
+        self._t_opt.add(prepared - computed)  # two intervals, as the optimizer timer
+        self._t_opt.add(clock() - resumed)  # has always counted them
         if not skipped:  # a skipped step's (non-finite) loss stays out of the logged average
             self._losses.add(loss_dict, grad_norm, keep_all=bool(self.config.train.log_every))
         ctx.skipped_iter = skipped
@@ -463,7 +479,7 @@ class Trainer:
         every = self.config.train.log_every
         if every and self.state._step % every == 0:
             return True
-        return self.state._world_size == 1 and self.control.log_requested
+        return self.state._world_size == 1 and self.control._log
 
     def _forward_backward(self, group: list[Any]) -> None:
         """Forward, loss and backward for each micro-batch, firing the micro-step events."""
@@ -517,7 +533,8 @@ class Trainer:
     def _optimizer_step(self, loss_dict: dict[str, Any], grad_norm: torch.Tensor | None) -> bool:
         """Apply the update unless a callback or a non-finite value says skip."""
         cfg, st = self.config.train, self.state
-        skip = self.control.take_skip()
+        control = self.control
+        skip, control._skip = control._skip, False  # a request counts for this update only
         if not skip and cfg.skip_nonfinite and not self.precision.checks_overflow:
             # The one host read per step this option costs. (With fp16 the GradScaler
             # does its own inf check and skips the update itself.)
@@ -553,6 +570,37 @@ class Trainer:
     # -- the step boundary: log, evaluate, save, stop ----------------------------
     def _step_boundary(self) -> bool:
         """Act on what is due or requested after a step. Returns True to stop training."""
+        st = self.state
+        if (
+            st._step < self._next_scheduled
+            and not st._will_log
+            and not self.control._pending
+            and self._signal is None
+            and not self._saves.busy
+        ):
+            return False  # the common step: nothing scheduled, asked for or being saved
+        stopping = self._act_at_boundary()
+        self._next_scheduled = self._next_scheduled_step()
+        return stopping
+
+    def _next_scheduled_step(self) -> int:
+        """The next step whose boundary has something on the schedule: a log, an
+        evaluation, a save, the exit interval. Every step with several ranks (they
+        agree on requests at each boundary) or with a time limit to watch."""
+        cfg, step = self.config.train, self.state._step
+        if self.state._world_size > 1 or cfg.exit_duration_minutes is not None:
+            return step + 1
+        intervals = [cfg.log_every, cfg.exit_interval]
+        if self.eval_loader is not None:
+            intervals.append(cfg.eval_every)
+        for manager in (self.checkpoints, self.local_checkpoints):
+            if manager is not None:
+                intervals.append(manager.policy.every)
+        return min([(step // n + 1) * n for n in intervals if n], default=sys.maxsize)
+
+    def _act_at_boundary(self) -> bool:
+        """The step boundary's work: collect a finished background save, drain requests,
+        then log, evaluate, rewind, stop or save. Returns True to stop training."""
         cfg, st = self.config.train, self.state
         if self._saves.busy:  # a background commit that has ended fires on_checkpoint_save now
             self._collect_saves(wait=False)
@@ -570,8 +618,9 @@ class Trainer:
             ran_handlers = True
         if ran_handlers:  # a log or eval handler may have asked to stop (e.g. early stopping)
             later = self._take_requests()
-            self._carry_over(later)
-            requests = requests.merge(later)
+            if later is not NO_REQUESTS:
+                self._carry_over(later)
+                requests = requests.merge(later)
         if self._aborts(requests):
             return True
         if requests.rewind is not None and (requests.failed or not requests.stop):
@@ -700,7 +749,10 @@ class Trainer:
         tokens = sum(self._pending_tokens) if self._pending_tokens else None
         self._pending_tokens.clear()
         # One device-to-host transfer for the losses, the grad norm and the token count.
-        means_h, norm_h, tokens_h = read_back([means, window.grad_norm, tokens])
+        if window.grad_norm is None and tokens is None and means is not None:
+            means_h, norm_h, tokens_h = means.tolist(), None, None  # usual: the losses alone
+        else:
+            means_h, norm_h, tokens_h = read_back([means, window.grad_norm, tokens])
         if tokens_h is not None:
             st._tokens += int(tokens_h[0])
         logs: dict[str, Any] = {}
@@ -969,6 +1021,8 @@ class FiniteCheck:
         self.found = torch.zeros(1, device=device)
         self.one = torch.ones(1, device=device)
         self.fused = hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_")
+        # On the CPU the flag is read through a NumPy view of its memory: no dispatch.
+        self._found_host = _numpy_view(self.found) if device.type == "cpu" else None
 
     def any_nonfinite(self, tensors: list[torch.Tensor], *, sharded: bool = True) -> bool:
         """``tensors`` must not require grad (detached losses, ``p.grad``).
@@ -987,10 +1041,19 @@ class FiniteCheck:
         except (RuntimeError, TypeError):  # mixed dtypes/devices: check one by one
             self.fused = False
             return self.any_nonfinite(tensors)
-        found = bool(self.found)
+        host = self._found_host
+        found = bool(host[0]) if host is not None else bool(self.found)
         if found:  # found stays 0 until a non-finite value sets it: reset only then
             self.found.zero_()
         return found
+
+
+def _numpy_view(tensor: torch.Tensor) -> Any:
+    """A NumPy array sharing ``tensor``'s memory, or None without NumPy."""
+    try:
+        return tensor.numpy()
+    except (ImportError, RuntimeError):
+        return None
 
 
 def _check_flops(value: Any) -> float | None:
