@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import Dataset
 
 from hookloop import Callback, Config, Trainer
-from hookloop.step import LossReducer
+from hookloop.step import LossReducer, LossWindow
 from hookloop.testing import TinyModel, ToyData
 
 
@@ -220,6 +220,23 @@ def test_reducer_two_element_meta_is_a_ratio_of_sums_not_a_mean_of_ratios():
     assert float(result["loss"]) == pytest.approx(8 / 10)
     assert float(result["acc"]) == pytest.approx(4 / 10)
     assert reducer.tokens == 10
+
+
+def test_the_logged_mean_of_each_key_equals_that_keys_own_mean_to_the_bit():
+    gen = torch.Generator().manual_seed(3)
+    steps = [{"loss": torch.rand((), generator=gen) * 7, "acc": torch.rand((), generator=gen)}
+             for _ in range(10)]  # fmt: skip
+    window = LossWindow(torch.device("cpu"))
+    for d in steps:
+        window.add(d, None)
+    keys, means = window.means()
+    assert keys == ["loss", "acc"]
+    for key, mean in zip(keys, means, strict=True):
+        assert mean.item() == torch.stack([d[key] for d in steps]).mean().item()
+    window.add({"loss": torch.tensor(1.0)}, None)  # the latest step's keys are logged
+    keys, means = window.means()
+    losses = [*(d["loss"] for d in steps), torch.tensor(1.0)]
+    assert keys == ["loss"] and means.tolist() == [torch.stack(losses).mean().item()]
 
 
 def test_reducer_refuses_mixed_patterns():

@@ -16,7 +16,7 @@ from hookloop.compat.megatron_bridge.training.gpt_step import forward_step
 from hookloop.compat.megatron_bridge.training.pretrain import pretrain
 from hookloop.config import apply_overrides
 from hookloop.testing import TinyModel, ToyData
-from hookloop.timers import LOOP_TIMERS, Timers
+from hookloop.timers import LOOP_TIMERS, Timers, loop_clock
 
 STEPS = 4
 
@@ -59,6 +59,24 @@ def test_a_running_timer_counts_up_to_now_and_keeps_running():
     assert timer.elapsed() >= 0.01 and timer.active  # reset restarts the count from now
     timer.stop()
     assert timer.elapsed() < 0.01
+
+
+def test_an_interval_measured_elsewhere_adds_up_like_a_start_and_stop():
+    timer = Timers()("fetch")
+    timer.add(0.25)
+    timer.add(0.5)
+    assert timer.count == 2 and not timer.active
+    assert timer.elapsed() == 0.75
+    assert timer.count == 0
+
+
+def test_the_loop_clock_reads_the_host_clock_or_nothing_when_timers_are_off():
+    assert loop_clock("off")() == 0.0 == loop_clock("off")()
+    for mode in ("on", "sync"):  # sync waits for a CUDA device first; on the CPU nothing to wait
+        clock = loop_clock(mode, torch.device("cpu"))
+        first = clock()
+        time.sleep(0.01)
+        assert clock() - first >= 0.01
 
 
 def test_timer_misuse_names_the_timer_and_what_to_do():

@@ -546,6 +546,30 @@ def test_iterations_to_skip_consumes_the_data_without_computing(make_config):
     assert result.step == 4
 
 
+def test_every_schedule_acts_at_its_own_steps_when_several_interleave(make_config, tmp_path):
+    """Logs, evaluations, saves and the exit interval each at their own multiples (the
+    boundary skips the steps in between without looking), and a request filed on a step
+    between them is still served at that step."""
+    cfg = make_config(max_steps=14, log_every=5, eval_every=3, exit_interval=13)
+    cfg.train.eval_at_epoch_end = False
+    cfg.checkpoint.every, cfg.checkpoint.save_on_end = 4, False
+    rec = RecordingCallback(events=["on_log", "on_eval_end", "on_checkpoint_save"])
+    manager = CallbackManager([rec])
+    manager.register("on_train_step_end", lambda ctx: ctx.control.request_log(), once=7)
+    trainer = Trainer(
+        TinyModel(), train_data=ToyData(n=64), eval_data=ToyData(n=8, seed=1),
+        loss_fn=TinyModel.loss_fn, config=cfg, callbacks=manager, out_dir=tmp_path,
+    )  # fmt: skip
+    result = trainer.train()
+    steps = {e: [s for name, s, _ in rec.events if name == e] for e in rec.only}
+    assert steps == {
+        "on_log": [5, 7, 10],
+        "on_eval_end": [3, 6, 9, 12],
+        "on_checkpoint_save": [4, 8, 12, 13],  # a stop (the exit interval) saves too
+    }
+    assert (result.step, result.stop_reason) == (13, "exit_interval")
+
+
 def test_exit_interval_stops_at_the_first_multiple(make_trainer):
     result = make_trainer(max_steps=10, exit_interval=3).train()
     assert (result.step, result.stop_reason, result.exit_code) == (3, "exit_interval", ExitCode.OK)
