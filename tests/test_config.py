@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from hookloop.config import Config, TrainConfig, apply_overrides, describe, load_yaml
+from hookloop.config import Config, TrainConfig, apply_overrides, describe, dump_yaml, load_yaml
 from hookloop.recipes import default_config
 
 #: Every settable key of the base Config. Growing this set should be a deliberate choice:
@@ -385,3 +385,12 @@ def test_train_config_alone_is_accepted_by_the_trainer():
     )
     assert trainer.config.train.max_steps == 2
     assert trainer.train().step == 2
+
+
+def test_the_yaml_written_into_checkpoints_is_what_safe_dump_writes():
+    cfg = Config()
+    cfg.train.iterations_to_skip = [3, 5]
+    cfg.checkpoint.monitor = "eval_loss — lower is better ✓"
+    data = {**cfg.to_dict(), "notes": "a long line " * 20, "empty": {}, "none": None}
+    assert dump_yaml(data) == yaml.safe_dump(data, sort_keys=False)
+    assert yaml.safe_load(dump_yaml(data)) == data

@@ -54,9 +54,9 @@ from typing import Any
 
 import numpy as np
 import torch
-import yaml
 
 from hookloop.callback import Stateful
+from hookloop.config import dump_yaml
 from hookloop.distributed import (
     barrier,
     broadcast_object,
@@ -720,7 +720,7 @@ class CheckpointManager:
         if captured is not None:
             files, written = captured
             if config is not None:
-                files["config.yaml"] = yaml.safe_dump(config, sort_keys=False).encode()
+                files["config.yaml"] = dump_yaml(config).encode()
             meta: dict[str, Any] = {"step": step, "epoch": epoch, "time": time.time()}
             if self.policy.monitor:
                 meta["metric"] = _monitored(dict(metrics or {}), self.policy.monitor)

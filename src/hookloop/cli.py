@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from hookloop.callback import Callback
-from hookloop.config import Config, apply_overrides, describe, load_yaml
+from hookloop.config import Config, apply_overrides, describe, dump_yaml, load_yaml
 from hookloop.recipes import default_config, get_recipe, recipe_names
 from hookloop.result import ExitCode
 from hookloop.resume_config import OptimizerOverrides, resume_config
@@ -217,7 +217,7 @@ class _RecordConfig(Callback):
         if not ctx.state.is_rank_zero or (self.path.exists() and not self.replace):
             return
         staging = self.path.with_name(f".{self.path.name}.tmp")
-        staging.write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+        staging.write_text(dump_yaml(self.cfg.to_dict()))
         os.replace(staging, self.path)
 
 

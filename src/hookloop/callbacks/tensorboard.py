@@ -41,12 +41,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from hookloop._optional import require
 from hookloop.callback import Callback
 from hookloop.callbacks._writer import log_writer
 from hookloop.callbacks.jsonlog import metric_tag, numeric_metrics, run_status
+from hookloop.config import dump_yaml
 from hookloop.state import CallbackContext
 
 _EVENT_FILE = re.compile(r"events\.out\.tfevents\.(\d+)\.")
@@ -313,7 +312,7 @@ class TBLogger(Callback):
         self.writer.add_text("run/start", _markdown_table(self._start_info(ctx)), step)
         config = getattr(ctx.config, "to_dict", None)
         if self.log_config and config is not None:
-            text = yaml.safe_dump(config(), sort_keys=False)
+            text = dump_yaml(config())
             self.writer.add_text("config", _code_block(text), step)
 
     def on_log(self, ctx: CallbackContext) -> None:

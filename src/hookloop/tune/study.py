@@ -34,7 +34,7 @@ import yaml
 from hookloop._optional import require
 from hookloop.callback import Callback
 from hookloop.callbacks.monitor import as_float, check_metric_name
-from hookloop.config import Config
+from hookloop.config import Config, dump_yaml
 from hookloop.runs import PARAMS_FILE
 from hookloop.state import CallbackContext
 from hookloop.tune.space import SearchSpace, apply_params
@@ -268,7 +268,7 @@ def train_trial(
     callbacks = [*default_callbacks(cfg, run_dir), best]
     if trial is not None:
         run_dir.mkdir(parents=True, exist_ok=True)  # another rank may have made it
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        (run_dir / "config.yaml").write_text(dump_yaml(cfg.to_dict()))
         (run_dir / PARAMS_FILE).write_text(
             yaml.safe_dump({"study": spec.study_name, "trial": number, "params": values})
         )
