@@ -22,7 +22,8 @@ PACKAGE = "hookloop"
 ENGINE = tuple(
     f"{PACKAGE}.{name}"
     for name in ("events", "manager", "state", "callback", "trainer", "checkpoint", "step",
-                 "data", "config", "distributed", "local_checkpoints", "rewind")
+                 "data", "config", "distributed", "local_checkpoints", "rewind",
+                 "trainer_checkpoints", "trainer_evaluation")
 )  # fmt: skip
 #: What sits above the engine; the engine imports none of it.
 ABOVE = tuple(f"{PACKAGE}.{name}" for name in ("callbacks", "compat", "control", "cli"))

@@ -394,3 +394,54 @@ def _mean(values: Any) -> torch.Tensor:
         return (stacked if stacked.dtype == torch.float32 else stacked.float()).mean()
     device = next((v.device for v in items if isinstance(v, torch.Tensor)), None)
     return torch.stack([torch.as_tensor(v, device=device).float() for v in items]).mean()
+
+
+def gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every parameter's ``.grad`` the optimizer will use (parameters without one left out)."""
+    if len(optimizer.param_groups) == 1:
+        return [p.grad for p in optimizer.param_groups[0]["params"] if p.grad is not None]
+    return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+
+class FiniteCheck:
+    """Is any element of these tensors NaN or Inf? One fused kernel and one host read."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.found = torch.zeros(1, device=device)
+        self.one = torch.ones(1, device=device)
+        self.fused = hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_")
+        # On the CPU the flag is read through a NumPy view of its memory: no dispatch.
+        self._found_host = _numpy_view(self.found) if device.type == "cpu" else None
+
+    def any_nonfinite(self, tensors: list[torch.Tensor], *, sharded: bool = True) -> bool:
+        """``tensors`` must not require grad (detached losses, ``p.grad``).
+
+        Sharded gradients are checked on this rank's slice; the caller agrees the
+        answer across ranks. ``sharded=False`` (one process: no DTensor) skips the
+        look for slices.
+        """
+        if sharded:
+            from hookloop.distributed import local_shards
+
+            tensors = local_shards(tensors)
+        if not self.fused:
+            return not all(bool(torch.isfinite(t).all()) for t in tensors)
+        try:
+            # Multiplies by 1 in place (a no-op) and sets found if anything is non-finite.
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, self.found, self.one)
+        except (RuntimeError, TypeError):  # mixed dtypes/devices: check one by one
+            self.fused = False
+            return self.any_nonfinite(tensors)
+        host = self._found_host
+        found = bool(host[0]) if host is not None else bool(self.found)
+        if found:  # found stays 0 until a non-finite value sets it: reset only then
+            self.found.zero_()
+        return found
+
+
+def _numpy_view(tensor: torch.Tensor) -> Any:
+    """A NumPy array sharing ``tensor``'s memory, or None without NumPy."""
+    try:
+        return tensor.numpy()
+    except (ImportError, RuntimeError):
+        return None

@@ -11,7 +11,10 @@ and resume position in :mod:`hookloop.data`, checkpoint files in
 :mod:`hookloop.checkpoint` (which receives named state, never the Trainer),
 request draining and cross-rank agreement in :class:`~hookloop.state.Control`,
 local checkpoints and what a resume picks in :mod:`hookloop.local_checkpoints`,
-rolling back a divergence in :mod:`hookloop.rewind`.
+rolling back a divergence in :mod:`hookloop.rewind`. The Trainer's own methods
+for checkpoints (save, load, rewind) and for evaluation (evaluate, test,
+predict) are in :mod:`hookloop.trainer_checkpoints` and
+:mod:`hookloop.trainer_evaluation`: this file is the training loop.
 
 Hot-path rules: events are fired only when someone handles them (the payload
 is not even built otherwise); loss, grad norm and finiteness stay tensors and
@@ -22,27 +25,20 @@ check that ``train.skip_nonfinite`` asks for.
 from __future__ import annotations
 
 import contextlib
-import copy
 import itertools
 import signal
 import sys
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from hookloop.async_save import BackgroundSaves, HostCopy, PendingSave
+from hookloop.async_save import BackgroundSaves, HostCopy
 from hookloop.callback import Callback
-from hookloop.checkpoint import (
-    CallbackStates,
-    CheckpointManager,
-    DictState,
-    RNGState,
-)
+from hookloop.checkpoint import CheckpointManager
 from hookloop.compile import check_can_compile, compile_loss, compile_module, unwrap_compiled
 from hookloop.config import Config, TrainConfig
 from hookloop.data import DataPosition, is_map_style, make_loader
@@ -51,19 +47,17 @@ from hookloop.distributed import (
     all_reduce_mean,
     broadcast_object,
     full_tensor,
-    is_sharded,
-    local_shards,
     no_gradient_sync,
     parallelize,
     rank_info,
 )
 from hookloop.gcpolicy import GCPolicy
-from hookloop.local_checkpoints import find_resume, local_manager, restore
+from hookloop.local_checkpoints import local_manager
 from hookloop.manager import CallbackManager
 from hookloop.optim import build_optimizer, build_scheduler
 from hookloop.precision import Precision
 from hookloop.result import ExitCode, TrainResult
-from hookloop.rewind import Rewinder, discard_after, say_rewound
+from hookloop.rewind import Rewinder
 from hookloop.rundir import RunDir
 from hookloop.runlock import RunDirLocked, run_lock
 from hookloop.state import (
@@ -71,29 +65,32 @@ from hookloop.state import (
     CallbackContext,
     Control,
     Requests,
-    RewindRequest,
     RunInfo,
     SaveTiming,
     TrainState,
 )
 from hookloop.step import (
+    FiniteCheck,
     LossReducer,
     LossWindow,
     batch_size_of,
     bind_forward_step,
     count_zeros,
     default_forward_step,
+    gradients,
     read_back,
     to_float,
 )
 from hookloop.timers import LOOP_TIMERS, NULL_TIMER, Timers, loop_clock, per_step_ms
+from hookloop.trainer_checkpoints import TrainerCheckpoints
+from hookloop.trainer_evaluation import TrainerEvaluation
 
 __all__ = ["ExitCode", "TrainResult", "Trainer"]  # ExitCode, TrainResult: from hookloop.result
 
 _NULL_CONTEXT = contextlib.nullcontext()  # reusable: entering it does nothing
 
 
-class Trainer:
+class Trainer(TrainerCheckpoints, TrainerEvaluation):
     """Runs training, evaluation and testing for a model, firing events as it goes.
 
     ``config`` may be a full :class:`~hookloop.config.Config` or just its
@@ -446,7 +443,7 @@ class Trainer:
         grad_norm = self._prepare_gradients()
         if st._will_log and self.config.train.log_num_zeros_in_grad:
             sharded = self.config.train.parallel == "fsdp" and st._world_size > 1
-            self._zeros = count_zeros(_grads(self.optimizer), sharded=sharded)
+            self._zeros = count_zeros(gradients(self.optimizer), sharded=sharded)
         prepared = clock()
         loss_dict = reducer.result()
         if reducer.token_mode:
@@ -522,7 +519,7 @@ class Trainer:
         if reducer.token_mode:
             # Over all ranks: DDP averaged the per-rank sums, so divide by tokens / ranks.
             total_tokens = reducer.reduce_tokens_across_ranks(self.device)
-            torch._foreach_div_(_grads(self.optimizer), total_tokens / self.state._world_size)
+            torch._foreach_div_(gradients(self.optimizer), total_tokens / self.state._world_size)
         if cfg.clip_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(
                 self.model.parameters(), cfg.clip_grad_norm, foreach=True
@@ -541,7 +538,7 @@ class Trainer:
             checked = (
                 [loss_dict["loss"], grad_norm]
                 if grad_norm is not None
-                else [loss_dict["loss"], *_grads(self.optimizer)]
+                else [loss_dict["loss"], *gradients(self.optimizer)]
             )
             sharded = st._world_size > 1 or cfg.parallel == "fsdp"  # DTensor gradients
             skip = self._finite_check.any_nonfinite(checked, sharded=sharded)
@@ -694,35 +691,6 @@ class Trainer:
         st._failed |= requests.failed
         return True
 
-    def _rewind(self, request: RewindRequest) -> bool:
-        """Roll back to the newest checkpoint before the divergence and go on (see
-        :mod:`hookloop.rewind`); the run fails when there is none. Returns True: the epoch
-        loop is left, to start again where the restored state stands."""
-        st = self.state
-        self._collect_saves(wait=True)  # a checkpoint still being written counts
-        managers = [m for m in (self.checkpoints, self.local_checkpoints) if m is not None]
-        chosen = self._rewinder.choose(request.since_step, managers)
-        if chosen is None:
-            st._stop_reason = (
-                f"abort: {request.reason}; no checkpoint before step {request.since_step} "
-                "to rewind to"
-            )
-            st._failed = True
-            return True
-        path, owner = chosen
-        rewind, history = self._rewinder.record(request, path, from_step=st._step)
-        restore(path, owner, self._checkpoint_state(), *managers)  # exactly as a resume
-        self._rewinder.apply(rewind, history)
-        discard_after(rewind.to_step, managers)
-        self._pending_tokens.clear()
-        self._last_log_step = st._step  # the timers' per-step figures count from here
-        if st.is_rank_zero:
-            say_rewound(rewind)
-        self.ctx.rewind = rewind  # loggers cut back to the restored step, as on a resume
-        self._fire_checkpoint_event("on_checkpoint_load", path)
-        self.ctx.rewind = None
-        return True
-
     def _check_skipped(self) -> None:
         """A run whose steps were mostly skipped (NaN/Inf) did not train: it failed."""
         limit, st = self.config.train.max_skipped_fraction, self.state
@@ -785,209 +753,6 @@ class Trainer:
             self.ctx.logs = None
         self._last_logs = logs
 
-    # -- checkpoints -------------------------------------------------------------
-    def _checkpoint_state(self) -> dict[str, Any]:
-        """Everything a checkpoint holds, by name (the names are the file format).
-
-        Loaded in this order: the RNG last, so nothing restored after it draws.
-        """
-        assert self.checkpoints is not None
-        state: dict[str, Any] = {"model": self.model, "optimizer": self.optimizer}
-        if self.scheduler is not None:
-            state["scheduler"] = self.scheduler
-        state |= {
-            "train_state": self.state,
-            "scaler": self.precision,
-            "user_state": DictState(self.callbacks.user_state),
-            "callbacks": CallbackStates(
-                self.callbacks.stateful_callbacks(), strict=self.checkpoints.strict
-            ),
-            "data": self._data,
-            "log_pending": self._losses,
-            "rewind": self._rewinder,
-            "rng": RNGState(),
-        }
-        return state
-
-    def save_checkpoint(self) -> Path | None:
-        """Write a checkpoint of this exact state (every rank calls it) and fire
-        ``on_checkpoint_save`` once it is committed. None if this step is already saved.
-
-        With ``checkpoint.async_save`` (in training, one process, unsharded) the state
-        is copied to host memory here and committed by a writer thread: the path
-        returned is where it is being committed, and the event fires at a later step
-        boundary with ``ctx.state`` as it was at this step (:mod:`hookloop.async_save`).
-        """
-        if self.checkpoints is None:
-            raise ValueError("save_checkpoint() needs a run directory: pass out_dir to Trainer")
-        st = self.state
-        self._sync_tokens()
-        self._t_save.start()
-        self._collect_saves(wait=True)  # at most one save in flight: the previous one commits
-        started = time.perf_counter()
-        background = self._saves_in_background()
-        job = self.checkpoints.capture(
-            self._checkpoint_state(),
-            step=st._step,
-            epoch=st._epoch,
-            config=self.config.to_dict(),
-            metrics=st._last_eval,
-            copy=self._host_copy if background else None,
-        )
-        if job is None:
-            self._t_save.stop()
-            return None
-        pending = PendingSave(job.path, copy.copy(st) if background else None, started, 0.0)
-        if background:
-            pending.blocked = time.perf_counter() - started
-            self._saves.start(job.run, pending)
-            self._t_save.stop()
-            return job.path
-        path = job.run()
-        self._t_save.stop()
-        pending.finished = time.perf_counter()
-        pending.blocked = pending.seconds
-        self._announce_save(pending)
-        return path
-
-    def _saves_in_background(self) -> bool:
-        """checkpoint.async_save applies in training, in one process, to an unsharded model
-        (several ranks save together: their collectives stay on the loop's thread)."""
-        return (
-            self.config.checkpoint.async_save
-            and self.state._in_training
-            and self.state._world_size == 1
-            and not is_sharded(self.model)
-        )
-
-    def _collect_saves(self, *, wait: bool) -> None:
-        """Fire ``on_checkpoint_save`` for a background save that has committed (raising
-        its error if it failed); with ``wait``, wait for the one in flight first."""
-        pending = self._saves.take(wait=wait)
-        if pending is not None:
-            self._announce_save(pending)
-
-    def _announce_save(self, pending: PendingSave) -> None:
-        """``on_checkpoint_save`` with the save's timing, handlers seeing the saved step's state."""
-        timing = SaveTiming(seconds=pending.seconds, blocked_seconds=pending.blocked)
-        self.ctx.checkpoint_timing = timing
-        self._unlogged_saves.append(timing)
-        live = self.ctx.state
-        if pending.state is not None:
-            self.ctx.state = pending.state
-        try:
-            self._fire_checkpoint_event("on_checkpoint_save", pending.path)
-        finally:
-            self.ctx.state = live
-
-    def _save_local_checkpoint(self) -> None:
-        """A local checkpoint: the same state, kept only until the next (no event fired)."""
-        st = self.state
-        self._sync_tokens()
-        self.local_checkpoints.save(  # type: ignore[union-attr]
-            self._checkpoint_state(),
-            step=st._step,
-            epoch=st._epoch,
-            config=self.config.to_dict(),
-            metrics=st._last_eval,
-        )
-
-    def load_checkpoint(self, target: str) -> Path | None:
-        """Restore from ``"auto"`` (the newest intact checkpoint) or a path, and fire
-        ``on_checkpoint_load``. None when ``"auto"`` finds nothing to resume."""
-        if self.checkpoints is None:
-            raise ValueError("load_checkpoint() needs out_dir or resume: pass one to Trainer")
-        path, owner = find_resume(target, self.checkpoints, self.local_checkpoints)
-        if path is not None:
-            restore(path, owner, self._checkpoint_state(), self.checkpoints, self.local_checkpoints)
-            self.ctx.run = replace(self.ctx.run, resumed_from=path)
-            self._fire_checkpoint_event("on_checkpoint_load", path)
-        return path
-
-    def _fire_checkpoint_event(self, event: str, path: Path) -> None:
-        self.ctx.checkpoint_path = path
-        self._fire(event)
-        self.ctx.checkpoint_path = self.ctx.checkpoint_timing = None
-
-    # -- evaluation and testing ------------------------------------------------
-    def _evaluate_in_training(self) -> None:
-        self._t_eval.start()
-        self.evaluate()
-        self._t_eval.stop()
-        self._last_eval_step = self.state._step
-        self.model.train()
-
-    def _evaluated_now(self) -> bool:
-        """Whether an evaluation already ran at this step (e.g. eval_every hit the epoch end)."""
-        return self._last_eval_step == self.state._step
-
-    def evaluate(self, data: Iterable[Any] | None = None) -> dict[str, float]:
-        """Average the loss (and meta metrics) over evaluation data; keys are ``eval_*``."""
-        loader = self._loader(data, train=False) if data is not None else self.eval_loader
-        if loader is None:
-            raise ValueError(
-                "evaluate() needs eval data: pass eval_data to Trainer or to evaluate()"
-            )
-        return self._run_eval_loop(loader, "eval")
-
-    def test(self, data: Iterable[Any] | None = None) -> dict[str, float]:
-        """Like ``evaluate()`` on test data, firing the ``on_test_*`` events; keys ``test_*``."""
-        loader = self._loader(data, train=False) if data is not None else self.test_loader
-        if loader is None:
-            raise ValueError("test() needs test data: pass test_data to Trainer or to test()")
-        return self._run_eval_loop(loader, "test")
-
-    def _run_eval_loop(self, loader: Iterable[Any], kind: str) -> dict[str, float]:
-        st, ctx, hooks = self.state, self.ctx, self._hooks
-        start, step_start, step_end, end = (
-            f"on_{kind}_start",
-            f"on_{kind}_step_start",
-            f"on_{kind}_step_end",
-            f"on_{kind}_end",
-        )
-        was_training = self.model.training
-        self.model.eval()
-        self._fire(start)
-        reducer, limit = LossReducer(), self.config.train.eval_max_batches
-        with torch.no_grad():
-            for batch in itertools.islice(loader, limit):
-                if hooks[step_start]:
-                    ctx.batch = batch
-                    self.callbacks.fire(step_start, ctx)
-                with self.precision.autocast():
-                    output, loss_func = self._forward(st, iter((batch,)), self.model)
-                    loss, _ = reducer.add(loss_func(output))
-                if hooks[step_end]:
-                    ctx.batch, ctx.outputs, ctx.loss = batch, output, loss
-                    self.callbacks.fire(step_end, ctx)
-                ctx.batch = ctx.outputs = ctx.loss = None
-            if self.non_loss_data_func is not None:  # seed 003's hook (evaluation and test)
-                ctx.non_loss_data = self.non_loss_data_func(self.model)
-        if st._world_size > 1:
-            reducer.reduce_across_ranks(self.device)  # each rank evaluated its own share
-        metrics = {f"{kind}_{k}": to_float(v) for k, v in reducer.result().items()}
-        if kind == "eval":
-            st._last_eval = metrics
-        ctx.metrics = metrics
-        self._fire(end)
-        ctx.metrics = ctx.non_loss_data = None
-        self.model.train(was_training)
-        return metrics
-
-    def predict(self, data: Iterable[Any]) -> list[Any]:
-        """Forward only; collect whatever ``loss_func`` returns (the inference pattern)."""
-        loader = self._loader(data, train=False)
-        was_training = self.model.training
-        self.model.eval()
-        results = []
-        with torch.no_grad():
-            for batch in loader:  # type: ignore[union-attr]
-                with self.precision.autocast():
-                    output, loss_func = self._forward(self.state, iter((batch,)), self.model)
-                    results.append(loss_func(output))
-        self.model.train(was_training)
-        return results
-
     # -- signals ---------------------------------------------------------------
     def _install_signal_handlers(self) -> Any:
         """SIGTERM/SIGINT set a flag; the loop finishes the step, saves and exits.
@@ -1014,48 +779,6 @@ class Trainer:
 # -- helpers -------------------------------------------------------------------
 
 
-class FiniteCheck:
-    """Is any element of these tensors NaN or Inf? One fused kernel and one host read."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.found = torch.zeros(1, device=device)
-        self.one = torch.ones(1, device=device)
-        self.fused = hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_")
-        # On the CPU the flag is read through a NumPy view of its memory: no dispatch.
-        self._found_host = _numpy_view(self.found) if device.type == "cpu" else None
-
-    def any_nonfinite(self, tensors: list[torch.Tensor], *, sharded: bool = True) -> bool:
-        """``tensors`` must not require grad (detached losses, ``p.grad``).
-
-        Sharded gradients are checked on this rank's slice; the caller agrees the
-        answer across ranks. ``sharded=False`` (one process: no DTensor) skips the
-        look for slices.
-        """
-        if sharded:
-            tensors = local_shards(tensors)
-        if not self.fused:
-            return not all(bool(torch.isfinite(t).all()) for t in tensors)
-        try:
-            # Multiplies by 1 in place (a no-op) and sets found if anything is non-finite.
-            torch._amp_foreach_non_finite_check_and_unscale_(tensors, self.found, self.one)
-        except (RuntimeError, TypeError):  # mixed dtypes/devices: check one by one
-            self.fused = False
-            return self.any_nonfinite(tensors)
-        host = self._found_host
-        found = bool(host[0]) if host is not None else bool(self.found)
-        if found:  # found stays 0 until a non-finite value sets it: reset only then
-            self.found.zero_()
-        return found
-
-
-def _numpy_view(tensor: torch.Tensor) -> Any:
-    """A NumPy array sharing ``tensor``'s memory, or None without NumPy."""
-    try:
-        return tensor.numpy()
-    except (ImportError, RuntimeError):
-        return None
-
-
 def _check_flops(value: Any) -> float | None:
     """A FLOPs-per-sample figure must be a finite number > 0 (or None: no estimate)."""
     if value is None:
@@ -1074,12 +797,6 @@ def _batch_count(loader: Iterable[Any] | None, limit: int | None) -> int | None:
     except TypeError:
         return None
     return min(n, limit) if limit else n
-
-
-def _grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    if len(optimizer.param_groups) == 1:
-        return [p.grad for p in optimizer.param_groups[0]["params"] if p.grad is not None]
-    return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
 
 def _check_arguments(model: Any, optimizer: Any, forward_step: Any, loss_fn: Any) -> None:
