@@ -154,6 +154,40 @@ def test_override_inherited_from_a_parent_class_is_indexed():
     assert sum(bool(h) for h in manager.index.values()) == 1
 
 
+def test_an_instance_can_leave_out_one_of_its_classes_handlers():
+    class TwoEvents(Callback):
+        def __init__(self, per_step: bool) -> None:
+            self.seen: list[str] = []
+            if not per_step:
+                self.on_train_step_end = None  # type: ignore[assignment]
+
+        def on_train_step_end(self, ctx):
+            self.seen.append("step")
+
+        def on_log(self, ctx):
+            self.seen.append("log")
+
+    lean, full = TwoEvents(per_step=False), TwoEvents(per_step=True)
+    manager = CallbackManager([lean, full])
+    assert manager.list_callbacks("on_train_step_end") == [full]
+    assert manager.list_callbacks("on_log") == [lean, full]
+    for event in ("on_train_step_end", "on_log"):
+        manager.fire(event, CallbackContext())
+    assert (lean.seen, full.seen) == (["log"], ["step", "log"])
+
+
+def test_builtins_keep_per_step_handlers_only_where_they_use_them():
+    from hookloop.callbacks import DefaultMetrics, DivergenceDetector
+
+    manager = CallbackManager([DefaultMetrics(), DivergenceDetector()])
+    assert not manager.has_callbacks("on_train_step_start")
+    assert not manager.has_callbacks("on_train_step_end")
+    mfu, rewinding = DefaultMetrics(peak_flops=1e12), DivergenceDetector(action="rewind")
+    manager = CallbackManager([mfu, rewinding])
+    assert manager.list_callbacks("on_train_step_start") == [mfu]
+    assert manager.list_callbacks("on_train_step_end") == [mfu, rewinding]
+
+
 def test_events_is_the_frozenset_of_every_event_name():
     events = CallbackManager().events
     assert isinstance(events, frozenset)

@@ -17,6 +17,12 @@ order). The built-ins use these bands::
 
 A callback with state worth resuming implements ``state_dict()`` and
 ``load_state_dict(state)``; its ``name`` is the key in the checkpoint.
+
+An instance that has no use for one of its class's handlers (a constructor
+argument made it pointless) sets it to ``None`` before it is registered, e.g.
+``self.on_train_step_end = None``: that event then never calls it, as if the
+class had not overridden it (like ``__hash__ = None`` in Python's data model).
+Per-step events fire thousands of times, so this keeps a no-op off the step.
 """
 
 from __future__ import annotations

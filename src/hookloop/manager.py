@@ -135,6 +135,8 @@ class CallbackManager:
         handled = [e for e in EVENT_NAMES if getattr(cls, e, None) is not _BASE_METHODS[e]]
         for event in handled:
             method = getattr(cb, event)
+            if method is None:  # this instance opted out of the event (see hookloop.callback)
+                continue
             call = (
                 method if event in LIFECYCLE_EVENTS else _filtered(method, event, every, once, when)
             )
