@@ -515,7 +515,8 @@ class Trainer(TrainerCheckpoints, TrainerEvaluation):
     def _prepare_gradients(self) -> torch.Tensor | None:
         """Unscale, normalise by tokens, clip. Returns the total norm as a tensor, or None."""
         cfg, reducer = self.config.train, self._reducer
-        self.precision.unscale(self.optimizer)
+        if self.precision.scaler is not None:  # fp16: gradients come scaled up
+            self.precision.unscale(self.optimizer)
         if reducer.token_mode:
             # Over all ranks: DDP averaged the per-rank sums, so divide by tokens / ranks.
             total_tokens = reducer.reduce_tokens_across_ranks(self.device)
@@ -532,7 +533,7 @@ class Trainer(TrainerCheckpoints, TrainerEvaluation):
         cfg, st = self.config.train, self.state
         control = self.control
         skip, control._skip = control._skip, False  # a request counts for this update only
-        if not skip and cfg.skip_nonfinite and not self.precision.checks_overflow:
+        if not skip and cfg.skip_nonfinite and self.precision.scaler is None:
             # The one host read per step this option costs. (With fp16 the GradScaler
             # does its own inf check and skips the update itself.)
             checked = (
