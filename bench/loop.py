@@ -192,8 +192,9 @@ class Prepared:
     close: Callable[[], None] = lambda: None
 
 
-def prepare(name: str, problem: Problem) -> Prepared:
-    """Build a contender's model, optimizer (and Trainer) outside the timed region."""
+def prepare(name: str, problem: Problem, changes: dict[str, Any] | None = None) -> Prepared:
+    """Build a contender's model, optimizer (and Trainer) outside the timed region;
+    ``changes``: TrainConfig fields set differently (the attribution's variants)."""
     model, opt = problem.fresh()
     mse = nn.MSELoss()
     steps = len(problem.data)
@@ -221,6 +222,8 @@ def prepare(name: str, problem: Problem) -> Prepared:
         config = clip_config(steps)
     else:
         raise ValueError(f"unknown contender {name!r}")
+    for key, value in (changes or {}).items():
+        setattr(config, key, value)
     trainer = Trainer(
         model, opt, train_data=problem.data, loss_fn=mse, config=config, callbacks=callbacks
     )
@@ -384,6 +387,91 @@ def callback_cost(problem: Problem) -> str:
     )
 
 
+# -- attribution: where the overhead goes ------------------------------------------------------
+
+
+class ShellOnly(Trainer):
+    """A probe, not an API: the Trainer's loop (budget, data fetch, step boundary) around a
+    step that is the raw loop's body plus the step counters, so its excess over raw is
+    what the loop costs outside the step."""
+
+    def _train_step(self, group: list[Any], fetching: float | None = None) -> None:
+        st = self.state
+        st._step += 1
+        st._epoch_step += 1
+        inputs, targets = group[0]
+        loss = self._probe_loss(self.model(inputs), targets)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+#: Variant -> (contender it starts from, TrainConfig changes); None: the ShellOnly probe.
+ATTRIBUTION: dict[str, tuple[str, dict[str, Any]] | None] = {
+    "loop shell only (raw step body inside the loop)": None,
+    "no callbacks (hookloop-bare)": ("hookloop-bare", {}),
+    "no callbacks, train.timers=off": ("hookloop-bare", {"timers": "off"}),
+    "no callbacks + skip_nonfinite": ("hookloop-bare", {"skip_nonfinite": True}),
+    "no callbacks + log every 10": ("hookloop-bare", {"log_every": 10}),
+    "default callbacks, log every 1000": ("hookloop-default", {"log_every": 1000}),
+    "default callbacks, no skip_nonfinite": ("hookloop-default", {"skip_nonfinite": False}),
+    "default callbacks (hookloop-default)": ("hookloop-default", {}),
+}
+
+
+def prepare_variant(variant: str, problem: Problem) -> Prepared:
+    spec = ATTRIBUTION[variant]
+    if spec is None:
+        model, opt = problem.fresh()
+        trainer = ShellOnly(
+            model, opt, train_data=problem.data, config=bare_config(len(problem.data))
+        )
+        trainer._probe_loss = nn.MSELoss()  # type: ignore[attr-defined]
+        return Prepared(trainer.train, model)
+    name, changes = spec
+    return prepare(name, problem, changes)
+
+
+def attribute(problem: Problem, rounds: int, seed: int = 0) -> str:
+    """Each variant's CPU excess over raw, in interleaved rounds (each run between two raw
+    runs, as the main table): which part of the loop costs what."""
+    rng = random.Random(seed)
+    excess: dict[str, list[float]] = {v: [] for v in ATTRIBUTION}
+    steps = len(problem.data)
+    raw_us: list[float] = []
+
+    def cpu_us(prepared: Prepared) -> float:
+        gc.collect()
+        try:
+            return time_ns(prepared.run).cpu / steps / 1000
+        finally:
+            prepared.close()
+
+    before = cpu_us(prepare("raw", problem))
+    for _ in range(rounds):
+        for variant in shuffled(list(ATTRIBUTION), rng):
+            spent = cpu_us(prepare_variant(variant, problem))
+            after = cpu_us(prepare("raw", problem))
+            raw_us.append((before + after) / 2)
+            excess[variant].append(spent - raw_us[-1])
+            before = after
+    raw = median(raw_us)
+    rows = []
+    for variant, values in excess.items():
+        lo, hi = quartiles(values)
+        rows.append([variant, f"{median(values):+.1f}", f"{lo:+.1f} .. {hi:+.1f}",
+                     f"{1 + median(values) / raw:.3f}"])  # fmt: skip
+    table = format_table(["variant", "+cpu us/step", "IQR", "x raw"], rows)
+    return "\n".join(
+        [
+            "",
+            f"Attribution: {rounds} interleaved rounds x {steps} steps, raw {raw:.1f} us/step "
+            "(CPU; medians of each run's excess over its two raw neighbours)",
+            table,
+        ]
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=25, help="interleaved rounds (default 25)")
@@ -396,6 +484,12 @@ def main(argv: list[str] | None = None) -> int:
         "--callback-cost",
         action="store_true",
         help="also run hookloop-default once under CallbackManager.profile() and print its table",
+    )
+    parser.add_argument(
+        "--attribute",
+        action="store_true",
+        help="also measure variants (timers off, no finiteness check, fewer logs, the loop "
+        "shell alone) to show which part costs what",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the contender order")
     args = parser.parse_args(argv)
@@ -417,6 +511,8 @@ def main(argv: list[str] | None = None) -> int:
             print(profile_default(problem))
         if args.callback_cost:
             print(callback_cost(problem))
+        if args.attribute:
+            print(attribute(problem, max(rounds // 2, 3), args.seed))
     return 0
 
 
