@@ -65,6 +65,7 @@ BASE_KEYS = {
     "callbacks.straggler_threshold",
     "train.flops_per_sample",
     "train.gc_every",
+    "train.gc_eval",
     "train.timers",
     "train.log_timers",
     "train.log_num_zeros_in_grad",

@@ -67,6 +67,24 @@ def test_gc_runs_every_n_steps_with_automatic_collection_off(collections):
     assert gc.isenabled() and gc.get_freeze_count() == 0  # given back as found
 
 
+@pytest.mark.parametrize("gc_eval", [True, False])
+def test_evaluations_in_training_are_collected_before_and_after_unless_switched_off(
+    collections, gc_eval
+):
+    seen, step = collections
+    cfg = Config(
+        train=TrainConfig(max_steps=6, log_every=0, eval_every=3, eval_at_epoch_end=False,
+                          gc_every=2, gc_eval=gc_eval),
+        data=DataConfig(batch_size=4),
+    )  # fmt: skip
+    Trainer(
+        TinyModel(), train_data=ToyData(n=64), eval_data=ToyData(n=8, seed=1),
+        loss_fn=TinyModel.loss_fn, config=cfg, callbacks=CallbackManager([_Watch(step)]),
+    ).train()  # fmt: skip
+    # After set-up, after steps 2, 4, 6; around the evaluations after steps 3 and 6.
+    assert seen == ([0, 2, 3, 3, 4, 6, 6, 6] if gc_eval else [0, 2, 4, 6])
+
+
 def test_setup_objects_are_frozen_during_training():
     counts: list[int] = []
 
@@ -112,3 +130,9 @@ def test_bad_gc_every_names_the_key_and_what_is_allowed(bad):
         Config(train=TrainConfig(gc_every=bad)).validate()
     with pytest.raises(ValueError, match="gc every must be an int >= 1 or None"):
         GCPolicy(bad)
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_bad_gc_eval_names_the_key_and_what_is_allowed(bad):
+    with pytest.raises(ValueError, match=r"train\.gc_eval must be true or false"):
+        Config(train=TrainConfig(gc_eval=bad)).validate()

@@ -122,6 +122,7 @@ class TrainConfig:
     gc_every: int | None = opt(
         None, "Automatic GC off in training; gc.collect() every N steps on every rank (null: off)."
     )
+    gc_eval: bool = opt(True, "With gc_every: also collect before and after each evaluation.")
     timers: Literal["off", "on", "sync"] = opt(
         "on", "Loop timers in state.timers: 'on' host clock, 'sync' waits for the device too."
     )
@@ -161,6 +162,8 @@ class TrainConfig:
             )
         if self.gc_every is not None:
             _positive(self, "gc_every", "train")
+        if not isinstance(self.gc_eval, bool):
+            raise ValueError(f"train.gc_eval must be true or false, got {self.gc_eval!r}")
         if self.flops_per_sample is not None and not (
             isinstance(self.flops_per_sample, (int, float))
             and not isinstance(self.flops_per_sample, bool)

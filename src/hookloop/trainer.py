@@ -183,7 +183,7 @@ class Trainer(TrainerCheckpoints, TrainerEvaluation):
         self._pending_tokens: list[Any] = []  # token counts not yet read back from the device
         self._saves, self._host_copy = BackgroundSaves(), HostCopy()  # checkpoint.async_save
         self._unlogged_saves: list[SaveTiming] = []  # saves committed since the last log
-        self._gc = GCPolicy(self.config.train.gc_every)
+        self._gc = GCPolicy(self.config.train.gc_every, around_eval=self.config.train.gc_eval)
         self._start_timers()
         self._zeros: torch.Tensor | None = None  # zero gradient elements, counted on log steps
         self._fire("on_init_end")

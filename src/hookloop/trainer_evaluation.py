@@ -21,7 +21,9 @@ class TrainerEvaluation:
 
     def _evaluate_in_training(self) -> None:
         self._t_eval.start()
+        self._gc.at_eval()  # train.gc_every with gc_eval: the evaluation's garbage goes at once
         self.evaluate()
+        self._gc.at_eval()
         self._t_eval.stop()
         self._last_eval_step = self.state._step
         self.model.train()
