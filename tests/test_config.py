@@ -17,6 +17,7 @@ BASE_KEYS = {
     "logging.wandb_project",
     "logging.progress_interval",
     "callbacks.profile",
+    "callbacks.diloco",
     "train.compile",
     "callbacks.info",
     "callbacks.metrics",

@@ -297,6 +297,9 @@ class CallbacksConfig:
         1.4, "A rank slower than this many times the median step time is a straggler."
     )
     profile: bool = opt(False, "Time every callback handler; print the cost table at the end.")
+    diloco: bool | None = opt(
+        None, "DiLoCo worker of the server in DILOCO_SERVER (null: on when that is set)."
+    )
 
     def validate(self) -> None:
         if self.peak_flops is not None and not self.peak_flops > 0:
@@ -309,6 +312,8 @@ class CallbacksConfig:
         st = self.straggler_threshold
         if isinstance(st, bool) or not isinstance(st, (int, float)) or not st > 1:
             raise ValueError(f"callbacks.straggler_threshold must be a number > 1, got {st!r}")
+        if self.diloco is not None and not isinstance(self.diloco, bool):
+            raise ValueError(f"callbacks.diloco must be true, false or null, got {self.diloco!r}")
 
     def _validate_rewind(self) -> None:
         if self.divergence_action not in ("stop", "abort", "rewind"):

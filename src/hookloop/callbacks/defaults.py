@@ -10,6 +10,7 @@ TextgenCallback              60  callbacks.textgen (text recipes)
 DivergenceDetector           80  callbacks.divergence
 EarlyStopping                90  callbacks.early_stopping_patience
 StragglerDetection            2  callbacks.straggler_every (off by default)
+DiLoCoCallback               15  callbacks.diloco (on when DILOCO_SERVER is set)
 JsonLogger                  100  logging.json
 ProgressLog                 100  logging.progress_log (progress.txt: writes only at saves)
 TBLogger                    100  logging.tensorboard
@@ -25,6 +26,7 @@ directory and the ``checkpoint.*`` keys set the policy.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from hookloop.callback import Callback
@@ -78,6 +80,10 @@ def default_callbacks(cfg: Config, run_dir: str | Path | None) -> list[Callback]
         callbacks.append(
             StragglerDetection(every=on.straggler_every, threshold=on.straggler_threshold)
         )
+    if _diloco_wanted(on.diloco):
+        from hookloop.diloco.callback import DiLoCoCallback
+
+        callbacks.append(DiLoCoCallback())  # server, sync period, ... from DILOCO_* variables
     if log.json and run is not None:
         callbacks.append(JsonLogger(run.metrics))
     if log.progress_log and run is not None:
@@ -97,6 +103,17 @@ def default_callbacks(cfg: Config, run_dir: str | Path | None) -> list[Callback]
     if log.progress:
         callbacks.append(ProgressBar(min_interval=log.progress_interval))
     return callbacks
+
+
+def _diloco_wanted(setting: bool | None) -> bool:
+    """``callbacks.diloco``: null follows DILOCO_SERVER; true without it is an error."""
+    server = os.environ.get("DILOCO_SERVER", "").strip()
+    if setting and not server:
+        raise ValueError(
+            "callbacks.diloco=true needs DILOCO_SERVER=host:port, the address of a "
+            "`hookloop diloco serve` (or leave callbacks.diloco null: on when it is set)"
+        )
+    return bool(server) if setting is None else setting
 
 
 def _generates_text(cfg: Config) -> bool:
