@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _zygote as zygote
 from hookloop.callbacks import read_jsonl
 from hookloop.control.registry import JobRecord
 
@@ -20,7 +21,8 @@ WAIT_S = 30.0
 
 
 class Job:
-    """One ``tests/_control_job.py`` process registered under ``jobs_dir``."""
+    """One ``tests/_control_job.py`` process registered under ``jobs_dir`` (started from a
+    zygote that has imported torch and hookloop already: tests/_zygote.py)."""
 
     def __init__(
         self, root: Path, jobs_dir: Path, job_id: str, *overrides: str, sleep: float = 0.005
@@ -40,7 +42,7 @@ class Job:
         root.mkdir(parents=True, exist_ok=True)
         with self.stderr_path.open("w") as stderr:
             command = [sys.executable, str(JOB_SCRIPT), str(self.out), job_id]
-            self.proc = subprocess.Popen(
+            self.proc = zygote.Popen(
                 [*command, "--sleep", str(sleep), *overrides],
                 stdout=subprocess.DEVNULL,
                 stderr=stderr,

@@ -1,4 +1,5 @@
-"""Launch ``tests/_dist_job.py`` on 1 or N ranks and read back each rank's result."""
+"""Launch ``tests/_dist_job.py`` on 1 or N ranks and read back each rank's result (one rank:
+forked from a zygote that has imported torch already, tests/_zygote.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import _zygote as zygote
 
 JOB = str(Path(__file__).with_name("_dist_job.py"))
 
@@ -21,6 +24,7 @@ def torchrun(ranks: int) -> list[str]:
 def run_job(mode: str, out: Path, *overrides: str, ranks: int = 2) -> list[dict]:
     """Run the job in ``mode``; returns the result record of every rank, in rank order."""
     cmd = [*torchrun(ranks), JOB, mode, str(out), *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    start = zygote.run if ranks == 1 else subprocess.run  # torchrun starts its own ranks
+    proc = start(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads((out / f"result-{mode}-rank{r}.json").read_text()) for r in range(ranks)]

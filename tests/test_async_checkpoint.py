@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import _zygote as zygote
 from _quiet import SERVICES_OFF
 from hookloop import Config, DataConfig, TrainConfig, Trainer
 from hookloop import checkpoint as ckpt
@@ -219,7 +219,7 @@ def test_hookloop_train_exits_1_naming_the_checkpoint_still_latest_when_a_backgr
            "--recipe", "mlp-regression", "train.max_steps=200", "train.log_every=1",
            "checkpoint.every=3", "logging.progress=false", *SERVICES_OFF]  # fmt: skip
     env = {**os.environ, ckpt.FAULT_ENV: "enospc@6"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    proc = zygote.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 1, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("hookloop train: error: ") and "Traceback" not in proc.stderr

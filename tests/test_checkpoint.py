@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import _zygote as zygote
 from _quiet import SERVICES_OFF
 from hookloop import Callback, Config, DataConfig, TrainConfig, Trainer
 from hookloop.callbacks import read_jsonl
@@ -35,9 +36,11 @@ RUN_ARGS = [
 ]  # fmt: skip
 
 
-def hookloop(out: Path, *extra: str, env: dict | None = None, check: bool = True):
+def hookloop(out: Path, *extra: str, env: dict | None = None, check: bool = True, start=zygote.run):
+    """``hookloop train`` on the small run; ``start=subprocess.run`` for a real process
+    (the default forks one from a zygote that has imported torch already)."""
     cmd = [sys.executable, "-m", "hookloop", "train", "--out", str(out), *RUN_ARGS, *extra]
-    proc = subprocess.run(
+    proc = start(
         cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})}
     )
     if check and proc.returncode != 0:
@@ -77,8 +80,10 @@ def assert_same_checkpoint(a: Path, b: Path) -> None:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
+    """The reference every resumed run is compared with: a real process, so that the runs
+    the tests stop and resume from a zygote are held to what ``hookloop train`` does."""
     run = tmp_path_factory.mktemp("uninterrupted") / "run"
-    hookloop(run)
+    hookloop(run, start=subprocess.run)
     return run
 
 
@@ -158,7 +163,7 @@ def test_sigkill_at_random_times_then_auto_resume_matches_uninterrupted(uninterr
         target = min(resumed_from + rng.randint(1, 6), 10) if resumed_from < 10 else 13
         stderr = tmp_path / f"stderr-{kill}.txt"
         with stderr.open("wb") as err:
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+            proc = zygote.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
             kill_after_step(proc, run, target)
         kills += 1
         # Where it landed: killed (not exited), after a complete checkpoint, at or past the
@@ -172,7 +177,7 @@ def test_sigkill_at_random_times_then_auto_resume_matches_uninterrupted(uninterr
         landed.append((resumed_from, steps[-1]))
     assert all(start > 0 for start, _ in landed[1:]), landed  # each later kill hit a resume
     assert len({start for start, _ in landed}) >= 3, landed
-    final = subprocess.run(cmd, capture_output=True, timeout=300)
+    final = zygote.run(cmd, capture_output=True, timeout=300)
     assert final.returncode == 0, final.stderr.decode()[-2000:]
     assert b"max_steps at step 14" in final.stderr
     assert kills >= 10
@@ -202,17 +207,21 @@ def test_crash_inside_the_save_protocol_never_leaves_a_loadable_partial(
 
 @pytest.mark.slow
 def test_sigterm_saves_at_the_current_step_exits_143_and_resume_is_exact(tmp_path):
+    # Batches of 128: a step on batches of 16 takes ~1.5 ms on an idle machine, so all 150
+    # could end before the log writer hands over its first train record (every 0.25 s) and
+    # the SIGTERM would land after the end; these take 5 ms or more.
     args = [
         "train.max_steps=150",
         "checkpoint.every=null",
         "train.eval_every=1000",
         "data.train_samples=4096",
+        "data.batch_size=128",
     ]
     ref = tmp_path / "ref"
     hookloop(ref, *args)
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "hookloop", "train", "--out", str(run), *RUN_ARGS, *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = zygote.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while not (logged := [r for r in own_records(run, proc.pid) if r["kind"] == "train"]):
         if proc.poll() is not None or time.monotonic() > deadline:

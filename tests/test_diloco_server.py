@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import _zygote as zygote
 import hookloop.compat.hf as hf
 from hookloop.callbacks import DiLoCo
 from hookloop.cli import main as cli_main
@@ -506,6 +507,7 @@ def _serve(port: int, state_dir: Path, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "hookloop", "diloco", "serve", "--port", str(port),
            "--checkpoint-dir", str(state_dir), "--token", TOKEN, "--min-workers", "2",
            "--round-timeout", "30", "--outer-momentum", "0.5"]  # fmt: skip
+    # A real process: its start-up is the downtime after which the workers must reconnect.
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("ab"))
 
 
@@ -514,7 +516,7 @@ def _worker(out: Path, index: int, workers: int, port: int, *overrides: str, sle
     cmd = [sys.executable, JOB, "worker", str(out), str(index), str(workers),
            f"127.0.0.1:{port}", *overrides]  # fmt: skip
     log = (out / f"worker-{index}.log").open("ab")
-    return subprocess.Popen(cmd, stdout=log, stderr=log, env=env, cwd=str(out))
+    return zygote.Popen(cmd, stdout=log, stderr=log, env=env, cwd=str(out))
 
 
 def _status(port: int) -> dict | None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_model
 
+import _zygote as zygote
 from _dist_launch import run_job, torchrun
 from _quiet import SERVICES_OFF
 from hookloop import TrainConfig, Trainer
@@ -40,7 +41,8 @@ def hookloop_train(
 ) -> subprocess.CompletedProcess:
     cmd = [*torchrun(ranks), "-m", "hookloop", "train", "--out", str(out), *CLI_RUN, *extra]
     env = {**os.environ, **(env or {})}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    start = zygote.run if ranks == 1 else subprocess.run  # torchrun starts its own ranks
+    return start(cmd, capture_output=True, text=True, timeout=240, env=env)
 
 
 # -- fast: the choice and the sharding policy ----------------------------------------------

@@ -6,13 +6,13 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import _zygote as zygote
 from _quiet import SERVICES_OFF
 from hookloop import Callback, Config, DataConfig, TrainConfig, Trainer
 from hookloop.callbacks import JsonLogger, read_jsonl
@@ -188,7 +188,7 @@ def test_hookloop_train_saves_and_resumes_local_checkpoints(tmp_path):
     cmd = [sys.executable, "-m", "hookloop", "train", "--out", str(cut)]
     cmd += ["--recipe", "mlp-regression", *overrides]
     env = {**os.environ, FAULT_ENV: "files_written@8"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    proc = zygote.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 86, proc.stderr[-3000:]
     assert local_steps(cut) == ["step-00000007"]
     assert (cut / "checkpoints" / "latest").read_text() == "step-00000004"

@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch import nn
 
+import _zygote as zygote
 from _quiet import SERVICES_OFF
 from hookloop import CallbackContext, TrainConfig, Trainer
 from hookloop.callbacks import JsonLogger, ProgressBar, read_jsonl
@@ -212,7 +213,7 @@ def test_sigkill_after_a_checkpoint_keeps_every_step_up_to_it_and_resume_logs_ea
 ):
     run_dir = tmp_path / "run"
     command = _train_command(run_dir, "train.max_steps=100000", "checkpoint.every=20")
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = zygote.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + WAIT_S
         while (saved := _latest_step(run_dir)) is None or saved < 40:
@@ -232,7 +233,7 @@ def test_sigkill_after_a_checkpoint_keeps_every_step_up_to_it_and_resume_logs_ea
     assert not any(r["kind"] == "end" for r in killed)  # killed: no end record
 
     stop = saved + 5
-    resumed = subprocess.run(
+    resumed = zygote.run(
         [*_train_command(run_dir, f"train.max_steps={stop}"), "--resume", "auto"],
         capture_output=True,
         text=True,

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import _zygote as zygote
 from hookloop import Callback, Config, Trainer
 from hookloop.callbacks import JsonLogger, read_jsonl
 from hookloop.callbacks.tensorboard import ResumableSummaryWriter, TBLogger
@@ -220,7 +221,7 @@ def test_sigkill_then_resume_leaves_one_scalar_per_step_in_tensorboard(tmp_path)
     run = tmp_path / "run"
     script = tmp_path / "train.py"
     script.write_text(KILLABLE_RUN)
-    proc = subprocess.Popen(
+    proc = zygote.Popen(
         [sys.executable, str(script), str(run)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
     try:

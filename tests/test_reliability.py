@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import _zygote as zygote
 from _quiet import SERVICES_OFF
 from hookloop import CallbackManager, ExitCode
 from hookloop.callbacks import read_jsonl
@@ -303,7 +304,7 @@ def test_a_second_writer_is_refused_naming_the_holder_and_a_dead_holder_is_taken
 ):
     run = _copy(trained, tmp_path / "run")
     cmd = [sys.executable, "-m", "hookloop", "train", "--resume", "auto", "--out", str(run)]
-    first = subprocess.Popen(
+    first = zygote.Popen(
         [*cmd, "train.max_steps=100000", "train.log_every=1", *QUIET],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -316,7 +317,7 @@ def test_a_second_writer_is_refused_naming_the_holder_and_a_dead_holder_is_taken
                 for r in read_jsonl(run / "metrics.jsonl")
             ),
         )
-        second = subprocess.run(
+        second = zygote.run(
             [*cmd, "train.max_steps=100000", *QUIET], capture_output=True, text=True, timeout=120
         )
         assert second.returncode == ExitCode.USAGE, second.stderr
@@ -329,7 +330,7 @@ def test_a_second_writer_is_refused_naming_the_holder_and_a_dead_holder_is_taken
     steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if r.get("kind") == "train"]
     assert len(steps) == len(set(steps))  # one writer: no step twice
 
-    third = subprocess.run(
+    third = zygote.run(
         [*cmd, "train.max_steps=6", *QUIET], capture_output=True, text=True, timeout=120
     )
     assert third.returncode == 0, third.stderr
@@ -346,7 +347,7 @@ def test_a_second_trainer_in_another_process_cannot_take_a_held_lock(tmp_path):
             "except RunDirLocked as err:\n"
             "    print(err); sys.exit(7)\n"
         )
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        proc = zygote.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 7, proc.stderr
     assert f"pid {os.getpid()}" in proc.stdout
     assert RunDirLocked.__name__ == "RunDirLocked"

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import _zygote as zygote
 from _dist_launch import torchrun
 from _quiet import SERVICES_OFF
 from _rewind_job import KILL_AT, SPIKE, build
@@ -402,7 +403,8 @@ def test_the_options_reach_the_detector(tmp_path):
 
 def job(mode: str, out: Path, *settings: str, ranks: int = 1, code: int = 0) -> list[dict]:
     cmd = [*torchrun(ranks), JOB, mode, str(out), *settings]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    start = zygote.run if ranks == 1 else subprocess.run  # torchrun's ranks are its own
+    proc = start(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == code, proc.stderr[-4000:]
     if code:
         return []

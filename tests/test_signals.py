@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import _zygote as zygote
 from _quiet import SERVICES_OFF
 from hookloop.callbacks import read_jsonl
 
@@ -59,7 +60,7 @@ def test_signal_stops_training_gracefully_with_128_plus_signal(tmp_path, signum,
         *SERVICES_OFF,
     ]
     with stderr_path.open("w") as stderr:
-        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
+        proc = zygote.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
         try:
             observed = _wait_for_train_records(proc, run_dir / "metrics.jsonl", count=3)
             proc.send_signal(signum)
