@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import Dataset
 
 from hookloop import Callback, Config, Trainer
-from hookloop.step import LossReducer, LossWindow
+from hookloop.step import LossReducer, LossWindow, default_forward_step
 from hookloop.testing import TinyModel, ToyData
 
 
@@ -237,6 +237,16 @@ def test_the_logged_mean_of_each_key_equals_that_keys_own_mean_to_the_bit():
     keys, means = window.means()
     losses = [*(d["loss"] for d in steps), torch.tensor(1.0)]
     assert keys == ["loss"] and means.tolist() == [torch.stack(losses).mean().item()]
+
+
+def test_the_default_forward_steps_loss_func_returns_loss_and_meta_for_wrappers():
+    # Code that wraps it (e.g. to poison one step's loss) indexes the (loss, meta) pair.
+    model, mse = torch.nn.Linear(3, 1), torch.nn.MSELoss()
+    x, y = torch.randn(4, 3), torch.randn(4, 1)
+    step = default_forward_step(mse, torch.device("cpu"))
+    output, loss_func = step(None, iter([(x, y)]), model)
+    loss, meta = loss_func(output)
+    assert meta == {} and torch.equal(loss, mse(model(x), y))
 
 
 def test_reducer_refuses_mixed_patterns():

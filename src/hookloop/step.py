@@ -127,7 +127,7 @@ def default_forward_step(loss_fn: LossFn | None, device: torch.device) -> Forwar
                 )
             inputs, targets = batch
             output = model(inputs)
-            return output, lambda out: loss_fn(out, targets)  # a bare loss: pattern 1
+            return output, lambda out: (loss_fn(out, targets), {})
         if isinstance(batch, dict):
             output = model(**batch)
         elif isinstance(batch, (list, tuple)):
