@@ -185,3 +185,27 @@ def test_python_dash_m_hookloop_runs_the_command():
     )
     assert done.returncode == 0, done.stderr
     assert "mlp-regression" in done.stdout and "gpt-stdlib" in done.stdout
+
+
+def test_a_sigterm_after_the_last_step_keeps_exit_143_and_the_closing_line_says_why(
+    make_config,
+):
+    import os
+    import signal
+
+    from hookloop import Trainer
+    from hookloop.cli import closing_line
+    from hookloop.testing import TinyModel, ToyData
+
+    trainer = Trainer(
+        TinyModel(), train_data=ToyData(n=16), loss_fn=TinyModel.loss_fn,
+        config=make_config(max_steps=2, handle_signals=True),
+    )  # fmt: skip
+    trainer.callbacks.register("on_train_end", lambda ctx: os.kill(os.getpid(), signal.SIGTERM))
+    result = trainer.train()  # the handler only sets a flag; the run had already finished
+    assert (result.stop_reason, result.step, result.exit_code) == ("max_steps", 2, 143)
+    line = closing_line(result, "runs/x")
+    assert line == (
+        "hookloop: max_steps at step 2 (SIGTERM came after the last step: exit code 143); "
+        "outputs in runs/x"
+    )

@@ -28,7 +28,7 @@ import yaml
 from hookloop.callback import Callback
 from hookloop.config import Config, apply_overrides, describe, dump_yaml, load_yaml
 from hookloop.recipes import default_config, get_recipe, recipe_names
-from hookloop.result import ExitCode
+from hookloop.result import ExitCode, TrainResult
 from hookloop.resume_config import OptimizerOverrides, resume_config
 from hookloop.rundir import RunDir
 from hookloop.runlock import RunDirLocked
@@ -313,18 +313,31 @@ def _train(args: argparse.Namespace) -> int:
         raise
     if joined:
         leave_process_group()  # every rank ended at the same step: a clean torchrun exit
-    summary = ", ".join(f"{k} {v:.4f}" for k, v in result.metrics.items())
     profile = trainer.callbacks.profile(False)
     if profile is not None and rank == 0:
         print(profile.table(), file=sys.stderr)
     if rank == 0:
-        print(
-            f"hookloop: {result.stop_reason} at step {result.step}"
-            + (f"; {summary}" if summary else "")
-            + f"; outputs in {run_dir}",
-            file=sys.stderr,
-        )
+        print(closing_line(result, run_dir), file=sys.stderr)
     return result.exit_code
+
+
+def closing_line(result: TrainResult, run_dir: Any) -> str:
+    """The run's last line on stderr: why it ended, its metrics, where its files are.
+
+    A signal that came once the last step was done (during the final save or the
+    shutdown) did not stop the run, but it still sets the exit code (128 + N): the
+    line says so, so that the code does not contradict the reason.
+    """
+    summary = ", ".join(f"{k} {v:.4f}" for k, v in result.metrics.items())
+    late_signal = ""
+    if result.signal is not None and not result.stop_reason.startswith("signal"):
+        name = signal.Signals(result.signal).name
+        late_signal = f" ({name} came after the last step: exit code {result.exit_code})"
+    return (
+        f"hookloop: {result.stop_reason} at step {result.step}{late_signal}"
+        + (f"; {summary}" if summary else "")
+        + f"; outputs in {run_dir}"
+    )
 
 
 def _recipes(args: argparse.Namespace) -> int:
