@@ -584,7 +584,11 @@ class Trainer(TrainerCheckpoints, TrainerEvaluation):
     def _next_scheduled_step(self) -> int:
         """The next step whose boundary has something on the schedule: a log, an
         evaluation, a save, the exit interval. Every step with several ranks (they
-        agree on requests at each boundary) or with a time limit to watch."""
+        agree on requests at each boundary) or with a time limit to watch.
+
+        Worked out again at every boundary that acts, so an interval a callback changes
+        mid-run applies from then on (``log_every`` at once: ``will_log`` is read each step).
+        """
         cfg, step = self.config.train, self.state._step
         if self.state._world_size > 1 or cfg.exit_duration_minutes is not None:
             return step + 1
