@@ -201,7 +201,14 @@ def test_a_sigterm_after_the_last_step_keeps_exit_143_and_the_closing_line_says_
         TinyModel(), train_data=ToyData(n=16), loss_fn=TinyModel.loss_fn,
         config=make_config(max_steps=2, handle_signals=True),
     )  # fmt: skip
-    trainer.callbacks.register("on_train_end", lambda ctx: os.kill(os.getpid(), signal.SIGTERM))
+
+    def terminate(ctx) -> None:
+        # Only into hookloop's own handler: without it the signal would end pytest itself.
+        handler = signal.getsignal(signal.SIGTERM)
+        assert callable(handler) and handler not in (signal.SIG_DFL, signal.SIG_IGN)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    trainer.callbacks.register("on_train_end", terminate)
     result = trainer.train()  # the handler only sets a flag; the run had already finished
     assert (result.stop_reason, result.step, result.exit_code) == ("max_steps", 2, 143)
     line = closing_line(result, "runs/x")
