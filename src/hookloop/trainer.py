@@ -476,7 +476,7 @@ class Trainer(TrainerCheckpoints, TrainerEvaluation):
         every = self.config.train.log_every
         if every and self.state._step % every == 0:
             return True
-        return self.state._world_size == 1 and self.control._log
+        return self.state._world_size == 1 and self.control.log_requested
 
     def _forward_backward(self, group: list[Any]) -> None:
         """Forward, loss and backward for each micro-batch, firing the micro-step events."""
@@ -531,9 +531,8 @@ class Trainer(TrainerCheckpoints, TrainerEvaluation):
     def _optimizer_step(self, loss_dict: dict[str, Any], grad_norm: torch.Tensor | None) -> bool:
         """Apply the update unless a callback or a non-finite value says skip."""
         cfg, st = self.config.train, self.state
-        control = self.control
-        skip, control._skip = control._skip, False  # a request counts for this update only
-        if not skip and cfg.skip_nonfinite and self.precision.scaler is None:
+        skip = self.control.take_skip()
+        if not skip and cfg.skip_nonfinite and not self.precision.checks_overflow:
             # The one host read per step this option costs. (With fp16 the GradScaler
             # does its own inf check and skips the update itself.)
             checked = (
