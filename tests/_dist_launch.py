@@ -26,5 +26,6 @@ def run_job(mode: str, out: Path, *overrides: str, ranks: int = 2) -> list[dict]
     cmd = [*torchrun(ranks), JOB, mode, str(out), *overrides]
     start = zygote.run if ranks == 1 else subprocess.run  # torchrun starts its own ranks
     proc = start(cmd, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    # The tail holds torchrun's summary and, before it, a dead rank's own last words.
+    assert proc.returncode == 0, proc.stderr[-8000:]
     return [json.loads((out / f"result-{mode}-rank{r}.json").read_text()) for r in range(ranks)]

@@ -142,6 +142,9 @@ def private_home(
             path = root / sub
             path.mkdir(mode=0o700)
             mp.setenv(name, str(path))
+        # A child that dies of a fatal signal (a rank's SIGABRT at exit, seen once in CI)
+        # prints every thread's Python stack into the stderr a failing test shows.
+        mp.setenv("PYTHONFAULTHANDLER", "1")
         yield root
     after = listing(list(before))
     appeared = []
