@@ -22,7 +22,7 @@ A contender whose package is not installed is left out and named under the table
 (``pip install -e '.[bench]' -c constraints.txt`` installs them all). Each framework
 builds its trainer before the clock starts; only its fit/run call is timed.
 
-    python bench/frameworks.py               # 25 rounds of 2000 steps, ~10 min
+    python bench/frameworks.py               # 25 rounds of 2000 steps, ~7 min
     python bench/frameworks.py --quick       # 3 rounds of 500 steps
 """
 
@@ -51,22 +51,6 @@ from _timing import CLOCKS, environment, format_table, median, quartiles, shuffl
 from loop import Prepared, Problem, prepare
 
 HOOKLOOP = ("hookloop-bare", "hookloop-default")
-OTHERS = (
-    "ignite-bare",
-    "ignite-handlers",
-    "accelerate",
-    "hf-trainer",
-    "lightning-lean",
-    "lightning-default",
-)
-NEEDS = {  # contender -> the module it cannot run without
-    "ignite-bare": "ignite",
-    "ignite-handlers": "ignite",
-    "accelerate": "accelerate",
-    "hf-trainer": "transformers",
-    "lightning-lean": "lightning",
-    "lightning-default": "lightning",
-}
 
 
 def installed(module: str) -> bool:
@@ -83,15 +67,7 @@ def installed(module: str) -> bool:
 def prepare_other(name: str, problem: Problem, scratch: Path) -> Prepared:
     """Build ``name``'s trainer around a fresh copy of the problem's model; time nothing."""
     model, opt = problem.fresh()
-    builders: dict[str, Callable[..., Prepared]] = {
-        "ignite-bare": _ignite,
-        "ignite-handlers": _ignite,
-        "accelerate": _accelerate,
-        "hf-trainer": _hf_trainer,
-        "lightning-lean": _lightning,
-        "lightning-default": _lightning,
-    }
-    return builders[name](name, problem, model, opt, scratch)
+    return OTHERS[name][1](name, problem, model, opt, scratch)
 
 
 def _ignite(name: str, problem: Problem, model: nn.Module, opt: Any, scratch: Path) -> Prepared:
@@ -236,6 +212,17 @@ class _Batches(torch.utils.data.IterableDataset):
         return len(self.data)
 
 
+#: Contender -> (the module it cannot run without, what builds it).
+OTHERS: dict[str, tuple[str, Callable[..., Prepared]]] = {
+    "ignite-bare": ("ignite", _ignite),
+    "ignite-handlers": ("ignite", _ignite),
+    "accelerate": ("accelerate", _accelerate),
+    "hf-trainer": ("transformers", _hf_trainer),
+    "lightning-lean": ("lightning", _lightning),
+    "lightning-default": ("lightning", _lightning),
+}
+
+
 # -- the rounds -------------------------------------------------------------------------------
 
 
@@ -318,11 +305,12 @@ def main(argv: list[str] | None = None) -> int:
     rounds, steps = (3, 500) if args.quick else (args.rounds, args.steps)
     if rounds < 1 or steps < 1:
         parser.error("--rounds and --steps must be at least 1")
-    wanted = list(HOOKLOOP + OTHERS) if args.only is None else args.only.split(",")
-    unknown = [c for c in wanted if c not in HOOKLOOP + OTHERS]
+    known = [*HOOKLOOP, *OTHERS]
+    wanted = known if args.only is None else args.only.split(",")
+    unknown = [c for c in wanted if c not in known]
     if unknown:
-        parser.error(f"unknown contender(s) {unknown}; choose from {list(HOOKLOOP + OTHERS)}")
-    left_out = [c for c in wanted if c in NEEDS and not installed(NEEDS[c])]
+        parser.error(f"unknown contender(s) {unknown}; choose from {known}")
+    left_out = [c for c in wanted if c in OTHERS and not installed(OTHERS[c][0])]
     contenders = [c for c in wanted if c not in left_out]
 
     torch.set_num_threads(1)
