@@ -402,7 +402,9 @@ def _lm_loss(
     loss_sum = F.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
     )
-    num_tokens = torch.tensor(targets.numel(), device=targets.device)
+    # A fill kernel, not torch.tensor(n, device=...): that copies from host memory and
+    # synchronises the device on every micro-batch.
+    num_tokens = torch.full((), targets.numel(), dtype=torch.int64, device=targets.device)
     return loss_sum, num_tokens, {"lm loss": loss_sum.detach() / num_tokens}
 
 
