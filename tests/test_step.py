@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.utils.data import Dataset
 
-from hookloop import Callback, Config, Trainer
+from hookloop import Callback, Config, TrainConfig, Trainer
 from hookloop.step import LossReducer, LossWindow, default_forward_step
 from hookloop.testing import TinyModel, ToyData
 
@@ -473,3 +475,46 @@ def test_loss_fn_needs_input_target_batches(make_config):
     )
     with pytest.raises(TypeError, match=r"\(inputs, targets\)"):
         trainer.train()
+
+
+class _GraphWatch:
+    """A forward step that keeps weak references to each step's loss and hidden activation,
+    and records, at every forward, which of the previous step's are still alive."""
+
+    def __init__(self) -> None:
+        self.losses: list[weakref.ref] = []
+        self.hidden: list[weakref.ref] = []
+        self.seen: list[tuple[bool, bool]] = []  # (previous loss alive, previous hidden alive)
+
+    def __call__(self, data_iterator, model):
+        if self.losses:
+            self.seen.append((self.losses[-1]() is not None, self.hidden[-1]() is not None))
+        x, y = next(data_iterator)
+        hidden = model.net[1](model.net[0](x))  # the activation ReLU's backward saves
+        out = model.net[2](hidden)
+        self.hidden.append(weakref.ref(hidden))
+
+        def loss_func(output):
+            loss = torch.nn.functional.mse_loss(output, y)
+            self.losses.append(weakref.ref(loss))
+            return loss, {}
+
+        return out, loss_func
+
+
+def test_the_last_loss_outlives_its_step_but_not_its_activations_nor_the_run():
+    """The loop holds each step's loss (and so its graph) until the next forward, as a
+    hand-written loop's `loss` variable does: autograd then reuses each parameter's gradient
+    accumulator instead of building it again. Backward has already freed what the graph
+    saved, so the step's activations are gone; after train() nothing is held."""
+    watch = _GraphWatch()
+    trainer = Trainer(
+        TinyModel(),
+        train_data=torch.utils.data.DataLoader(ToyData(n=40), batch_size=8),
+        forward_step=watch,
+        config=TrainConfig(max_steps=5, log_every=0, device="cpu"),
+    )
+    trainer.train()
+    assert watch.seen == [(True, False)] * 4
+    gc.collect()
+    assert watch.losses[-1]() is None

@@ -186,6 +186,7 @@ class Trainer(TrainerCheckpoints, TrainerEvaluation):
         self._gc = GCPolicy(self.config.train.gc_every, around_eval=self.config.train.gc_eval)
         self._start_timers()
         self._zeros: torch.Tensor | None = None  # zero gradient elements, counted on log steps
+        self._last_graph: torch.Tensor | None = None  # the last loss (see _forward_backward)
         self._fire("on_init_end")
 
     # -- set-up helpers ------------------------------------------------------
@@ -364,6 +365,7 @@ class Trainer(TrainerCheckpoints, TrainerEvaluation):
             self.ctx.clear_event_fields()  # nothing stale for a later evaluate() or test()
             raise
         finally:
+            self._last_graph = None  # a finished Trainer holds no autograd graph
             self._saves.close()
             self._gc.end()
             st._in_training = False
@@ -501,6 +503,11 @@ class Trainer(TrainerCheckpoints, TrainerEvaluation):
                 ctx.outputs = ctx.loss = None
             ctx.batch = None
         st._micro_step = 0
+        # Hold the last loss, and so its graph (whose saved tensors backward has freed), until
+        # the next step's forward: autograd then finds each parameter's gradient accumulator
+        # alive and reuses it instead of building it anew (a hand-written loop does the same
+        # by keeping `loss` in a variable). ~15k fewer CPU instructions a step on bench/loop.py.
+        self._last_graph = loss
 
     def _micro_step(self, st: TrainState, data: Any, model: Any, k: int) -> tuple[Any, Any]:
         """Forward, loss and backward of one micro-batch of ``k``; returns (output, loss)."""
