@@ -4,6 +4,7 @@ data order."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -220,6 +221,45 @@ def test_reduced_precision_on_cpu_runs_and_trains(make_trainer, make_config, pre
     assert dtypes == [expected]  # the forward ran under autocast
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
     assert after < before / 4
+
+
+def test_an_update_fp16s_scaler_skips_does_not_advance_the_lr_schedule(make_trainer, make_config):
+    """As transformers.Trainer: when the GradScaler skips an update (overflowed gradients),
+    the scheduler is not stepped either, and torch's "scheduler before optimizer" warning
+    never comes."""
+    cfg = make_config(max_steps=6, precision="fp16", eval_at_epoch_end=False)
+    cfg.optimizer.name, cfg.optimizer.lr = "sgd", 0.1
+    cfg.scheduler.name = "linear"
+    overflow_at, seen = 3, []  # per step: (lr used, scaler skipped, weights changed)
+    manager = CallbackManager()
+
+    def before(ctx):
+        ctx.user_state["w"] = [p.detach().clone() for p in ctx.model.parameters()]
+        ctx.user_state["lr"] = ctx.optimizer.param_groups[0]["lr"]
+
+    def after(ctx):
+        changed = any(
+            not torch.equal(a, p)
+            for a, p in zip(ctx.user_state["w"], ctx.model.parameters(), strict=True)
+        )
+        seen.append((ctx.user_state["lr"], ctx.trainer.precision.skipped_update, changed))
+
+    manager.register("on_train_step_start", before)
+    manager.register("on_train_step_end", after)
+    trainer = make_trainer(manager, n=64, cfg=cfg)
+    first = next(trainer.model.parameters())
+    first.register_hook(lambda g: g * float("inf") if trainer.state.step == overflow_at else g)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
+    skipped = [skip for _, skip, _ in seen]
+    assert len(seen) == 6 and skipped[overflow_at - 1]  # (its first scale may overflow too)
+    assert [changed for _, _, changed in seen] == [not skip for skip in skipped]
+    lrs = [lr for lr, _, _ in seen]
+    for step in range(1, 6):  # the rate moves on after an applied update, and only then
+        assert (lrs[step] < lrs[step - 1]) == (not skipped[step - 1]), (lrs, skipped)
+    assert trainer.scheduler.last_epoch == skipped.count(False)
 
 
 # -- learning-rate schedule ----------------------------------------------------------------

@@ -21,6 +21,11 @@ _NULL_CONTEXT = contextlib.nullcontext()  # reusable: entering it does nothing
 class Precision:
     """One object for everything precision changes in a step; a named checkpoint state."""
 
+    #: Whether the last ``step()`` left the parameters alone because fp16's scaler found
+    #: overflowed gradients (always False without a scaler). The loop then does not step
+    #: the LR scheduler either, as ``transformers.Trainer`` does.
+    skipped_update = False
+
     def __init__(self, precision: str, device: torch.device) -> None:
         dev = device.type
         if precision == "bf16" and dev == "cuda" and not torch.cuda.is_bf16_supported():
@@ -52,9 +57,13 @@ class Precision:
         """Apply the update (the scaler skips it by itself if gradients overflowed)."""
         if self.scaler is None:
             optimizer.step()
-        else:
-            self.scaler.step(optimizer)
-            self.scaler.update()
+            return
+        # The scaler lowers its scale exactly when it skipped the update (how accelerate
+        # tells, too). Reading the scale is a host read, after the one scaler.step() makes.
+        before = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        self.skipped_update = self.scaler.get_scale() < before
 
     @property
     def checks_overflow(self) -> bool:

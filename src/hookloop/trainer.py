@@ -566,8 +566,8 @@ class Trainer(TrainerCheckpoints, TrainerEvaluation):
             else:
                 with self._rewinder.lr_scaled(self.optimizer, st._step):
                     self.precision.step(self.optimizer)
-            if self.scheduler is not None:
-                self.scheduler.step()
+            if self.scheduler is not None and not self.precision.skipped_update:
+                self.scheduler.step()  # not after an update fp16's scaler skipped (as HF)
         self.optimizer.zero_grad(set_to_none=True)
         return skip
 
