@@ -13,6 +13,8 @@ import torch
 from _cuda import hookloop_train
 from safetensors.torch import load_file
 
+from hookloop.testing import assert_same_checkpoint
+
 assert torch.cuda.is_available(), "gpu_tests/ needs a CUDA device"
 
 
@@ -53,20 +55,6 @@ RESUME_ARGS = (
     "checkpoint.keep_last=null", "model.n_layer=2", "model.dropout=0.1", "seed=7",
     "callbacks.textgen=false",
 )  # fmt: skip
-
-
-def assert_same_checkpoint(a: Path, b: Path) -> None:
-    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
-    assert wa.keys() == wb.keys()
-    for key in wa:
-        assert torch.equal(wa[key], wb[key]), f"weight {key} differs"
-    oa = torch.load(a / "optimizer.pt", weights_only=True)
-    ob = torch.load(b / "optimizer.pt", weights_only=True)
-    for pid, state in oa["state"].items():
-        for key, value in state.items():
-            other = ob["state"][pid][key]
-            same = torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
-            assert same, f"optimizer state {pid}.{key} differs"
 
 
 def losses(run: Path) -> dict[int, float]:

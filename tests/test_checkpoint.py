@@ -14,14 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 import _zygote as zygote
 from _quiet import SERVICES_OFF
 from hookloop import Callback, Config, DataConfig, TrainConfig, Trainer
 from hookloop.callbacks import read_jsonl
 from hookloop.checkpoint import FAULT_ENV, FAULT_POINTS, CheckpointError, SavePolicy
-from hookloop.testing import TinyModel, ToyData
+from hookloop.testing import TinyModel, ToyData, assert_same_checkpoint
 
 # -- helpers ------------------------------------------------------------------------------
 
@@ -60,22 +59,6 @@ def train_losses(run: Path) -> dict[int, float]:
 def final_checkpoint(run: Path) -> Path:
     root = run / "checkpoints"
     return root / (root / "latest").read_text().strip()
-
-
-def assert_same_checkpoint(a: Path, b: Path) -> None:
-    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
-    assert wa.keys() == wb.keys()
-    for key in wa:
-        assert torch.equal(wa[key], wb[key]), f"weight {key} differs"
-    oa = torch.load(a / "optimizer.pt", weights_only=True)
-    ob = torch.load(b / "optimizer.pt", weights_only=True)
-    for pid, state in oa["state"].items():
-        for key, value in state.items():
-            other = ob["state"][pid][key]
-            if isinstance(value, torch.Tensor):
-                assert torch.equal(value, other), f"optimizer state {pid}.{key} differs"
-            else:
-                assert value == other
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,7 @@ from hookloop.callbacks.defaults import default_callbacks
 from hookloop.checkpoint import FAULT_ENV
 from hookloop.cli import main, resolve_config
 from hookloop.entry import build_trainer
-from hookloop.testing import TinyModel, ToyData
-from test_checkpoint import assert_same_checkpoint
+from hookloop.testing import TinyModel, ToyData, assert_same_checkpoint
 
 
 class Crash(Callback):

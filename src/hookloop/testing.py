@@ -1,5 +1,6 @@
 """Test doubles for users testing their own callbacks: a tiny model, toy data,
-and a callback that records every event it sees.
+a callback that records every event it sees, and a bitwise comparison of two
+checkpoints (for tests of exact resume).
 
 >>> from hookloop import Config, DataConfig, Trainer, TrainConfig
 >>> rec = RecordingCallback()
@@ -13,6 +14,7 @@ and a callback that records every event it sees.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -88,3 +90,25 @@ def _make_recorder(event: str) -> Any:
 for _event in EVENT_NAMES:
     setattr(RecordingCallback, _event, _make_recorder(_event))
 del _event
+
+
+def assert_same_checkpoint(a: str | Path, b: str | Path) -> None:
+    """Assert that two single-process checkpoint directories hold bitwise-equal model
+    weights (``model.safetensors``) and optimizer state (``optimizer.pt``): what a test of
+    exact resume compares between a stopped-and-resumed run and an uninterrupted one."""
+    from safetensors.torch import load_file
+
+    a, b = Path(a), Path(b)
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert wa.keys() == wb.keys(), f"weights differ in keys: {sorted(wa.keys() ^ wb.keys())}"
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), f"weight {key} differs"
+    oa = torch.load(a / "optimizer.pt", weights_only=True)
+    ob = torch.load(b / "optimizer.pt", weights_only=True)
+    for pid, state in oa["state"].items():
+        for key, value in state.items():
+            other = ob["state"][pid][key]
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, other), f"optimizer state {pid}.{key} differs"
+            else:
+                assert value == other, f"optimizer state {pid}.{key} differs"
