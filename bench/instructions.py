@@ -2,8 +2,8 @@
 problem and contenders, counted by valgrind's callgrind instead of timed.
 
 Time on a shared two-core machine drifts by tens of percent between identical runs;
-an instruction count does not (the same program gives the same count to within a few
-hundred instructions a step). So this is the bench to decide whether a change to the
+an instruction count hardly does (the same contender counted twice in one run
+differed by at most 0.4 %). So this is the bench to decide whether a change to the
 step path helps, and by how much. bench/loop.py stays the one that says how fast
 hookloop runs, since instructions are not time: the interpreter's instructions and
 torch's kernels do not run at the same rate.
@@ -18,7 +18,7 @@ set-up, the final drain) cancels. Children run in parallel, one per core.
     python bench/instructions.py --attribute     # also bench/loop.py's attribution variants
 
 Needs valgrind (``apt-get install valgrind``). Under callgrind a torch import takes about two
-minutes, so the default set takes about 5 minutes on two cores, --attribute about 12.
+minutes, so the default set takes about 10 minutes on two cores, --attribute about 40.
 """
 
 from __future__ import annotations
@@ -117,8 +117,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--base must be >= 10 and below --steps")
     if shutil.which("valgrind") is None:
         parser.error("valgrind is not installed (apt-get install valgrind)")
+    import torch
+
     import loop
 
+    torch.set_num_threads(1)  # as in every child: environment() reports it
     jobs: list[tuple[str, dict | None]] = [(name, None) for name in CONTENDERS]
     labels = list(CONTENDERS)
     if args.attribute:
