@@ -58,8 +58,10 @@ class Precision:
         if self.scaler is None:
             optimizer.step()
             return
-        # The scaler lowers its scale exactly when it skipped the update (how accelerate
-        # tells, too). Reading the scale is a host read, after the one scaler.step() makes.
+        # The scaler lowers its scale exactly when it skipped the update; accelerate (and so
+        # transformers.Trainer) tells the same way. Both reads are host reads: the first
+        # comes where scaler.step() reads its overflow flag anyway, the second waits for the
+        # update's kernels on a GPU (fp16 only; the same wait HF's loop has).
         before = self.scaler.get_scale()
         self.scaler.step(optimizer)
         self.scaler.update()
