@@ -22,8 +22,9 @@ class Precision:
     """One object for everything precision changes in a step; a named checkpoint state."""
 
     #: Whether the last ``step()`` left the parameters alone because fp16's scaler found
-    #: overflowed gradients (always False without a scaler). The loop then does not step
-    #: the LR scheduler either, as ``transformers.Trainer`` does.
+    #: overflowed gradients, so it never called ``optimizer.step()`` (always False without
+    #: a scaler). The loop then does not step the LR scheduler either, as
+    #: ``transformers.Trainer`` does.
     skipped_update = False
 
     def __init__(self, precision: str, device: torch.device) -> None:
@@ -35,6 +36,8 @@ class Precision:
         self.device_type = dev
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
         self.scaler = torch.amp.GradScaler(dev) if precision == "fp16" else None
+        self._counted: Any = None  # the optimizer whose step() calls _count_update counts
+        self._updates = 0
         if self.scaler is None:  # the step's calls go straight to torch: no layer in between
             self.backward = torch.Tensor.backward  # type: ignore[method-assign]
             self.step = operator.methodcaller("step")  # type: ignore[method-assign]
@@ -58,14 +61,19 @@ class Precision:
         if self.scaler is None:
             optimizer.step()
             return
-        # The scaler lowers its scale exactly when it skipped the update; accelerate (and so
-        # transformers.Trainer) tells the same way. Both reads are host reads: the first
-        # comes where scaler.step() reads its overflow flag anyway, the second waits for the
-        # update's kernels on a GPU (fp16 only; the same wait HF's loop has).
-        before = self.scaler.get_scale()
+        # Skipped means the scaler never called optimizer.step(): accelerate (and so
+        # transformers.Trainer) tells it the same way. A step pre-hook counts the calls, so
+        # this reads nothing from the device.
+        if self._counted is not optimizer:
+            optimizer.register_step_pre_hook(self._count_update)
+            self._counted = optimizer
+        updates = self._updates
         self.scaler.step(optimizer)
         self.scaler.update()
-        self.skipped_update = self.scaler.get_scale() < before
+        self.skipped_update = self._updates == updates
+
+    def _count_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._updates += 1
 
     @property
     def checks_overflow(self) -> bool:
