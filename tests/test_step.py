@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import Dataset
 
 from hookloop import Callback, Config, TrainConfig, Trainer
-from hookloop.step import LossReducer, LossWindow, default_forward_step
+from hookloop.step import LossReducer, LossWindow, default_forward_step, gradient_clearer
 from hookloop.testing import TinyModel, ToyData
 
 
@@ -518,3 +518,103 @@ def test_the_last_loss_outlives_its_step_but_not_its_activations_nor_the_run():
     assert watch.seen == [(True, False)] * 4
     gc.collect()
     assert watch.losses[-1]() is None
+
+
+# -- clearing gradients after the update ---------------------------------------------------------
+
+
+def _with_gradients(params):
+    for p in params:
+        p.grad = torch.ones_like(p)
+
+
+def test_the_gradient_clearer_sets_every_groups_gradients_to_none_after_load_and_add_group():
+    """As zero_grad(set_to_none=True): every parameter of every group, including groups
+    added later and the groups load_state_dict puts in place of the old list."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    first, second = list(model[0].parameters()), list(model[1].parameters())
+    opt = torch.optim.SGD(first, lr=0.1)
+    clear = gradient_clearer(opt)
+    opt.add_param_group({"params": second, "lr": 0.01})
+    _with_gradients(first + second)
+    clear()
+    assert all(p.grad is None for p in first + second)
+    opt.load_state_dict(opt.state_dict())  # replaces opt.param_groups with a new list
+    _with_gradients(first + second)
+    clear()
+    assert all(p.grad is None for p in first + second)
+
+
+class _CountingSGD(torch.optim.SGD):
+    """An optimizer with its own zero_grad, which records each call's set_to_none."""
+
+    def __init__(self, params, **kwargs) -> None:
+        super().__init__(params, **kwargs)
+        self.calls: list[bool] = []
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.calls.append(set_to_none)
+        super().zero_grad(set_to_none=set_to_none)
+
+
+def _train_three_steps(model, opt, make_config) -> None:
+    Trainer(
+        model,
+        opt,
+        train_data=torch.utils.data.DataLoader(ToyData(n=24), batch_size=8),
+        loss_fn=torch.nn.functional.mse_loss,
+        config=make_config(max_steps=3),
+    ).train()
+
+
+def test_an_optimizer_subclasss_own_zero_grad_is_called_after_every_step(make_config):
+    model = TinyModel()
+    opt = _CountingSGD(model.parameters(), lr=0.01)
+    _train_three_steps(model, opt, make_config)
+    assert opt.calls == [True, True, True]
+
+
+def test_a_zero_grad_set_on_the_optimizer_instance_is_called_after_every_step(make_config):
+    model = TinyModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    calls: list[bool] = []
+    stock = opt.zero_grad
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        calls.append(set_to_none)
+        stock(set_to_none=set_to_none)
+
+    opt.zero_grad = zero_grad  # type: ignore[method-assign]
+    _train_three_steps(model, opt, make_config)
+    assert calls == [True, True, True]
+
+
+def test_a_profiled_run_keeps_the_optimizers_zero_grad_range_in_its_trace(make_config):
+    """Without a profiler recording, the loop clears gradients itself (torch's zero_grad
+    opens a profiler range on every call); under one, traces look as they always did."""
+    model = TinyModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _train_three_steps(model, opt, make_config)
+    names = [e.name for e in prof.events()]
+    assert names.count("Optimizer.zero_grad#SGD.zero_grad") == 3
+    assert names.count("Optimizer.step#SGD.step") == 3
+
+
+def test_without_a_profiler_the_loop_clears_gradients_without_torchs_zero_grad(
+    make_config, monkeypatch
+):
+    """The saving itself: torch's zero_grad (and its profiler range) is not called per step,
+    yet every gradient ends the step as None."""
+    stock, calls = torch.optim.Optimizer.zero_grad, []
+
+    def counted(self, set_to_none: bool = True) -> None:
+        calls.append(set_to_none)
+        stock(self, set_to_none=set_to_none)
+
+    monkeypatch.setattr(torch.optim.Optimizer, "zero_grad", counted)
+    model = TinyModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    _train_three_steps(model, opt, make_config)
+    assert calls == []
+    assert all(p.grad is None for p in model.parameters())

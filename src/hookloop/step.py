@@ -403,6 +403,33 @@ def gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
 
+def gradient_clearer(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+    """What the loop calls after each update: ``optimizer.zero_grad(set_to_none=True)``.
+
+    Torch's own ``Optimizer.zero_grad`` opens a profiler range (``record_function``) on
+    every call, recording or not, and that costs more than setting every ``.grad`` to
+    None. For an optimizer that keeps that method, the returned function does what it does
+    with ``set_to_none=True`` (each parameter of each group gets ``.grad = None``) and
+    calls it only while a torch profiler records, so traces keep their
+    ``Optimizer.zero_grad#…`` range. An optimizer with its own ``zero_grad`` (a subclass's,
+    or one set on the instance) always gets it called.
+    """
+    own = type(optimizer).zero_grad is not torch.optim.Optimizer.zero_grad
+    if own or "zero_grad" in vars(optimizer):
+        return lambda: optimizer.zero_grad(set_to_none=True)
+    profiling = torch._C._autograd._profiler_enabled
+
+    def clear() -> None:
+        if profiling():
+            optimizer.zero_grad(set_to_none=True)
+            return
+        for group in optimizer.param_groups:  # read each time: load_state_dict replaces it
+            for p in group["params"]:
+                p.grad = None
+
+    return clear
+
+
 class FiniteCheck:
     """Is any element of these tensors NaN or Inf? One fused kernel and one host read."""
 

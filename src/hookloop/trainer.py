@@ -77,6 +77,7 @@ from hookloop.step import (
     bind_forward_step,
     count_zeros,
     default_forward_step,
+    gradient_clearer,
     gradients,
     read_back,
     to_float,
@@ -187,6 +188,7 @@ class Trainer(TrainerCheckpoints, TrainerEvaluation):
         self._start_timers()
         self._zeros: torch.Tensor | None = None  # zero gradient elements, counted on log steps
         self._last_graph: torch.Tensor | None = None  # the last loss (see _forward_backward)
+        self._zero_grad = gradient_clearer(self.optimizer)  # bound again when train() starts
         self._fire("on_init_end")
 
     # -- set-up helpers ------------------------------------------------------
@@ -338,6 +340,7 @@ class Trainer(TrainerCheckpoints, TrainerEvaluation):
         self._skip_steps = frozenset(cfg.iterations_to_skip)
         self._next_scheduled = 0  # the first boundary works out when the next is due
         st._stop_reason, st._failed = None, False
+        self._zero_grad = gradient_clearer(self.optimizer)  # the optimizer trained with now
         self._start_time = time.monotonic()
         restore_signals = self._install_signal_handlers() if cfg.handle_signals else None
         try:
@@ -568,7 +571,7 @@ class Trainer(TrainerCheckpoints, TrainerEvaluation):
                     self.precision.step(self.optimizer)
             if self.scheduler is not None and not self.precision.skipped_update:
                 self.scheduler.step()  # not after an update fp16's scaler skipped (as HF)
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()  # optimizer.zero_grad(set_to_none=True), without its profiler range
         return skip
 
     # -- the step boundary: log, evaluate, save, stop ----------------------------
