@@ -12,7 +12,10 @@ Contenders:
 - ``hookloop-default``: the callbacks ``hookloop train`` adds by default (see
   ``default_callbacks`` below), ``log_every=10``, ``skip_nonfinite=True``;
 - ``hookloop-clip``: bare plus ``clip_grad_norm=1.0`` and ``skip_nonfinite=True``
-  (for information; no target).
+  (for information; no target);
+- ``raw-grads-none``: the raw loop with ``p.grad = None`` for each parameter in place
+  of ``opt.zero_grad(set_to_none=True)``, which is what hookloop's step does (torch's
+  method opens a profiler range on every call); for information, no target.
 
 Only ``.train()`` (or the raw loop) is timed; model, optimizer and Trainer are
 built before the clock starts. In each round the contenders run in a fresh
@@ -63,7 +66,7 @@ from hookloop import Callback, Config, TrainConfig, Trainer
 from hookloop.callbacks import JsonLogger, ProgressBar
 
 TARGETS = {"hookloop-bare": 1.03, "hookloop-default": 1.10}
-CONTENDERS = ("hookloop-bare", "hookloop-default", "hookloop-clip")
+CONTENDERS = ("hookloop-bare", "hookloop-default", "hookloop-clip", "raw-grads-none")
 
 
 # -- the default callback set (extend it here) -----------------------------------------------
@@ -210,6 +213,19 @@ def prepare(name: str, problem: Problem, changes: dict[str, Any] | None = None) 
                 opt.zero_grad(set_to_none=True)
 
         return Prepared(raw_loop, model)
+    if name == "raw-grads-none":
+        data, params = problem.data, list(model.parameters())
+
+        def raw_loop_grads_none() -> None:
+            for x, y in data:
+                out = model(x)
+                loss = mse(out, y)
+                loss.backward()
+                opt.step()
+                for p in params:
+                    p.grad = None
+
+        return Prepared(raw_loop_grads_none, model)
     callbacks: list[Callback] = []
     if name == "hookloop-bare":
         config = bare_config(steps)
@@ -285,7 +301,7 @@ def check_same_result(problem: Problem) -> str:
         _, model = timed(name, problem)
         finals[name] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     parts = []
-    for name in ("hookloop-bare", "hookloop-default"):
+    for name in ("hookloop-bare", "hookloop-default", "raw-grads-none"):
         diff = (finals[name] - finals["raw"]).abs().max().item()
         parts.append(f"{name} {'identical' if diff == 0 else f'max |diff| {diff:.1e}'}")
     return "final weights vs raw: " + ", ".join(parts)
@@ -404,6 +420,7 @@ class ShellOnly(Trainer):
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._last_graph = loss  # held to the next step, as raw's `loss` variable is
 
 
 #: Variant -> (contender it starts from, TrainConfig changes); None: the ShellOnly probe.
