@@ -415,9 +415,9 @@ def gradient_clearer(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
     or one set on the instance) always gets it called.
     """
     own = type(optimizer).zero_grad is not torch.optim.Optimizer.zero_grad
-    if own or "zero_grad" in vars(optimizer):
+    profiling = getattr(torch._C._autograd, "_profiler_enabled", None)  # torch >= 1.8
+    if own or "zero_grad" in vars(optimizer) or profiling is None:
         return lambda: optimizer.zero_grad(set_to_none=True)
-    profiling = torch._C._autograd._profiler_enabled
 
     def clear() -> None:
         if profiling():
