@@ -154,6 +154,17 @@ def _fresh_stdio(environ: dict[str, str]) -> None:
     sys.stderr = sys.__stderr__ = stream(2, True, "backslashreplace")
 
 
+def _ignored_signals() -> list[int]:
+    """The signals this process ignores: an exec'd python inherits them ignored."""
+    ignored = []
+    for signum in signal.valid_signals():
+        if signum not in (signal.SIGKILL, signal.SIGSTOP):
+            with contextlib.suppress(OSError, ValueError):
+                if signal.getsignal(signum) == signal.SIG_IGN:
+                    ignored.append(int(signum))
+    return ignored
+
+
 def _become(request: dict[str, Any], stdio: list[int]) -> None:
     """Turn this forked process into ``python *request['argv']``."""
     import runpy
@@ -166,13 +177,14 @@ def _become(request: dict[str, Any], stdio: list[int]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    ignored = set(request["ignored"])  # an exec keeps what the caller ignores (e.g. nohup's HUP)
     for signum in signal.valid_signals():  # what a new python starts with
         if signum in (signal.SIGKILL, signal.SIGSTOP):
             continue
-        if signum == signal.SIGINT:
-            handler: Any = signal.default_int_handler
-        elif signum in (signal.SIGPIPE, signal.SIGXFSZ):
-            handler = signal.SIG_IGN
+        if signum in ignored or signum in (signal.SIGPIPE, signal.SIGXFSZ):
+            handler: Any = signal.SIG_IGN
+        elif signum == signal.SIGINT:
+            handler = signal.default_int_handler
         else:
             handler = signal.SIG_DFL
         with contextlib.suppress(OSError, ValueError):
@@ -310,6 +322,7 @@ class Popen(subprocess.Popen):
                 "cwd": os.path.abspath(os.fsdecode(cwd) if cwd is not None else os.getcwd()),
                 "env": {os.fsdecode(k): os.fsdecode(v) for k, v in environ.items()},
                 "sigmask": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+                "ignored": _ignored_signals(),
             }
             stdio = [
                 p2cread if p2cread != -1 else 0,

@@ -47,6 +47,21 @@ def test_a_program_forked_from_the_zygote_is_observed_as_a_real_python_process(n
     assert forked.stderr.splitlines()[-1:] == real.stderr.splitlines()[-1:]
 
 
+def test_a_signal_the_caller_ignores_stays_ignored_as_across_an_exec(tmp_path):
+    """Started under nohup, a test's children ignore SIGHUP; a forked one must too."""
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        real, forked = (
+            start([sys.executable, "-c", PROGRAMS["dispositions"]], capture_output=True,
+                  text=True, cwd=tmp_path, timeout=60)
+            for start in (subprocess.run, zygote.run)
+        )  # fmt: skip
+    finally:
+        signal.signal(signal.SIGHUP, before)
+    assert "<Handlers.SIG_IGN: 1>]" in real.stdout  # SIGHUP, the last one printed
+    assert forked.stdout == real.stdout
+
+
 @pytest.mark.parametrize(
     ("signum", "code"), [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, -signal.SIGINT)]
 )
