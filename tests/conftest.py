@@ -9,6 +9,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+# Intel's MKL (torch's CPU matrix products) picks its kernels by CPU: on a CPU with AVX-512
+# a product of tiny matrices rounds differently in the last bit than on one without. The
+# checkpoints in tests/data were written on a machine that computes as MKL's compatible
+# path does, and the tests resume them bitwise; so every process of the suite (and every
+# child it starts, which inherits this) uses that path. Set before MKL's first call.
+os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
+
 import pytest
 import torch
 
