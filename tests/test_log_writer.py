@@ -268,3 +268,58 @@ def test_fast_tensorboard_checksums_equal_tensorboards_own_and_its_reader_accept
     events = EventAccumulator(str(tb_dir))
     events.Reload()  # and TensorBoard's own reader loads the file written with them
     assert [e.step for e in events.Scalars("train/loss")] == [2, 4]
+
+
+def test_the_event_file_is_byte_for_byte_what_tensorboards_own_writer_writes(tmp_path, monkeypatch):
+    """TBLogger's SummaryWriter writes its event file directly (no queue, no thread of its
+    own, the file kept open); given the same events and clock, the file's bytes are those
+    of torch's SummaryWriter over TensorBoard's EventFileWriter, purge step included."""
+    from tensorboard.summary.writer import event_file_writer
+    from torch.utils.tensorboard import SummaryWriter
+
+    from hookloop.callbacks.tensorboard import EventFile, _summary_writer_class
+
+    monkeypatch.setattr(time, "time", lambda: 1_700_000_000.25)  # both writers' clock
+
+    def write(cls, log_dir: Path) -> tuple[str, bytes]:
+        writer = cls(str(log_dir), purge_step=3)
+        writer.add_scalar("train/loss", 0.5, 3)
+        writer.add_text("note", "hello | world", 4)
+        writer.add_histogram("w", torch.arange(10.0), 5)
+        writer.close()
+        (events,) = log_dir.iterdir()
+        return events.name, events.read_bytes()
+
+    uid = event_file_writer._global_uid.get()
+    ours_name, ours = write(_summary_writer_class(), tmp_path / "ours")
+    theirs_name, theirs = write(SummaryWriter, tmp_path / "theirs")
+    assert ours == theirs and len(ours) > 200
+    # The same name pattern, its counter shared with TensorBoard's writers (one more each).
+    assert ours_name.endswith(f".{uid + 1}") and theirs_name.endswith(f".{uid + 2}")
+    assert ours_name.rsplit(".", 1)[0] == theirs_name.rsplit(".", 1)[0]
+    writer = _summary_writer_class()(str(tmp_path / "direct"))
+    assert isinstance(writer.file_writer.event_writer, EventFile)
+    writer.close()
+
+
+def test_tensorboard_logging_starts_no_thread_of_its_own_and_flushes_on_a_schedule(tmp_path):
+    from hookloop.callbacks.tensorboard import EventFile, TBLogger
+
+    before = set(threading.enumerate())
+    _tiny_trainer([TBLogger(tmp_path / "tb")], steps=4, log_every=2).train()
+    started = {t.name for t in set(threading.enumerate()) - before}
+    assert started <= {"hookloop-log-writer"}, started
+    events = EventFile(str(tmp_path / "flush"), flush_secs=3600)
+    size = Path(events.path).stat().st_size  # the first event is flushed at once
+    assert size > 0
+    from tensorboard.compat.proto.event_pb2 import Event
+
+    events.add_event(Event(step=1, wall_time=1.0))
+    assert Path(events.path).stat().st_size == size  # buffered until the interval or flush()
+    events.flush()
+    assert Path(events.path).stat().st_size > size
+    events.close()
+    with pytest.raises(OSError, match="is closed"):
+        events.add_event(Event(step=2))
+    with pytest.raises(TypeError, match="expected a tensorboard Event"):
+        EventFile(str(tmp_path / "bad")).add_event("not an event")

@@ -11,7 +11,13 @@ import torch
 from torch.utils.data import Dataset
 
 from hookloop import Callback, Config, TrainConfig, Trainer
-from hookloop.step import LossReducer, LossWindow, default_forward_step, gradient_clearer
+from hookloop.step import (
+    LossReducer,
+    LossWindow,
+    default_forward_step,
+    gradient_clearer,
+    row_means,
+)
 from hookloop.testing import TinyModel, ToyData
 
 
@@ -239,6 +245,46 @@ def test_the_logged_mean_of_each_key_equals_that_keys_own_mean_to_the_bit():
     keys, means = window.means()
     losses = [*(d["loss"] for d in steps), torch.tensor(1.0)]
     assert keys == ["loss"] and means.tolist() == [torch.stack(losses).mean().item()]
+
+
+def test_a_logged_loss_is_the_exact_mean_of_the_steps_losses_since_the_last_log(make_config):
+    """The log reads every step's loss back in one transfer and averages on the host:
+    each logged value is the exactly summed mean of its steps' float32 values."""
+    import math
+
+    gen = torch.Generator().manual_seed(3)
+    steps = [{"loss": torch.rand((), generator=gen) * 7, "acc": torch.rand((), generator=gen)}
+             for _ in range(10)]  # fmt: skip
+    window = LossWindow(torch.device("cpu"))
+    for d in steps:
+        window.add(d, None)
+    keys, values, n = window.stacked()
+    assert keys == ["loss", "acc"] and n == 10
+    means = row_means(values.tolist(), n)
+    for key, mean in zip(keys, means, strict=True):
+        assert mean == math.fsum(d[key].item() for d in steps) / 10
+    window.add({"loss": torch.tensor(1.0, dtype=torch.float64)}, None)  # mixed: means on device
+    keys, values, n = window.stacked()
+    assert keys == ["loss"] and n == 1 and values.shape == (1,)
+
+    recorded: list[float] = []
+    logged: list[float] = []
+
+    class Record(Callback):
+        def on_train_step_end(self, ctx) -> None:
+            recorded.append(ctx.loss_dict["loss"].item())
+
+        def on_log(self, ctx) -> None:
+            logged.append(ctx.logs["loss"])
+
+    Trainer(
+        TinyModel(),
+        train_data=torch.utils.data.DataLoader(ToyData(n=48), batch_size=4),
+        loss_fn=torch.nn.functional.mse_loss,
+        config=make_config(max_steps=12, log_every=5),
+        callbacks=[Record()],
+    ).train()
+    assert logged == [math.fsum(recorded[i : i + 5]) / 5 for i in (0, 5)]
 
 
 def test_the_default_forward_steps_loss_func_returns_loss_and_meta_for_wrappers():
@@ -618,3 +664,139 @@ def test_without_a_profiler_the_loop_clears_gradients_without_torchs_zero_grad(
     _train_three_steps(model, opt, make_config)
     assert calls == []
     assert all(p.grad is None for p in model.parameters())
+
+
+# -- applying the update without torch's step wrapper ----------------------------------------------
+
+
+def _raw_weights(steps: int = 3) -> list[torch.Tensor]:
+    """TinyModel after ``steps`` SGD updates on ToyData in a hand-written loop."""
+    torch.manual_seed(0)
+    model = TinyModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = torch.utils.data.DataLoader(ToyData(n=24), batch_size=8)
+    for x, y in list(data)[:steps]:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_without_a_profiler_the_update_skips_torchs_step_range_and_lands_on_the_same_weights(
+    make_config, monkeypatch
+):
+    """The saving: torch's step wrapper opens a record_function range on every call; the
+    loop calls the optimizer's own step instead, to the same weights as optimizer.step()."""
+    opened: list[str] = []
+    stock = torch.autograd.profiler.record_function
+
+    class Counted(stock):  # type: ignore[misc, valid-type]
+        def __init__(self, name: str, *args, **kwargs) -> None:
+            opened.append(name)
+            super().__init__(name, *args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd.profiler, "record_function", Counted)
+    expected = _raw_weights()
+    assert opened.count("Optimizer.step#SGD.step") == 3  # the hand-written loop opens them
+    opened.clear()
+    torch.manual_seed(0)
+    model = TinyModel()
+    Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        train_data=torch.utils.data.DataLoader(ToyData(n=24), batch_size=8),
+        loss_fn=torch.nn.functional.mse_loss,
+        config=make_config(max_steps=3, clip_grad_norm=None, skip_nonfinite=False),
+    ).train()
+    assert [n for n in opened if n.startswith("Optimizer.")] == []
+    for got, want in zip(model.parameters(), expected, strict=True):
+        assert torch.equal(got.detach(), want)
+
+
+def test_step_hooks_on_the_optimizer_and_global_ones_run_around_every_update(make_config):
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    model = TinyModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    seen: list[str] = []
+    handles = [
+        opt.register_step_pre_hook(lambda o, a, k: seen.append("pre")),
+        opt.register_step_post_hook(lambda o, a, k: seen.append("post")),
+    ]
+    _train_three_steps(model, opt, make_config)
+    assert seen == ["pre", "post"] * 3
+    for handle in handles:
+        handle.remove()
+    seen.clear()
+    handles = [
+        register_optimizer_step_pre_hook(lambda o, a, k: seen.append("global pre")),
+        register_optimizer_step_post_hook(lambda o, a, k: seen.append("global post")),
+    ]
+    try:
+        _train_three_steps(model, opt, make_config)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert seen == ["global pre", "global post"] * 3
+
+
+def test_an_lr_scheduler_sees_its_optimizer_stepped_first_and_warns_nothing(make_config):
+    """Torch's schedulers count optimizer.step() calls through a wrapper on the instance and
+    warn when the scheduler steps first; the direct call keeps their mark."""
+    import warnings
+
+    model = TinyModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    lrs: list[float] = []
+
+    class Rates(Callback):
+        def on_train_step_end(self, ctx) -> None:
+            lrs.append(ctx.optimizer.param_groups[0]["lr"])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the test
+        Trainer(
+            model,
+            opt,
+            scheduler=scheduler,
+            train_data=torch.utils.data.DataLoader(ToyData(n=24), batch_size=8),
+            loss_fn=torch.nn.functional.mse_loss,
+            config=make_config(max_steps=3),
+            callbacks=[Rates()],
+        ).train()
+    assert lrs == [0.05, 0.025, 0.0125]
+    assert opt._opt_called is True
+
+
+class _StepCountingSGD(torch.optim.SGD):
+    """An optimizer with its own step (torch wraps it too), which counts its calls."""
+
+    def __init__(self, params, **kwargs) -> None:
+        super().__init__(params, **kwargs)
+        self.steps = 0
+
+    def step(self, closure=None):  # type: ignore[override]
+        self.steps += 1
+        return super().step(closure)
+
+
+def test_an_optimizer_subclasss_own_step_and_a_step_set_on_the_instance_are_called(make_config):
+    model = TinyModel()
+    opt = _StepCountingSGD(model.parameters(), lr=0.01)
+    _train_three_steps(model, opt, make_config)
+    assert opt.steps == 3
+    plain = torch.optim.SGD(TinyModel().parameters(), lr=0.01)
+    calls: list[int] = []
+    stock = plain.step
+
+    def step(closure=None):
+        calls.append(1)
+        return stock(closure)
+
+    plain.step = step  # type: ignore[method-assign]
+    _train_three_steps(TinyModel(), plain, make_config)
+    assert calls == [1, 1, 1]

@@ -21,6 +21,7 @@ A bare scalar tensor is accepted as pattern 1 with empty meta.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -157,12 +158,14 @@ class LossReducer:
         self.reset()
 
     def reset(self) -> None:
+        # Once a step: only what every step uses is made anew here. The token list and the
+        # meta sums are made by the first micro-batch that needs them.
         self.token_mode: bool | None = None
         self._losses: list[torch.Tensor] = []  # detached: means (1) or token sums (2)
-        self._tokens: list[Any] = []  # pattern 2: token counts
+        self._tokens: list[Any] | None = None  # pattern 2: token counts
         self._meta: dict[str, Any] | None = None  # created by the first meta value
-        self._meta_w: dict[str, Any] = {}
-        self._num: Any = None  # set once sums are reduced over ranks
+        self._meta_w: dict[str, Any] | None = None  # the weights of the meta sums
+        self._num: Any = None  # set (with _den) once sums are reduced over ranks
         self._den: Any = None
 
     def add(self, result: Any) -> tuple[torch.Tensor, Any]:
@@ -172,7 +175,15 @@ class LossReducer:
         of micro-batches); pattern 2 returns the token sum (the caller divides
         the gradients by the total tokens once all micro-batches are in).
         """
-        if type(result) is torch.Tensor and not self.token_mode:  # a bare loss (pattern 1)
+        if type(result) is tuple and len(result) == 2 and not self.token_mode:
+            loss, meta = result  # usual: (loss, meta) of plain types, e.g. (loss, {})
+            if type(loss) is torch.Tensor and type(meta) is dict and loss.numel() == 1:
+                self.token_mode = False
+                self._losses.append(loss.detach())
+                if meta:
+                    self._add_meta(meta, 1)
+                return loss, None
+        elif type(result) is torch.Tensor and not self.token_mode:  # a bare loss (pattern 1)
             if result.numel() != 1:
                 raise TypeError(
                     f"{PATTERNS_HELP}; the loss must be a scalar tensor, got shape "
@@ -206,6 +217,8 @@ class LossReducer:
         self._losses.append(loss.detach())
         tokens = result[1] if token_mode else None
         if token_mode:
+            if self._tokens is None:
+                self._tokens = []
             self._tokens.append(tokens)
         if meta:
             self._add_meta(meta, tokens if token_mode else 1)
@@ -213,7 +226,7 @@ class LossReducer:
 
     def _add_meta(self, meta: dict[str, Any], weight: Any) -> None:
         if self._meta is None:
-            self._meta = {}
+            self._meta, self._meta_w = {}, {}
         sums, weights = self._meta, self._meta_w
         for key, value in meta.items():
             if isinstance(value, torch.Tensor):
@@ -233,7 +246,7 @@ class LossReducer:
         num = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
         if not self.token_mode:
             return num, len(losses)
-        tokens = self._tokens
+        tokens: list[Any] = self._tokens  # type: ignore[assignment]  # set in token mode
         den = tokens[0] if len(tokens) == 1 else sum(tokens[1:], tokens[0])
         return num, den
 
@@ -373,6 +386,25 @@ class LossWindow:
             return keys, torch.stack(values).view(len(keys), len(losses)).mean(1)
         return keys, torch.stack([_mean(d[k] for d in losses if k in d) for k in keys])
 
+    def stacked(self) -> tuple[list[str], torch.Tensor | None, int]:
+        """What the log's means are taken from, as ONE tensor to read back at once:
+        ``(keys of the latest step, values, n)``.
+
+        Usually every step logged the same float32 scalars: ``values`` holds all of them,
+        key by key (``n`` per key, the steps in the window), and :func:`row_means` takes
+        each key's mean on the host, where it is a sum of Python floats instead of two more
+        tensor operations. Otherwise ``values`` holds each key's mean already (``n`` = 1).
+        """
+        losses = self.losses
+        if not losses:
+            return [], None, 0
+        keys = list(losses[-1])
+        values = [d.get(k) for k in keys for d in losses]  # key-major: one row per key
+        f32 = torch.float32
+        if all(type(v) is torch.Tensor and v.dtype is f32 for v in values):
+            return keys, torch.stack(values), len(losses)
+        return keys, torch.stack([_mean(d[k] for d in losses if k in d) for k in keys]), 1
+
     def clear(self) -> None:
         self.losses, self.grad_norm = [], None
 
@@ -384,6 +416,17 @@ class LossWindow:
             {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in d.items()}
             for d in losses
         ]
+
+
+def row_means(values: list[float], n: int) -> list[float]:
+    """The mean of each run of ``n`` consecutive values (``n`` = 1: the values as they are).
+
+    Each is the exact sum of its values (``math.fsum``) divided by ``n``: the values'
+    mean rounded once, to a Python float, whatever their order.
+    """
+    if n == 1:
+        return values
+    return [math.fsum(values[i : i + n]) / n for i in range(0, len(values), n)]
 
 
 def _mean(values: Any) -> torch.Tensor:
@@ -428,6 +471,61 @@ def gradient_clearer(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
                 p.grad = None
 
     return clear
+
+
+def optimizer_stepper(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+    """What the loop calls to apply an update: ``optimizer.step()``, without the profiler
+    range torch wraps around it.
+
+    Torch wraps each optimizer class's ``step`` (``Optimizer.profile_hook_step``) in a
+    function that opens a ``record_function`` range, recording or not, then runs the
+    step hooks around the class's own step. On ``bench/loop.py``'s MLP that wrapper took
+    ~27 µs a step, a sixth of the whole raw step. The returned function calls the class's
+    own step directly while nothing could see the difference, and ``optimizer.step()``
+    otherwise: while a torch profiler records (traces keep ``Optimizer.step#…``), while
+    any step pre- or post-hook is registered (on the optimizer or globally), and always
+    for an optimizer whose ``step`` torch did not wrap or that has a ``step`` of its own
+    on the instance. The one instance ``step`` it sees through is the counter an LR
+    scheduler installs, whose mark (``_opt_called``) it sets as that counter would.
+    """
+    from torch.optim import optimizer as optim_module
+
+    wrapped = type(optimizer).step
+    own_step = getattr(wrapped, "__wrapped__", None)  # the class's step, inside the range
+    profiling = getattr(torch._C._autograd, "_profiler_enabled", None)
+    global_pre = getattr(optim_module, "_global_optimizer_pre_hooks", None)
+    global_post = getattr(optim_module, "_global_optimizer_post_hooks", None)
+    on_instance = vars(optimizer).get("step")
+    by_scheduler = on_instance is not None and getattr(on_instance, "_wrapped_by_lr_sched", False)
+    if (
+        own_step is None
+        or not getattr(wrapped, "hooked", False)  # not torch's profile_hook_step wrapper
+        or profiling is None
+        or global_pre is None
+        or global_post is None
+        or not hasattr(optimizer, "_optimizer_step_pre_hooks")
+        or not hasattr(optimizer, "_optimizer_step_post_hooks")
+        or (on_instance is not None and not by_scheduler)
+    ):
+        return lambda: optimizer.step()
+    attributes = vars(optimizer)
+
+    def step() -> None:
+        if (
+            profiling()
+            or optimizer._optimizer_step_pre_hooks
+            or optimizer._optimizer_step_post_hooks
+            or global_pre
+            or global_post
+            or attributes.get("step") is not on_instance  # replaced since: call what is there
+        ):
+            optimizer.step()
+            return
+        if by_scheduler:
+            optimizer._opt_called = True  # what the scheduler's counter records
+        own_step(optimizer)
+
+    return step
 
 
 class FiniteCheck:

@@ -82,11 +82,12 @@ class Timer:
         self._started = None
         self.count += 1
 
-    def add(self, seconds: float) -> None:
-        """Add an interval measured elsewhere (the loop reads one clock per step
-        boundary and hands each timer its share, instead of a start and a stop)."""
+    def add(self, seconds: float, intervals: int = 1) -> None:
+        """Add ``seconds`` measured elsewhere, as ``intervals`` completed intervals (the
+        loop reads one clock per step boundary and hands each timer its share, instead of
+        a start and a stop)."""
         self._elapsed += seconds
-        self.count += 1
+        self.count += intervals
 
     def reset(self) -> None:
         """Forget the time added up so far (and stop a running timer)."""
@@ -135,7 +136,7 @@ class NullTimer:
     def stop(self, barrier: bool = False) -> None:
         pass
 
-    def add(self, seconds: float) -> None:
+    def add(self, seconds: float, intervals: int = 1) -> None:
         pass
 
 

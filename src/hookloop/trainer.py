@@ -25,6 +25,7 @@ check that ``train.skip_nonfinite`` asks for.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import signal
 import sys
@@ -79,7 +80,9 @@ from hookloop.step import (
     default_forward_step,
     gradient_clearer,
     gradients,
+    optimizer_stepper,
     read_back,
+    row_means,
     to_float,
 )
 from hookloop.timers import LOOP_TIMERS, NULL_TIMER, Timers, loop_clock, per_step_ms
@@ -188,7 +191,7 @@ class Trainer(TrainerCheckpoints, TrainerEvaluation):
         self._start_timers()
         self._zeros: torch.Tensor | None = None  # zero gradient elements, counted on log steps
         self._last_graph: torch.Tensor | None = None  # the last loss (see _forward_backward)
-        self._zero_grad = gradient_clearer(self.optimizer)  # bound again when train() starts
+        self._bind_optimizer_calls()  # and again when train() starts
         self._fire("on_init_end")
 
     # -- set-up helpers ------------------------------------------------------
@@ -299,6 +302,17 @@ class Trainer(TrainerCheckpoints, TrainerEvaluation):
         )
         self._last_log_step = 0
 
+    def _bind_optimizer_calls(self) -> None:
+        """The update and the gradient clearing the step calls, for ``self.optimizer``:
+        torch's ``step()`` and ``zero_grad(set_to_none=True)`` without the profiler range
+        each opens on every call, unless a profiler records (:mod:`hookloop.step`)."""
+        optimizer, precision = self.optimizer, self.precision
+        self._zero_grad = gradient_clearer(optimizer)
+        if precision.scaler is None:
+            self._apply_update = optimizer_stepper(optimizer)
+        else:  # fp16: the GradScaler calls optimizer.step() itself, or skips it
+            self._apply_update = functools.partial(precision.step, optimizer)
+
     def _fire(self, event: str) -> None:
         if self._hooks[event]:
             self.callbacks.fire(event, self.ctx)
@@ -340,7 +354,7 @@ class Trainer(TrainerCheckpoints, TrainerEvaluation):
         self._skip_steps = frozenset(cfg.iterations_to_skip)
         self._next_scheduled = 0  # the first boundary works out when the next is due
         st._stop_reason, st._failed = None, False
-        self._zero_grad = gradient_clearer(self.optimizer)  # the optimizer trained with now
+        self._bind_optimizer_calls()  # to the optimizer trained with now
         self._start_time = time.monotonic()
         restore_signals = self._install_signal_handlers() if cfg.handle_signals else None
         try:
@@ -393,6 +407,7 @@ class Trainer(TrainerCheckpoints, TrainerEvaluation):
         if st._epoch_step == 0:
             self._fire("on_epoch_start")
         clock, rewinder, collect_every = self._clock, self._rewinder, self._gc.every
+        control, saves = self.control, self._saves
         while True:
             if st._max_steps is not None and st._step >= st._max_steps:
                 st._stop_reason = "max_steps" if cfg.max_steps else "max_epochs"
@@ -409,7 +424,15 @@ class Trainer(TrainerCheckpoints, TrainerEvaluation):
             self._train_step(group, fetching)
             if collect_every is not None:
                 self._gc.after_step(st._step)
-            if self._step_boundary():
+            # The boundary has work only when a log, evaluation, save or exit interval is
+            # due, or a request, a signal or a finished background save waits.
+            if (
+                st._step >= self._next_scheduled
+                or st._will_log
+                or control._pending
+                or self._signal is not None
+                or saves.busy
+            ) and self._step_boundary():
                 return  # stopped mid-epoch: no epoch-end events
         if self.eval_loader is not None and cfg.eval_at_epoch_end and not self._evaluated_now():
             self._evaluate_in_training()
@@ -459,8 +482,8 @@ class Trainer(TrainerCheckpoints, TrainerEvaluation):
             self.callbacks.fire("on_before_optimizer_step", ctx)
             resumed = clock()  # the optimizer timer leaves the handlers out
         skipped = self._optimizer_step(loss_dict, grad_norm)
-        self._t_opt.add(prepared - computed)  # two intervals, as the optimizer timer
-        self._t_opt.add(clock() - resumed)  # has always counted them
+        # Two intervals, as the optimizer timer has always counted them.
+        self._t_opt.add(prepared - computed + (clock() - resumed), intervals=2)
         if not skipped:  # a skipped step's (non-finite) loss stays out of the logged average
             self._losses.add(loss_dict, grad_norm, keep_all=bool(self.config.train.log_every))
         ctx.skipped_iter = skipped
@@ -565,27 +588,21 @@ class Trainer(TrainerCheckpoints, TrainerEvaluation):
                 )
         else:
             if self._rewinder.lr_factor == 1.0:  # no rewind's lower learning rate in force
-                self.precision.step(self.optimizer)
+                self._apply_update()
             else:
                 with self._rewinder.lr_scaled(self.optimizer, st._step):
-                    self.precision.step(self.optimizer)
+                    self._apply_update()
             if self.scheduler is not None and not self.precision.skipped_update:
                 self.scheduler.step()  # not after an update fp16's scaler skipped (as HF)
-        self._zero_grad()  # optimizer.zero_grad(set_to_none=True), without its profiler range
+        self._zero_grad()
         return skip
 
     # -- the step boundary: log, evaluate, save, stop ----------------------------
     def _step_boundary(self) -> bool:
-        """Act on what is due or requested after a step. Returns True to stop training."""
-        st = self.state
-        if (
-            st._step < self._next_scheduled
-            and not st._will_log
-            and not self.control._pending
-            and self._signal is None
-            and not self._saves.busy
-        ):
-            return False  # the common step: nothing scheduled, asked for or being saved
+        """Act on what is due or requested after a step. Returns True to stop training.
+
+        ``_run_epoch`` calls it only after a step that has something due or waiting.
+        """
         stopping = self._act_at_boundary()
         self._next_scheduled = self._next_scheduled_step()
         return stopping
@@ -725,21 +742,21 @@ class Trainer(TrainerCheckpoints, TrainerEvaluation):
     def _log(self) -> None:
         """Build ``ctx.logs`` (this is where values are read back from the device)."""
         st, hooks, window = self.state, self._hooks, self._losses
-        keys, means = window.means()
-        if means is not None and st._world_size > 1:
-            means = all_reduce_mean(means)  # every rank logs the same numbers
+        keys, values, n = window.stacked()  # every step's losses, or each key's mean
+        if values is not None and st._world_size > 1:
+            values = all_reduce_mean(values)  # every rank logs the same numbers
         tokens = sum(self._pending_tokens) if self._pending_tokens else None
         self._pending_tokens.clear()
         # One device-to-host transfer for the losses, the grad norm and the token count.
-        if window.grad_norm is None and tokens is None and means is not None:
-            means_h, norm_h, tokens_h = means.tolist(), None, None  # usual: the losses alone
+        if window.grad_norm is None and tokens is None and values is not None:
+            values_h, norm_h, tokens_h = values.tolist(), None, None  # usual: the losses alone
         else:
-            means_h, norm_h, tokens_h = read_back([means, window.grad_norm, tokens])
+            values_h, norm_h, tokens_h = read_back([values, window.grad_norm, tokens])
         if tokens_h is not None:
             st._tokens += int(tokens_h[0])
         logs: dict[str, Any] = {}
-        if means_h is not None:
-            logs.update(zip(keys, means_h, strict=True))
+        if values_h is not None:
+            logs.update(zip(keys, row_means(values_h, n), strict=True))
         if norm_h is not None:
             logs["grad_norm"] = norm_h[0]
         logs["lr"] = float(self.optimizer.param_groups[0]["lr"])

@@ -23,12 +23,21 @@ the two things this module needs that the bare writer lacks: ``purge_step``
 and text summaries. Only rank 0 writes.
 
 Scalars and text are handed to the shared background writer
-(:mod:`hookloop.callbacks._writer`), which builds the protobufs and passes them
-to TensorBoard's own writer; the loop pays for a queue entry. The other
-``add_*`` methods (histograms, images, ...) run at once, since their tensors
-may change by the next step. The queue is drained and the event file flushed
-before a checkpoint's state is taken, and again in the background at
+(:mod:`hookloop.callbacks._writer`), which builds the protobufs and writes them
+to the event file; the loop pays for a queue entry. The other ``add_*`` methods
+(histograms, images, ...) run at once, since their tensors may change by the
+next step. The queue is drained and the event file flushed before a
+checkpoint's state is taken, and again in the background at
 ``on_checkpoint_save``.
+
+The ``SummaryWriter`` is torch's, with one part replaced: its event file. Torch's
+``FileWriter`` hands every record to TensorBoard's ``EventFileWriter``, which
+queues it for a thread of its own that appends it through TensorBoard's
+TensorFlow-less ``GFile``, opening and closing the file for each record. Here the
+records (TensorBoard's own format and ``RecordWriter``, the same bytes) go straight
+into a file kept open, written by whichever thread adds them: the background log
+writer for the loggers' scalars and text. That saved ~60 µs of CPU per log event
+on the 2-core machine, and a thread hand-off.
 """
 
 from __future__ import annotations
@@ -51,11 +60,112 @@ from hookloop.state import CallbackContext
 _EVENT_FILE = re.compile(r"events\.out\.tfevents\.(\d+)\.")
 
 
+_WRITER_CLASS: Any = None
+
+
 def _summary_writer_class() -> Any:
+    """torch's ``SummaryWriter`` over :class:`EventFile` (made once, on first use)."""
+    global _WRITER_CLASS
     require("tensorboard", extra="tensorboard", feature="TensorBoard logging")
-    module = require("torch.utils.tensorboard", extra="tensorboard", feature="TensorBoard logging")
+    require("torch.utils.tensorboard", extra="tensorboard", feature="TensorBoard logging")
+    if _WRITER_CLASS is not None:
+        return _WRITER_CLASS
     use_fast_checksums()
-    return module.SummaryWriter
+    from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+    from torch.utils.tensorboard.writer import FileWriter, SummaryWriter
+
+    class DirectFileWriter(FileWriter):
+        """torch's ``FileWriter`` (events stamped with a time and a step) over an
+        :class:`EventFile` instead of TensorBoard's queued ``EventFileWriter``."""
+
+        def __init__(
+            self, log_dir: Any, max_queue: int = 10, flush_secs: float = 120, filename_suffix=""
+        ) -> None:
+            self.event_writer = EventFile(str(log_dir), flush_secs, filename_suffix)
+
+    class DirectSummaryWriter(SummaryWriter):
+        """torch's ``SummaryWriter``, its default event file an :class:`EventFile`."""
+
+        def _get_file_writer(self) -> Any:
+            if self.all_writers is None or self.file_writer is None:
+                self.file_writer = DirectFileWriter(
+                    self.log_dir, self.max_queue, self.flush_secs, self.filename_suffix
+                )
+                self.all_writers = {self.file_writer.get_logdir(): self.file_writer}
+                if self.purge_step is not None:  # what torch's does: a session restart at it
+                    step, self.purge_step = self.purge_step, None
+                    self.file_writer.add_event(Event(step=step, file_version="brain.Event:2"))
+                    self.file_writer.add_event(
+                        Event(step=step, session_log=SessionLog(status=SessionLog.START))
+                    )
+            return self.file_writer
+
+    _WRITER_CLASS = DirectSummaryWriter
+    return _WRITER_CLASS
+
+
+class EventFile:
+    """One TensorBoard event file, written at once by the thread that adds an event.
+
+    Has what torch's ``FileWriter`` uses of TensorBoard's ``EventFileWriter``
+    (``get_logdir``, ``add_event``, ``flush``, ``close``) and writes the same file: the
+    same name pattern (its counter shared with TensorBoard's writers), the same first
+    event, each event a TFRecord made by TensorBoard's ``RecordWriter``. Records reach
+    the OS when ``flush_secs`` have passed since the last flush (checked as events come),
+    at ``flush()`` and at ``close()``.
+    """
+
+    def __init__(self, logdir: str, flush_secs: float = 120, filename_suffix: str = "") -> None:
+        from tensorboard.compat.proto.event_pb2 import Event, SourceMetadata
+        from tensorboard.summary.writer import event_file_writer
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        os.makedirs(logdir, exist_ok=True)
+        self._logdir = logdir
+        uid = event_file_writer._global_uid.get()
+        name = "events.out.tfevents.%010d.%s.%s.%s" % (  # noqa: UP031 (TensorBoard's pattern)
+            time.time(),
+            socket.gethostname(),
+            os.getpid(),
+            uid,
+        )
+        self.path = os.path.join(logdir, name) + filename_suffix
+        self._file = open(self.path, "wb")  # noqa: SIM115 (closed by close())
+        self._records = RecordWriter(self._file)
+        self._event_type = Event
+        self._lock = threading.Lock()  # the log writer thread and the loop may both add
+        self._flush_secs = flush_secs
+        self._next_flush = 0.0
+        writer = SourceMetadata(writer="tensorboard.summary.writer.event_file_writer")
+        self.add_event(
+            Event(wall_time=time.time(), file_version="brain.Event:2", source_metadata=writer)
+        )
+
+    def get_logdir(self) -> str:
+        return self._logdir
+
+    def add_event(self, event: Any) -> None:
+        if not isinstance(event, self._event_type):
+            raise TypeError(f"expected a tensorboard Event protobuf, got {type(event).__name__}")
+        data = event.SerializeToString()
+        with self._lock:
+            if self._file.closed:
+                raise OSError(f"the event file {self.path} is closed")
+            self._records.write(data)
+            now = time.monotonic()
+            if now >= self._next_flush:
+                self._file.flush()
+                self._next_flush = now + self._flush_secs
+
+    def flush(self) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.close()
 
 
 def use_fast_checksums() -> bool:
