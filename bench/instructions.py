@@ -15,7 +15,7 @@ difference in steps is the count per step: what a run costs once (``train()``'s
 set-up, the final drain) cancels. Children run in parallel, one per core.
 
     python bench/instructions.py                 # raw, hookloop-bare, hookloop-default,
-                                                 # raw-grads-none
+                                                 # raw-lean
     python bench/instructions.py --attribute     # also bench/loop.py's attribution variants
 
 Needs valgrind (``apt-get install valgrind``). Under callgrind a torch import takes about two
@@ -41,7 +41,7 @@ sys.path.insert(0, str(HERE))
 
 from _timing import environment, format_table  # noqa: E402
 
-CONTENDERS = ("raw", "hookloop-bare", "hookloop-default", "raw-grads-none")
+CONTENDERS = ("raw", "hookloop-bare", "hookloop-default", "raw-lean")
 
 
 def child(name: str, steps: int, changes: dict | None) -> None:

@@ -13,9 +13,11 @@ Contenders:
   ``default_callbacks`` below), ``log_every=10``, ``skip_nonfinite=True``;
 - ``hookloop-clip``: bare plus ``clip_grad_norm=1.0`` and ``skip_nonfinite=True``
   (for information; no target);
-- ``raw-grads-none``: the raw loop with ``p.grad = None`` for each parameter in place
-  of ``opt.zero_grad(set_to_none=True)``, which is what hookloop's step does (torch's
-  method opens a profiler range on every call); for information, no target.
+- ``raw-lean``: the raw loop calling the optimizer as hookloop's step does when no
+  profiler records: ``p.grad = None`` for each parameter in place of
+  ``opt.zero_grad(set_to_none=True)``, and the optimizer class's own step in place of
+  ``opt.step()`` (torch wraps both in a profiler range opened on every call); hookloop's
+  own cost is its excess over this one. For information, no target.
 
 Only ``.train()`` (or the raw loop) is timed; model, optimizer and Trainer are
 built before the clock starts. In each round the contenders run in a fresh
@@ -63,10 +65,10 @@ from _timing import (
     verdict,
 )
 from hookloop import Callback, Config, TrainConfig, Trainer
-from hookloop.callbacks import JsonLogger, ProgressBar
+from hookloop.callbacks import InfoCallback, JsonLogger, ProgressBar
 
 TARGETS = {"hookloop-bare": 1.03, "hookloop-default": 1.10}
-CONTENDERS = ("hookloop-bare", "hookloop-default", "hookloop-clip", "raw-grads-none")
+CONTENDERS = ("hookloop-bare", "hookloop-default", "hookloop-clip", "raw-lean")
 
 
 # -- the default callback set (extend it here) -----------------------------------------------
@@ -90,6 +92,8 @@ def default_callbacks(run_dir: Path, sink: TextIO) -> tuple[list[Callback], str]
     for cb in callbacks:
         if isinstance(cb, ProgressBar):  # keep the terminal quiet and the mode non-TTY
             cb.stream, cb.use_tqdm = sink, False
+        elif isinstance(cb, InfoCallback):  # its run summary, too
+            cb.stream = sink
     return callbacks, "hookloop.callbacks.default_callbacks()"
 
 
@@ -213,19 +217,20 @@ def prepare(name: str, problem: Problem, changes: dict[str, Any] | None = None) 
                 opt.zero_grad(set_to_none=True)
 
         return Prepared(raw_loop, model)
-    if name == "raw-grads-none":
+    if name == "raw-lean":
         data, params = problem.data, list(model.parameters())
+        own_step = type(opt).step.__wrapped__  # inside torch's profiler range
 
-        def raw_loop_grads_none() -> None:
+        def raw_lean_loop() -> None:
             for x, y in data:
                 out = model(x)
                 loss = mse(out, y)
                 loss.backward()
-                opt.step()
+                own_step(opt)
                 for p in params:
                     p.grad = None
 
-        return Prepared(raw_loop_grads_none, model)
+        return Prepared(raw_lean_loop, model)
     callbacks: list[Callback] = []
     if name == "hookloop-bare":
         config = bare_config(steps)
@@ -301,7 +306,7 @@ def check_same_result(problem: Problem) -> str:
         _, model = timed(name, problem)
         finals[name] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     parts = []
-    for name in ("hookloop-bare", "hookloop-default", "raw-grads-none"):
+    for name in ("hookloop-bare", "hookloop-default", "raw-lean"):
         diff = (finals[name] - finals["raw"]).abs().max().item()
         parts.append(f"{name} {'identical' if diff == 0 else f'max |diff| {diff:.1e}'}")
     return "final weights vs raw: " + ", ".join(parts)
@@ -408,7 +413,7 @@ def callback_cost(problem: Problem) -> str:
 
 class ShellOnly(Trainer):
     """A probe, not an API: the Trainer's loop (budget, data fetch, step boundary) around a
-    step that is the raw loop's body plus the step counters, so its excess over raw is
+    step that is raw-lean's body plus the step counters, so its excess over raw-lean is
     what the loop costs outside the step."""
 
     def _train_step(self, group: list[Any], fetching: float | None = None) -> None:
@@ -418,14 +423,14 @@ class ShellOnly(Trainer):
         inputs, targets = group[0]
         loss = self._probe_loss(self.model(inputs), targets)
         loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._apply_update()  # the optimizer called as the Trainer's step calls it
+        self._zero_grad()
         self._last_graph = loss  # held to the next step, as raw's `loss` variable is
 
 
 #: Variant -> (contender it starts from, TrainConfig changes); None: the ShellOnly probe.
 ATTRIBUTION: dict[str, tuple[str, dict[str, Any]] | None] = {
-    "loop shell only (raw step body inside the loop)": None,
+    "loop shell only (raw-lean step body inside the loop)": None,
     "no callbacks (hookloop-bare)": ("hookloop-bare", {}),
     "no callbacks, train.timers=off": ("hookloop-bare", {"timers": "off"}),
     "no callbacks + skip_nonfinite": ("hookloop-bare", {"skip_nonfinite": True}),
@@ -450,8 +455,9 @@ def prepare_variant(variant: str, problem: Problem) -> Prepared:
 
 
 def attribute(problem: Problem, rounds: int, seed: int = 0) -> str:
-    """Each variant's CPU excess over raw, in interleaved rounds (each run between two raw
-    runs, as the main table): which part of the loop costs what."""
+    """Each variant's CPU excess over raw-lean (the raw loop calling the optimizer as the
+    Trainer does), in interleaved rounds (each run between two raw-lean runs, as the main
+    table does with raw): which part of hookloop's own cost is what."""
     rng = random.Random(seed)
     excess: dict[str, list[float]] = {v: [] for v in ATTRIBUTION}
     steps = len(problem.data)
@@ -464,11 +470,11 @@ def attribute(problem: Problem, rounds: int, seed: int = 0) -> str:
         finally:
             prepared.close()
 
-    before = cpu_us(prepare("raw", problem))
+    before = cpu_us(prepare("raw-lean", problem))
     for _ in range(rounds):
         for variant in shuffled(list(ATTRIBUTION), rng):
             spent = cpu_us(prepare_variant(variant, problem))
-            after = cpu_us(prepare("raw", problem))
+            after = cpu_us(prepare("raw-lean", problem))
             raw_us.append((before + after) / 2)
             excess[variant].append(spent - raw_us[-1])
             before = after
@@ -478,12 +484,12 @@ def attribute(problem: Problem, rounds: int, seed: int = 0) -> str:
         lo, hi = quartiles(values)
         rows.append([variant, f"{median(values):+.1f}", f"{lo:+.1f} .. {hi:+.1f}",
                      f"{1 + median(values) / raw:.3f}"])  # fmt: skip
-    table = format_table(["variant", "+cpu us/step", "IQR", "x raw"], rows)
+    table = format_table(["variant", "+cpu us/step", "IQR", "x raw-lean"], rows)
     return "\n".join(
         [
             "",
-            f"Attribution: {rounds} interleaved rounds x {steps} steps, raw {raw:.1f} us/step "
-            "(CPU; medians of each run's excess over its two raw neighbours)",
+            f"Attribution: {rounds} interleaved rounds x {steps} steps, raw-lean {raw:.1f} us/step "
+            "(CPU; medians of each run's excess over its two raw-lean neighbours)",
             table,
         ]
     )

@@ -103,6 +103,36 @@ def test_a_log_event_returns_before_the_record_is_written(tmp_path, held_writer)
     assert record["kind"] == "train" and record["loss"] == 0.5 and record["bad"] == "nan"
 
 
+def test_a_tensor_in_the_logs_is_read_at_the_log_event_and_plain_values_later(
+    tmp_path, held_writer
+):
+    """Plain numbers are converted on the writer thread; a tensor a callback put in the
+    logs is read at once, so a later in-place change does not reach the files."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from hookloop.callbacks.tensorboard import TBLogger
+
+    path, tb_dir = tmp_path / "metrics.jsonl", tmp_path / "tb"
+    json_logger, tb_logger = JsonLogger(path), TBLogger(tb_dir, log_config=False)
+    ctx = CallbackContext()
+    ctx.state._step = 7
+    value = torch.tensor(2.5)
+    ctx.logs = {"loss": 0.5, "custom": value, "note": "text", "inf": float("inf")}
+    json_logger.on_log(ctx)
+    tb_logger.on_log(ctx)
+    value.fill_(-1.0)  # after the event: too late to show
+    held_writer.set()
+    json_logger.close()
+    tb_logger.writer.close()
+    (record,) = read_jsonl(path)
+    assert (record["step"], record["loss"], record["custom"]) == (7, 0.5, 2.5)
+    assert (record["note"], record["inf"]) == ("text", "inf")
+    events = EventAccumulator(str(tb_dir))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["train/custom", "train/inf", "train/loss"]
+    assert [(e.step, e.value) for e in events.Scalars("train/custom")] == [(7, 2.5)]
+
+
 def test_a_checkpoint_offset_counts_every_record_handed_over_before_it(tmp_path, held_writer):
     path = tmp_path / "metrics.jsonl"
     logger = JsonLogger(path)

@@ -81,20 +81,20 @@ class JsonLogger(Callback):
     def _write(self, kind: str, ctx: CallbackContext, values: dict[str, Any]) -> None:
         if not ctx.state.is_rank_zero:
             return
-        record = {
-            "kind": kind,
-            "time": round(time.time(), 3),
-            "step": ctx.state.step,
-            "epoch": ctx.state.epoch,
-        }
-        # Converted here, on the loop's thread: a tensor value is read while it holds
-        # this step's number; the encoding and the write happen on the writer thread.
-        for key, value in values.items():
-            record[key] = value if type(value) in _PLAIN else _jsonable(value)
+        st = ctx.state
+        record = {"kind": kind, "time": round(time.time(), 3), "step": st.step, "epoch": st.epoch}
+        if set(map(type, values.values())) <= _SCALARS:  # usual: numbers, read back already
+            record.update(values)  # converted (NaN/Inf to strings) on the writer thread
+        else:  # a tensor is read here, while it holds this step's number
+            for key, value in values.items():
+                record[key] = value if type(value) in _PLAIN else _jsonable(value)
         self._writer.submit(self._append, record)
 
     def _append(self, record: dict[str, Any]) -> None:
         """On the writer thread: encode and append one record."""
+        for key, value in record.items():
+            if type(value) is float and not math.isfinite(value):
+                record[key] = str(value)  # JSON has no NaN/Inf; keep them visible as strings
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a", encoding="utf-8")
@@ -199,6 +199,7 @@ def _step_of(record: dict[str, Any]) -> int:
 
 
 _PLAIN = (int, str, bool, type(None))  # written as they are (floats may be NaN/Inf)
+_SCALARS = {int, float, str, bool, type(None)}  # what needs nothing read from a device
 
 
 def _jsonable(value: Any) -> Any:

@@ -58,6 +58,7 @@ from hookloop.config import dump_yaml
 from hookloop.state import CallbackContext
 
 _EVENT_FILE = re.compile(r"events\.out\.tfevents\.(\d+)\.")
+_SCALARS = {int, float, str, bool, type(None)}  # log values that need nothing read from a device
 
 
 _WRITER_CLASS: Any = None
@@ -289,21 +290,29 @@ class ResumableSummaryWriter(Callback):
         if self.enabled:
             self.writer.add_scalar(tag, value, global_step=step, **kwargs)
 
-    def add_scalars_at(self, values: dict[str, float], step: int) -> None:
+    def add_scalars_at(self, values: dict[str, Any], step: int, kind: str | None = None) -> None:
         """Several scalars at one step as ONE event (one protobuf, one queue entry).
 
         ``add_scalar`` costs about 0.1-0.2 ms per tag on a slow CPU; a log event
         carries a dozen tags, so writing them together keeps logging off the
         step time. TensorBoard reads them exactly like separate ``add_scalar``s.
+        With ``kind`` (``"train"``, ``"eval"``, ``"test"``), ``values`` are a log's or
+        metrics' own keys and values, numbers or not: the numbers among them are written,
+        tagged as :func:`~hookloop.callbacks.jsonlog.metric_tag` says, and that choice is
+        made on the writer thread (so the values must need no device read).
         """
         if not self.enabled or not values:
             return
-        self._background.submit(self._add_summary, values, step)
+        self._background.submit(self._add_summary, values, step, kind)
 
-    def _add_summary(self, values: dict[str, float], step: int) -> None:
+    def _add_summary(self, values: dict[str, Any], step: int, kind: str | None = None) -> None:
         """On the writer thread: one ``Summary`` protobuf for all of them."""
         from tensorboard.compat.proto.summary_pb2 import Summary
 
+        if kind is not None:
+            values = {metric_tag(kind, k): v for k, v in numeric_metrics(values).items()}
+            if not values:
+                return
         summary = Summary(
             value=[Summary.Value(tag=tag, simple_value=float(v)) for tag, v in values.items()]
         )
@@ -426,13 +435,15 @@ class TBLogger(Callback):
             self.writer.add_text("config", _code_block(text), step)
 
     def on_log(self, ctx: CallbackContext) -> None:
-        if not ctx.state.is_rank_zero:
+        if not ctx.state.is_rank_zero or not ctx.logs:
             return
-        values = numeric_metrics(ctx.logs)
-        self._last_logs = values
-        self.writer.add_scalars_at(
-            {metric_tag("train", key): value for key, value in values.items()}, ctx.state.step
-        )
+        logs = ctx.logs
+        if set(map(type, logs.values())) <= _SCALARS:  # usual: picked and tagged in the
+            self._last_logs = dict(logs)  # background, as nothing is read from a device
+            self.writer.add_scalars_at(self._last_logs, ctx.state.step, kind="train")
+            return
+        self._last_logs = numeric_metrics(logs)
+        self.writer.add_scalars_at(self._last_logs, ctx.state.step, kind="train")
 
     def on_eval_end(self, ctx: CallbackContext) -> None:
         self._write_metrics("eval", ctx)
@@ -467,7 +478,8 @@ class TBLogger(Callback):
                 "epoch": st.epoch,
                 "wall time (this session)": _duration(time.monotonic() - self._started),
             }
-            rows.update({f"last {k}": _fmt(v) for k, v in self._last_logs.items()})
+            last = numeric_metrics(self._last_logs)
+            rows.update({f"last {k}": _fmt(v) for k, v in last.items()})
             rows.update({k: _fmt(v) for k, v in numeric_metrics(st.last_eval).items()})
             self.writer.add_text("run/summary", _markdown_table(rows), st.step)
         if self._owns_writer:
