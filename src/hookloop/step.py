@@ -538,6 +538,22 @@ class FiniteCheck:
         # On the CPU the flag is read through a NumPy view of its memory: no dispatch.
         self._found_host = _numpy_view(self.found) if device.type == "cpu" else None
 
+    def step_nonfinite(
+        self, loss: torch.Tensor, grad_norm: Any, optimizer: torch.optim.Optimizer, sharded: bool
+    ) -> bool:
+        """Whether a step's (detached) loss or any gradient the optimizer will use is NaN or
+        Inf; its ``grad_norm``, when there is one, stands for the gradients (a norm over
+        them is non-finite when one of them is)."""
+        if grad_norm is not None:
+            return self.any_nonfinite([loss, grad_norm], sharded=sharded)
+        tensors = [loss]
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                grad = param.grad
+                if grad is not None:
+                    tensors.append(grad)
+        return self.any_nonfinite(tensors, sharded=sharded)
+
     def any_nonfinite(self, tensors: list[torch.Tensor], *, sharded: bool = True) -> bool:
         """``tensors`` must not require grad (detached losses, ``p.grad``).
 

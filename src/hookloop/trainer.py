@@ -565,16 +565,13 @@ class Trainer(TrainerCheckpoints, TrainerEvaluation):
         """Apply the update unless a callback or a non-finite value says skip."""
         cfg, st = self.config.train, self.state
         skip = self.control.take_skip()
-        if not skip and cfg.skip_nonfinite and not self.precision.checks_overflow:
+        if not skip and cfg.skip_nonfinite and self.precision.scaler is None:
             # The one host read per step this option costs. (With fp16 the GradScaler
             # does its own inf check and skips the update itself.)
-            checked = (
-                [loss_dict["loss"], grad_norm]
-                if grad_norm is not None
-                else [loss_dict["loss"], *gradients(self.optimizer)]
-            )
             sharded = st._world_size > 1 or cfg.parallel == "fsdp"  # DTensor gradients
-            skip = self._finite_check.any_nonfinite(checked, sharded=sharded)
+            skip = self._finite_check.step_nonfinite(
+                loss_dict["loss"], grad_norm, self.optimizer, sharded
+            )
             st._nonfinite_steps += skip
         if st._world_size > 1:
             skip = bool(agree_flags([int(skip)], self.device)[0])
