@@ -230,13 +230,19 @@ def test_reducer_two_element_meta_is_a_ratio_of_sums_not_a_mean_of_ratios():
     assert reducer.tokens == 10
 
 
-def test_the_logged_mean_of_each_key_equals_that_keys_own_mean_to_the_bit():
+def _window_of_ten_steps() -> tuple[LossWindow, list[dict[str, torch.Tensor]]]:
     gen = torch.Generator().manual_seed(3)
     steps = [{"loss": torch.rand((), generator=gen) * 7, "acc": torch.rand((), generator=gen)}
              for _ in range(10)]  # fmt: skip
     window = LossWindow(torch.device("cpu"))
     for d in steps:
         window.add(d, None)
+    return window, steps
+
+
+def test_the_window_mean_of_each_key_equals_that_keys_own_mean_to_the_bit():
+    """``LossWindow.means()``, on the device (the HF dialect logs HF's keys from it)."""
+    window, steps = _window_of_ten_steps()
     keys, means = window.means()
     assert keys == ["loss", "acc"]
     for key, mean in zip(keys, means, strict=True):
@@ -252,12 +258,7 @@ def test_a_logged_loss_is_the_exact_mean_of_the_steps_losses_since_the_last_log(
     each logged value is the exactly summed mean of its steps' float32 values."""
     import math
 
-    gen = torch.Generator().manual_seed(3)
-    steps = [{"loss": torch.rand((), generator=gen) * 7, "acc": torch.rand((), generator=gen)}
-             for _ in range(10)]  # fmt: skip
-    window = LossWindow(torch.device("cpu"))
-    for d in steps:
-        window.add(d, None)
+    window, steps = _window_of_ten_steps()
     keys, values, n = window.stacked()
     assert keys == ["loss", "acc"] and n == 10
     means = row_means(values.tolist(), n)
