@@ -374,17 +374,13 @@ class LossWindow:
         self.grad_norm = grad_norm
 
     def means(self) -> tuple[list[str], torch.Tensor | None]:
-        """Keys of the latest step and each key's mean over the window, as one tensor."""
-        losses = self.losses
-        if not losses:
-            return [], None
-        keys = list(losses[-1])
-        values = [d.get(k) for k in keys for d in losses]  # key-major: one row per key
-        if all(type(v) is torch.Tensor and v.dtype == torch.float32 for v in values):
-            # Usual: every step logged the same float32 scalars. One stack, one mean per row
-            # (each row reduced as a contiguous vector, as a mean of that key alone would be).
-            return keys, torch.stack(values).view(len(keys), len(losses)).mean(1)
-        return keys, torch.stack([_mean(d[k] for d in losses if k in d) for k in keys])
+        """Keys of the latest step and each key's mean over the window, as one tensor
+        (taken on the device; the native log takes them on the host from :meth:`stacked`)."""
+        keys, values, n = self.stacked()
+        if values is None or n == 1:
+            return keys, values
+        # Each row reduced as a contiguous vector, as a mean of that key alone would be.
+        return keys, values.view(len(keys), n).mean(1)
 
     def stacked(self) -> tuple[list[str], torch.Tensor | None, int]:
         """What the log's means are taken from, as ONE tensor to read back at once:
@@ -446,6 +442,11 @@ def gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
 
+#: Whether a torch profiler records now (torch >= 1.8); None where torch cannot say, and
+#: then the loop calls the optimizer's own methods, ranges and all.
+_profiling: Callable[[], bool] | None = getattr(torch._C._autograd, "_profiler_enabled", None)
+
+
 def gradient_clearer(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
     """What the loop calls after each update: ``optimizer.zero_grad(set_to_none=True)``.
 
@@ -458,7 +459,7 @@ def gradient_clearer(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
     or one set on the instance) always gets it called.
     """
     own = type(optimizer).zero_grad is not torch.optim.Optimizer.zero_grad
-    profiling = getattr(torch._C._autograd, "_profiler_enabled", None)  # torch >= 1.8
+    profiling = _profiling
     if own or "zero_grad" in vars(optimizer) or profiling is None:
         return lambda: optimizer.zero_grad(set_to_none=True)
 
@@ -492,7 +493,7 @@ def optimizer_stepper(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
 
     wrapped = type(optimizer).step
     own_step = getattr(wrapped, "__wrapped__", None)  # the class's step, inside the range
-    profiling = getattr(torch._C._autograd, "_profiler_enabled", None)
+    profiling = _profiling
     global_pre = getattr(optim_module, "_global_optimizer_pre_hooks", None)
     global_post = getattr(optim_module, "_global_optimizer_post_hooks", None)
     on_instance = vars(optimizer).get("step")
@@ -544,15 +545,8 @@ class FiniteCheck:
         """Whether a step's (detached) loss or any gradient the optimizer will use is NaN or
         Inf; its ``grad_norm``, when there is one, stands for the gradients (a norm over
         them is non-finite when one of them is)."""
-        if grad_norm is not None:
-            return self.any_nonfinite([loss, grad_norm], sharded=sharded)
-        tensors = [loss]
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                grad = param.grad
-                if grad is not None:
-                    tensors.append(grad)
-        return self.any_nonfinite(tensors, sharded=sharded)
+        checked = [loss, grad_norm] if grad_norm is not None else [loss, *gradients(optimizer)]
+        return self.any_nonfinite(checked, sharded=sharded)
 
     def any_nonfinite(self, tensors: list[torch.Tensor], *, sharded: bool = True) -> bool:
         """``tensors`` must not require grad (detached losses, ``p.grad``).

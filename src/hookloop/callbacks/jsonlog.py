@@ -83,7 +83,7 @@ class JsonLogger(Callback):
             return
         st = ctx.state
         record = {"kind": kind, "time": round(time.time(), 3), "step": st.step, "epoch": st.epoch}
-        if set(map(type, values.values())) <= _SCALARS:  # usual: numbers, read back already
+        if plain_values(values):  # usual: numbers, read back already
             record.update(values)  # converted (NaN/Inf to strings) on the writer thread
         else:  # a tensor is read here, while it holds this step's number
             for key, value in values.items():
@@ -199,7 +199,13 @@ def _step_of(record: dict[str, Any]) -> int:
 
 
 _PLAIN = (int, str, bool, type(None))  # written as they are (floats may be NaN/Inf)
-_SCALARS = {int, float, str, bool, type(None)}  # what needs nothing read from a device
+_SCALARS = {int, float, str, bool, type(None)}
+
+
+def plain_values(values: dict[str, Any]) -> bool:
+    """Whether every value is a plain Python scalar: nothing to read from a device, so a
+    logger may hand the values to its writer thread as they are."""
+    return set(map(type, values.values())) <= _SCALARS
 
 
 def _jsonable(value: Any) -> Any:

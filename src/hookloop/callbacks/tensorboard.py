@@ -53,12 +53,11 @@ from typing import Any
 from hookloop._optional import require
 from hookloop.callback import Callback
 from hookloop.callbacks._writer import log_writer
-from hookloop.callbacks.jsonlog import metric_tag, numeric_metrics, run_status
+from hookloop.callbacks.jsonlog import metric_tag, numeric_metrics, plain_values, run_status
 from hookloop.config import dump_yaml
 from hookloop.state import CallbackContext
 
 _EVENT_FILE = re.compile(r"events\.out\.tfevents\.(\d+)\.")
-_SCALARS = {int, float, str, bool, type(None)}  # log values that need nothing read from a device
 
 
 _WRITER_CLASS: Any = None
@@ -437,12 +436,10 @@ class TBLogger(Callback):
     def on_log(self, ctx: CallbackContext) -> None:
         if not ctx.state.is_rank_zero or not ctx.logs:
             return
-        logs = ctx.logs
-        if set(map(type, logs.values())) <= _SCALARS:  # usual: picked and tagged in the
-            self._last_logs = dict(logs)  # background, as nothing is read from a device
-            self.writer.add_scalars_at(self._last_logs, ctx.state.step, kind="train")
-            return
-        self._last_logs = numeric_metrics(logs)
+        # Usually plain numbers: picked and tagged on the writer thread. A tensor a callback
+        # put in the logs is read now, while it holds this step's value.
+        logs = ctx.logs if plain_values(ctx.logs) else numeric_metrics(ctx.logs)
+        self._last_logs = dict(logs)
         self.writer.add_scalars_at(self._last_logs, ctx.state.step, kind="train")
 
     def on_eval_end(self, ctx: CallbackContext) -> None:
