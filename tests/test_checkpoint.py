@@ -136,17 +136,23 @@ def test_sigkill_at_random_times_then_auto_resume_matches_uninterrupted(uninterr
     # step 10: the run checkpoints at 3, 6, 9 and 12 and ends at 14, so every kill lands
     # after a checkpoint and well before the end, whatever the machine's speed; and the
     # processes killed resume from different checkpoints (seed 1234: 0, 3, 6 and 9).
+    # Each killed run holds still once it has logged the step after the one aimed at
+    # (tests/_held_train.py), so the kill lands between those two log records (in the
+    # step, its evaluation or its save) however long this process takes to notice: the
+    # resumes above do not depend on the machine's load, and no run reaches its end.
     rng = random.Random(1234)
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "hookloop", "train", "--out", str(run), *RUN_ARGS,
-           "train.max_steps=14", "--resume", "auto"]  # fmt: skip
+    args = ["train", "--out", str(run), *RUN_ARGS, "train.max_steps=14", "--resume", "auto"]
+    cmd = [sys.executable, "-m", "hookloop", *args]
+    held_train = [sys.executable, str(Path(__file__).with_name("_held_train.py"))]
     kills, landed = 0, []
     for kill in range(10):
         resumed_from = checkpoint_step(run) or 0
         target = min(resumed_from + rng.randint(1, 6), 10) if resumed_from < 10 else 13
         stderr = tmp_path / f"stderr-{kill}.txt"
         with stderr.open("wb") as err:
-            proc = zygote.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+            held = [*held_train, str(max(target, 4) + 1), *args]  # 4: after step 3's save
+            proc = zygote.Popen(held, stdout=subprocess.DEVNULL, stderr=err)
             kill_after_step(proc, run, target)
         kills += 1
         # Where it landed: killed (not exited), after a complete checkpoint, at or past the
