@@ -1,15 +1,17 @@
-"""``python tests/_held_train.py STEP ARGS...``: ``hookloop ARGS...`` that stops moving at STEP.
+"""``python tests/_held_train.py STEP ARGS...``: ``hookloop ARGS...`` that holds still at STEP.
 
-A test that SIGKILLs a run once the run has logged some step watches the run's files
-from its own process, and on a loaded machine that process can be descheduled long
-enough for a small run to finish first. Here the run, once it has logged STEP, sleeps
-until it is killed; a kill aimed at any earlier step still lands wherever the run has got
-to by then, but always inside training. Nothing else about the run changes: the added
-callback keeps no state and sits after every built-in one.
+A test that signals a run once the run has logged some step watches the run's files from
+its own process, and on a loaded machine that process can be descheduled long enough for
+a small run to finish first. Here the run, once it has logged STEP, waits until a signal
+reaches it: a SIGKILL ends it there, and a SIGTERM or SIGINT (which hookloop's handler
+turns into a stop at the next step boundary) lets it go on to that stop. A signal that
+came earlier does not hold it at all. Nothing else about the run changes: the added
+callback keeps no state and runs after every built-in one.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 
@@ -19,18 +21,32 @@ from hookloop.cli import main
 
 
 class HoldAt(Callback):
-    """Sleep in ``on_log`` from ``step`` on: the step's record is handed to the log writer
-    first (every built-in logger runs earlier), and the writer flushes it while this sleeps."""
+    """Wait in ``on_log`` at ``step`` for a signal. The step's record has been handed to
+    the log writer by then (every built-in logger runs earlier), which writes it out while
+    this waits."""
 
     priority = 10_000
 
     def __init__(self, step: int) -> None:
         self.step = step
+        self.signalled = False
+
+    def on_train_start(self, ctx) -> None:
+        for signum in (signal.SIGTERM, signal.SIGINT):  # hookloop's handlers are in place
+            signal.signal(signum, self._noting(signal.getsignal(signum)))
+
+    def _noting(self, handler):
+        def note_then_handle(signum, frame):
+            self.signalled = True
+            if callable(handler):
+                handler(signum, frame)
+
+        return note_then_handle
 
     def on_log(self, ctx) -> None:
-        if ctx.state.step >= self.step:
-            while True:
-                time.sleep(60)
+        if ctx.state.step == self.step:
+            while not self.signalled:
+                time.sleep(0.005)
 
 
 def _with_hold(step: int):
