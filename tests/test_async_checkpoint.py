@@ -22,7 +22,8 @@ import _zygote as zygote
 from _quiet import SERVICES_OFF
 from hookloop import Config, DataConfig, TrainConfig, Trainer
 from hookloop import checkpoint as ckpt
-from hookloop.async_save import HostCopy
+from hookloop.checkpoint import storage
+from hookloop.checkpoint.background import HostCopy
 from hookloop.entry import seed_everything
 from hookloop.testing import TinyModel, ToyData
 
@@ -58,7 +59,7 @@ class HeldWriter:
         self.active = self.most_active = 0
         self.lock = threading.Lock()
         self.writes: list[str] = []  # every file the writer wrote, in order
-        real = ckpt._write_synced
+        real = storage.write_synced
 
         def held(path, data):
             self.writes.append(str(path))
@@ -76,7 +77,7 @@ class HeldWriter:
                         self.active -= 1
             return real(path, data)
 
-        monkeypatch.setattr(ckpt, "_write_synced", held)
+        monkeypatch.setattr(storage, "write_synced", held)
 
     def attach(self, t: Trainer) -> None:
         def step_end(ctx):

@@ -16,9 +16,9 @@ from hookloop.checkpoint import (
     CheckpointManager,
     RNGState,
     SavePolicy,
-    _torch_load,
     load_weights,
 )
+from hookloop.checkpoint.state import torch_load
 from hookloop.testing import TinyModel, ToyData
 
 LEGACY = Path(__file__).parent / "data" / "checkpoint_v0"
@@ -60,7 +60,7 @@ def test_named_state_saves_and_loads_without_a_trainer(tmp_path):
         "optimizer.pt",
         "trainer_state.pt",
     ]
-    saved = _torch_load(path / "trainer_state.pt", torch.device("cpu"))
+    saved = torch_load(path / "trainer_state.pt", torch.device("cpu"))
     assert saved["counter"] == {"n": 7} and len(saved["rng_per_rank"]) == 1
 
     fresh_model, fresh_counter = TinyModel(seed=2), Tally()

@@ -22,7 +22,7 @@ PACKAGE = "hookloop"
 ENGINE = tuple(
     f"{PACKAGE}.{name}"
     for name in ("events", "manager", "state", "callback", "trainer", "checkpoint", "step",
-                 "data", "config", "distributed", "local_checkpoints", "rewind",
+                 "data", "config", "distributed", "checkpoint.local", "checkpoint.rewind",
                  "trainer_checkpoints", "trainer_evaluation")
 )  # fmt: skip
 #: What sits above the engine; the engine imports none of it.
@@ -99,8 +99,10 @@ def import_graph(roots: tuple[str, ...]) -> dict[str, dict[str, int]]:
                 continue
             edges.setdefault(target, line)
             parent = target.rsplit(".", 1)[0]
-            if parent != PACKAGE and parent != module:
-                edges.setdefault(parent, line)  # importing a submodule runs its package
+            # Importing a submodule runs its package, unless the importer lives in that
+            # package: the package is then already running (it was imported first).
+            if parent != PACKAGE and parent != module and not within(module, parent):
+                edges.setdefault(parent, line)
         graph[module] = edges
         todo += [t for t in edges if not any(within(t, above) for above in ABOVE)]
     return graph

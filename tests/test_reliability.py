@@ -360,7 +360,7 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint_and_says_so(
     import errno
 
     from hookloop import Trainer
-    from hookloop import checkpoint as ckpt
+    from hookloop.checkpoint import storage as ckpt
     from hookloop.testing import TinyModel, ToyData
 
     cfg = make_config(max_steps=4)
@@ -377,19 +377,19 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint_and_says_so(
             resume="auto",
         )
 
-    real = ckpt._write_synced
+    real = ckpt.write_synced
 
     def full_disk(path, data):
         if "step-00000004" in str(path):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(path, data)
 
-    monkeypatch.setattr(ckpt, "_write_synced", full_disk)
+    monkeypatch.setattr(ckpt, "write_synced", full_disk)
     with pytest.raises(OSError, match="latest checkpoint is still step-00000002, nothing was lost"):
         trainer().train()
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step-00000002"
     assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".staging")]
-    monkeypatch.setattr(ckpt, "_write_synced", real)
+    monkeypatch.setattr(ckpt, "write_synced", real)
     assert trainer().train().step == 4  # resumes from step 2 and finishes
 
 

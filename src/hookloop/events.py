@@ -19,7 +19,7 @@ The Trainer fires these events, in this order (``k`` = ``train.grad_accum``)::
           if evaluation is due or requested:        on_eval_start
             for each eval batch:                    on_eval_step_start / on_eval_step_end
                                                     on_eval_end    (ctx.metrics)
-          if a rewind is requested (hookloop.rewind): on_checkpoint_load (ctx.rewind)
+          if a rewind is requested (hookloop.checkpoint.rewind): on_checkpoint_load (ctx.rewind)
           if a checkpoint is due or requested:      on_checkpoint_save
           stop / abort requests and exit conditions are acted on here
         evaluation at the end of the epoch (before on_epoch_end)

@@ -94,7 +94,7 @@ class TrainState:
     rewinds = _read_only(
         "rewinds",
         "The divergences rolled back so far, oldest first (Rewind records: from and to step, "
-        "batches skipped; see hookloop.rewind).",
+        "batches skipped; see hookloop.checkpoint.rewind).",
     )
     timers = _read_only(
         "timers",
@@ -236,7 +236,8 @@ class Control:
     ) -> None:
         """Roll back to the last checkpoint before step ``since_step`` (where a divergence
         began) and go on, skipping ``skip_batches`` batches from there (see
-        :mod:`hookloop.rewind`). Acted on at the end of the current step, before a save."""
+        :mod:`hookloop.checkpoint.rewind`). Acted on at the end of the current step, before a
+        save."""
         request = RewindRequest(since_step, reason, skip_batches, lr_factor, lr_steps)
         with self._lock:
             self._rewind = self._rewind or request

@@ -10,8 +10,8 @@ What is not the loop lives beside it: step mechanics and loss reduction in
 and resume position in :mod:`hookloop.data`, checkpoint files in
 :mod:`hookloop.checkpoint` (which receives named state, never the Trainer),
 request draining and cross-rank agreement in :class:`~hookloop.state.Control`,
-local checkpoints and what a resume picks in :mod:`hookloop.local_checkpoints`,
-rolling back a divergence in :mod:`hookloop.rewind`. The Trainer's own methods
+local checkpoints and what a resume picks in :mod:`hookloop.checkpoint.local`,
+rolling back a divergence in :mod:`hookloop.checkpoint.rewind`. The Trainer's own methods
 for checkpoints (save, load, rewind) and for evaluation (evaluate, test,
 predict) are in :mod:`hookloop.trainer_checkpoints` and
 :mod:`hookloop.trainer_evaluation`: this file is the training loop.
@@ -37,9 +37,11 @@ from typing import Any
 
 import torch
 
-from hookloop.async_save import BackgroundSaves, HostCopy
 from hookloop.callback import Callback
 from hookloop.checkpoint import CheckpointManager
+from hookloop.checkpoint.background import BackgroundSaves, HostCopy
+from hookloop.checkpoint.local import local_manager
+from hookloop.checkpoint.rewind import Rewinder
 from hookloop.compile import check_can_compile, compile_loss, compile_module, unwrap_compiled
 from hookloop.config import Config, TrainConfig
 from hookloop.data import DataPosition, is_map_style, make_loader
@@ -53,12 +55,10 @@ from hookloop.distributed import (
     rank_info,
 )
 from hookloop.gcpolicy import GCPolicy
-from hookloop.local_checkpoints import local_manager
 from hookloop.manager import CallbackManager
 from hookloop.optim import build_optimizer, build_scheduler
 from hookloop.precision import Precision
 from hookloop.result import ExitCode, TrainResult
-from hookloop.rewind import Rewinder
 from hookloop.rundir import RunDir
 from hookloop.runlock import RunDirLocked, run_lock
 from hookloop.state import (
@@ -164,7 +164,7 @@ class Trainer(TrainerCheckpoints, TrainerEvaluation):
         self.precision = Precision(self.config.train.precision, self.device)
         self.checkpoints = self._checkpoint_manager()
         self.local_checkpoints = self._local_checkpoint_manager()
-        self._rewinder = Rewinder(st, self.config.train.grad_accum)  # hookloop.rewind
+        self._rewinder = Rewinder(st, self.config.train.grad_accum)  # hookloop.checkpoint.rewind
         self.ctx = CallbackContext(
             trainer=self,
             state=st,

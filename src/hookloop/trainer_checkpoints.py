@@ -4,8 +4,8 @@ thread or in the background), loading it, and rolling back to one after a diverg
 A mixin of :class:`hookloop.trainer.Trainer`, kept apart so that the loop in
 ``trainer.py`` reads top to bottom; it uses the Trainer's attributes freely. The
 file format and the commit protocol live in :mod:`hookloop.checkpoint`, the
-background writer in :mod:`hookloop.async_save`, what a resume picks in
-:mod:`hookloop.local_checkpoints`, the rewind's bookkeeping in :mod:`hookloop.rewind`.
+background writer in :mod:`hookloop.checkpoint.background`, what a resume picks in
+:mod:`hookloop.checkpoint.local`, the rewind's bookkeeping in :mod:`hookloop.checkpoint.rewind`.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from hookloop.async_save import PendingSave
 from hookloop.checkpoint import CallbackStates, DictState, RNGState
+from hookloop.checkpoint.background import PendingSave
+from hookloop.checkpoint.local import find_resume, restore
+from hookloop.checkpoint.rewind import discard_after, say_rewound
 from hookloop.distributed import is_sharded
-from hookloop.local_checkpoints import find_resume, restore
-from hookloop.rewind import discard_after, say_rewound
 from hookloop.state import RewindRequest, SaveTiming
 
 
@@ -57,7 +57,7 @@ class TrainerCheckpoints:
         With ``checkpoint.async_save`` (in training, one process, unsharded) the state
         is copied to host memory here and committed by a writer thread: the path
         returned is where it is being committed, and the event fires at a later step
-        boundary with ``ctx.state`` as it was at this step (:mod:`hookloop.async_save`).
+        boundary with ``ctx.state`` as it was at this step (:mod:`hookloop.checkpoint.background`).
         """
         if self.checkpoints is None:
             raise ValueError("save_checkpoint() needs a run directory: pass out_dir to Trainer")
@@ -152,8 +152,8 @@ class TrainerCheckpoints:
 
     def _rewind(self, request: RewindRequest) -> bool:
         """Roll back to the newest checkpoint before the divergence and go on (see
-        :mod:`hookloop.rewind`); the run fails when there is none. Returns True: the epoch
-        loop is left, to start again where the restored state stands."""
+        :mod:`hookloop.checkpoint.rewind`); the run fails when there is none. Returns True: the
+        epoch loop is left, to start again where the restored state stands."""
         st = self.state
         self._collect_saves(wait=True)  # a checkpoint still being written counts
         managers = [m for m in (self.checkpoints, self.local_checkpoints) if m is not None]

@@ -16,7 +16,7 @@ values the loop has already turned into Python numbers for logging, so it adds
 no device synchronisation.
 
 With ``action="rewind"`` it asks the loop to roll back to the last checkpoint
-taken before the divergence began (:mod:`hookloop.rewind`). The divergence is
+taken before the divergence began (:mod:`hookloop.checkpoint.rewind`). The divergence is
 taken to begin right after the last observation that was not above (the steps
 since then may all have fed the spike). After ``max_rewinds`` rewinds the next
 divergence ends the run as failed (an abort: the checkpoints from before the

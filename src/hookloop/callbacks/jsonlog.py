@@ -19,7 +19,7 @@ other keys depend on the kind:
 ``eval`` / ``test``
     an evaluation: every value in ``ctx.metrics`` (``eval_loss``, ...).
 ``rewind``
-    a divergence rolled back (:mod:`hookloop.rewind`), written at the restored
+    a divergence rolled back (:mod:`hookloop.checkpoint.rewind`), written at the restored
     step after the records past it were cut off as on a resume: ``count``,
     ``from_step``, ``to_step``, ``since_step``, ``batches_skipped``,
     ``checkpoint``, ``reason``, ``lr_factor``, ``lr_steps``.

@@ -246,7 +246,7 @@ class ProgressBar(Callback):
             self._bar.update(1)
 
     def on_checkpoint_load(self, ctx: CallbackContext) -> None:
-        """A rewind (hookloop.rewind) moves the step back: the bar and the rate follow."""
+        """A rewind (:mod:`hookloop.checkpoint.rewind`) moves the step back: the bar follows."""
         if ctx.rewind is None or not ctx.state.is_rank_zero:
             return
         self._last_step, self._last_time = ctx.state.step, time.monotonic()

@@ -15,7 +15,7 @@ line per event, tab-separated, every field but the message written as ``Key: val
 where Megatron-LM writes it (its own reader takes the FLOPs from the eighth);
 ``Save time`` and ``Blocked`` (the checkpoint's :class:`~hookloop.state.SaveTiming`)
 come after them. A rewind
-after a divergence (:mod:`hookloop.rewind`) adds a ``Rewound`` line: ``Iteration``
+after a divergence (:mod:`hookloop.checkpoint.rewind`) adds a ``Rewound`` line: ``Iteration``
 (where it was confirmed), ``To iteration``, ``Diverged from``, ``Batches skipped``.
 
 *Job throughput* counts the FLOPs and wall time of this job only. *Cumulative
@@ -47,7 +47,8 @@ STARTING_JOB = "Starting job"
 SAVED_CHECKPOINT = "Saved checkpoint"
 #: What Megatron-LM writes for a save still being finished in the background.
 SAVING_ASYNC = "Saving async checkpoint"
-#: A divergence rolled back (hookloop.rewind); Megatron-LM's tools skip lines they do not know.
+#: A divergence rolled back (hookloop.checkpoint.rewind); Megatron-LM's tools skip lines
+#: they do not know.
 REWOUND = "Rewound"
 
 

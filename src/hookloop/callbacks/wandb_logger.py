@@ -24,7 +24,7 @@ the same W&B run *rewound* to the checkpoint step (``resume_from="<id>?_step=S"`
 so steps logged after the checkpoint by the killed process are replaced, as in
 the JSON and TensorBoard logs. Pass ``rewind=False`` to continue the run
 without rewinding (``resume="allow"``) where a W&B server lacks run rewind.
-A rewind after a divergence (:mod:`hookloop.rewind`) does the same in the
+A rewind after a divergence (:mod:`hookloop.checkpoint.rewind`) does the same in the
 running process: the run is finished and continued from the restored step.
 
 :func:`offline_history` reads what an offline run wrote (wandb 0.31 ships no

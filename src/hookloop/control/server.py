@@ -658,7 +658,7 @@ class ControlServer(Callback):
                 "eval": snap.eval,
                 "eval_step": snap.eval_step,
                 "checkpoint": snap.checkpoint,
-                # the divergences rolled back so far (hookloop.rewind), oldest first
+                # the divergences rolled back so far (hookloop.checkpoint.rewind), oldest first
                 "rewinds": [r.to_json() for r in state.rewinds] if state is not None else [],
                 # StragglerDetection's latest report (replaced whole, never mutated), or None
                 "stragglers": self._user_state.get("stragglers"),

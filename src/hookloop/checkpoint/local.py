@@ -4,7 +4,7 @@ A long job loses everything since its last checkpoint when a node dies, yet a
 full persistent checkpoint every few steps costs too much. A *local*
 checkpoint is the cheap, frequent one (``checkpoint.local_every``): the same
 format and atomic commit as a persistent one (a second
-:class:`~hookloop.checkpoint.CheckpointManager` with its own root), but only
+:class:`~hookloop.checkpoint.manager.CheckpointManager` with its own root), but only
 the newest is kept, and it is never the run's output: it is not ``latest`` of
 ``checkpoints/``, not counted by that folder's retention, not announced
 through ``on_checkpoint_save``, and not what ``load_weights`` or an export
@@ -23,13 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from hookloop.callback import Stateful
-from hookloop.checkpoint import (
-    CheckpointError,
-    CheckpointManager,
-    SavePolicy,
-    _read_manifest_quiet,
-    load_state,
-)
+from hookloop.checkpoint.manager import CheckpointManager, SavePolicy
+from hookloop.checkpoint.state import load_state
+from hookloop.checkpoint.storage import CheckpointError, step_of
 from hookloop.rundir import LOCAL_CHECKPOINTS_DIR, RunDir
 
 
@@ -59,12 +55,6 @@ def local_manager(config: Any, run: RunDir, *, resuming: bool) -> CheckpointMana
             "it with resume='auto' (CLI: --resume auto) or choose another local_dir"
         )
     return manager
-
-
-def step_of(path: Path) -> int:
-    """The step a checkpoint's manifest records (-1 when it cannot be read)."""
-    step = _read_manifest_quiet(path).get("step")
-    return step if isinstance(step, int) and not isinstance(step, bool) else -1
 
 
 def newest_intact_local(local: CheckpointManager) -> tuple[Path | None, list[str]]:

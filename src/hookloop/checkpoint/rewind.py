@@ -38,12 +38,12 @@ from typing import Any
 
 import torch
 
-from hookloop.checkpoint import LATEST, CheckpointError, CheckpointManager, _write_synced
+from hookloop.checkpoint.manager import CheckpointManager
+from hookloop.checkpoint.storage import LATEST, CheckpointError, step_of, write_synced
 from hookloop.distributed import barrier, broadcast_object, rank_info
-from hookloop.local_checkpoints import step_of
 from hookloop.state import Rewind, RewindRequest, TrainState
 
-log = logging.getLogger("hookloop.rewind")
+log = logging.getLogger("hookloop.checkpoint.rewind")
 
 _NULL_CONTEXT = contextlib.nullcontext()
 
@@ -178,7 +178,7 @@ def discard_after(step: int, managers: list[CheckpointManager]) -> None:
             pointer = storage.root / LATEST
             if left and storage.latest_name() != left[-1].name:
                 staged = storage.root / f".{LATEST}.tmp"
-                _write_synced(staged, left[-1].name.encode())
+                write_synced(staged, left[-1].name.encode())
                 os.replace(staged, pointer)
             elif not left:
                 pointer.unlink(missing_ok=True)

@@ -1,0 +1,285 @@
+"""What a checkpoint holds: named state, serialised and restored.
+
+The loop hands over ``{name: object with state_dict/load_state_dict}``
+(:func:`save_state` / :func:`load_state`). ``model`` and ``optimizer`` get files of
+their own (``model.safetensors`` and ``optimizer.pt``, or DCP shards under
+``sharded/`` when FSDP2 shards the model); every other entry goes into
+``trainer_state.pt`` under its name, checked first to reload with
+``weights_only=True``. An entry marked ``per_rank`` (the RNG) is gathered from
+every rank. Nothing here knows the Trainer: a checkpoint can be written and read
+with a bare model and optimizer.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hookloop.callback import Stateful
+from hookloop.checkpoint.storage import MODEL, OPTIMIZER, SHARDED_DIR, STATE_FILE, CheckpointError
+from hookloop.checkpoint.weights import device_of, load_safetensors
+from hookloop.distributed import gather_objects, is_distributed, is_sharded, rank_info
+
+
+class RNGState:
+    """Every RNG of this process (Python, NumPy, torch, CUDA), as a named state.
+
+    ``per_rank``: each rank's own state is saved, so a resumed multi-rank run
+    draws the same dropout masks on every rank.
+    """
+
+    per_rank = True
+
+    def state_dict(self) -> dict[str, Any]:
+        return _rng_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _set_rng_state(state)
+
+
+class DictState:
+    """A plain dict (``user_state``) as a named state: restored in place."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self.data = data
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.data
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.data.clear()
+        self.data.update(state)
+
+
+class CallbackStates:
+    """Stateful callbacks, keyed by name, as one named state.
+
+    A saved state without a live callback, or a live one without saved state,
+    is a warning (it starts fresh), or a :class:`CheckpointError` when ``strict``.
+    """
+
+    def __init__(self, callbacks: Mapping[str, Stateful], *, strict: bool = False) -> None:
+        self.callbacks = callbacks
+        self.strict = strict
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: cb.state_dict() for name, cb in self.callbacks.items()}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        problems = [
+            f"saved state for callback {name!r} has no matching callback"
+            for name in saved
+            if name not in self.callbacks
+        ]
+        problems += [
+            f"stateful callback {name!r} has no saved state (it starts fresh)"
+            for name in self.callbacks
+            if name not in saved
+        ]
+        if problems and self.strict:
+            raise CheckpointError("callback state mismatch at resume: " + "; ".join(problems))
+        for name, state in saved.items():
+            if name in self.callbacks:
+                self.callbacks[name].load_state_dict(state)
+        for problem in problems:
+            warnings.warn(f"hookloop resume: {problem}", stacklevel=4)
+
+
+def save_state(
+    state: Mapping[str, Stateful], staging: Path
+) -> tuple[dict[str, bytes], list[Path]] | None:
+    """Serialise ``state``; every rank calls it. Rank 0 gets the files to commit.
+
+    Returns ``(files, written)`` on rank 0 (``written``: directories other ranks
+    wrote into ``staging``, i.e. DCP shards) and None elsewhere. Every rank takes
+    part: per-rank entries are gathered, and a sharded model is written by all.
+    """
+    model, optimizer = state[MODEL], state[OPTIMIZER]
+    per_rank = {
+        name: _gather_bytes(obj.state_dict())
+        for name, obj in state.items()
+        if getattr(obj, "per_rank", False)
+    }
+    written = []
+    if is_sharded(model):
+        save_sharded(model, optimizer, staging / SHARDED_DIR)  # type: ignore[arg-type]
+        written.append(staging / SHARDED_DIR)
+    if rank_info()[0] != 0:
+        return None
+    files = {} if written else _full_weights(model, optimizer, staging)  # type: ignore[arg-type]
+    saved: dict[str, Any] = {}
+    for name, obj in state.items():
+        if name in (MODEL, OPTIMIZER):
+            continue
+        if name in per_rank:
+            saved[name], saved[f"{name}_per_rank"] = per_rank[name][0], per_rank[name]
+        else:
+            saved[name] = _portable(obj.state_dict(), name)
+    files[STATE_FILE] = torch_bytes(saved)
+    return files, written
+
+
+def load_state(state: Mapping[str, Stateful], path: Path) -> None:
+    """Restore ``state`` from the checkpoint directory ``path`` (verified by the caller).
+
+    Entries the checkpoint does not hold (an older format, a scheduler added
+    since) keep their current state.
+    """
+    model, optimizer = state[MODEL], state[OPTIMIZER]
+    sharded_checkpoint = (path / SHARDED_DIR).is_dir()
+    if is_sharded(model) != sharded_checkpoint:  # type: ignore[arg-type]
+        saved, running = ("sharded", "full") if sharded_checkpoint else ("full", "sharded")
+        raise CheckpointError(
+            f"checkpoint {path} holds {saved} weights but this run's model is {running}: "
+            "resume with the train.parallel and number of ranks it was saved with ('fsdp' "
+            "with several ranks saves sharded weights, anything else full ones)"
+        )
+    if sharded_checkpoint:
+        load_sharded(model, optimizer, path / SHARDED_DIR)  # type: ignore[arg-type]
+    else:
+        _load_full_weights(model, optimizer, path)  # type: ignore[arg-type]
+    saved = torch_load(path / STATE_FILE, torch.device("cpu"))
+    rank, _, world_size = rank_info()
+    for name, obj in state.items():
+        if name in (MODEL, OPTIMIZER) or saved.get(name) is None:
+            continue
+        value = saved[name]
+        if getattr(obj, "per_rank", False):
+            value = _own_share(saved, name, rank, world_size)
+        obj.load_state_dict(value)
+
+
+def _own_share(saved: dict[str, Any], name: str, rank: int, world_size: int) -> Any:
+    per_rank = saved.get(f"{name}_per_rank") or []
+    if len(per_rank) == world_size and rank < len(per_rank):
+        return per_rank[rank]
+    if world_size > 1:
+        warnings.warn(
+            f"hookloop resume: checkpoint saved with {len(per_rank) or 1} rank(s), running "
+            f"with {world_size}; every rank restores rank 0's {name} state",
+            stacklevel=4,
+        )
+    return saved[name]
+
+
+def _gather_bytes(value: Any) -> list[Any]:
+    """Every rank's ``value`` (as bytes: object collectives do not carry tensors reliably)."""
+    if not is_distributed():
+        return [value]
+    return [torch_loads(b) for b in gather_objects(torch_bytes(value))]
+
+
+def _full_weights(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, scratch_dir: Path
+) -> dict[str, bytes]:
+    from safetensors.torch import save_model
+
+    tmp = scratch_dir.parent / f".model-{os.getpid()}.tmp"
+    save_model(bare_model(model), str(tmp))  # handles tied weights
+    model_bytes = tmp.read_bytes()
+    tmp.unlink()
+    return {"model.safetensors": model_bytes, "optimizer.pt": torch_bytes(optimizer.state_dict())}
+
+
+def _load_full_weights(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path
+) -> None:
+    load_safetensors(bare_model(model), path / "model.safetensors")
+    optimizer.load_state_dict(torch_load(path / "optimizer.pt", device_of(model)))
+
+
+def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+    """Every rank writes its shards of model and optimizer into ``directory`` (DCP, fsynced)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save(
+        {"model": model_state, "optimizer": optim_state},
+        storage_writer=dcp.FileSystemWriter(directory, sync_files=True),
+    )
+
+
+def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+    """Every rank reads its shards of model and optimizer from ``directory`` (DCP)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state}
+    try:
+        dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
+    except dcp.CheckpointException as err:
+        raise CheckpointError(
+            f"{directory} does not fit the sharded model and optimizer: {err}"
+        ) from None
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+    )
+
+
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def bare_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside a DDP wrapper (any other model as it is)."""
+    return getattr(model, "module", model)
+
+
+def _portable(value: Any, what: str) -> Any:
+    """Check that ``value`` reloads with ``weights_only=True``; raise naming ``what`` if not.
+
+    When a dict fails, the first entry that fails is named (``callbacks['Patience']``).
+    """
+    try:
+        torch_loads(torch_bytes(value))
+    except Exception as err:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _portable(item, f"{what}[{key!r}]")
+        raise CheckpointError(
+            f"{what} cannot be checkpointed safely: it must hold only tensors, numbers, "
+            f"strings, bools, None, lists, tuples and dicts ({err})"
+        ) from None
+    return value
+
+
+def torch_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def torch_loads(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def torch_load(path: Path, device: torch.device) -> Any:
+    return torch.load(path, map_location=device, weights_only=True)
