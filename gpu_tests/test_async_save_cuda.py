@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from hookloop.async_save import HostCopy
+from hookloop.checkpoint.background import HostCopy
 from hookloop.testing import TinyModel
 
 assert torch.cuda.is_available(), "gpu_tests/ needs a CUDA device"
