@@ -21,11 +21,11 @@ from pathlib import Path
 
 from torch.utils.data import Subset
 
+from hookloop import Trainer
 from hookloop.config import apply_overrides
 from hookloop.distributed import init_from_env, leave_process_group, rank_info
 from hookloop.entry import seed_everything
 from hookloop.recipes import default_config, get_recipe
-from hookloop.trainer import Trainer
 
 SYNC_EVERY = 4
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
+from hookloop import Trainer
 from hookloop.config import apply_overrides
 from hookloop.distributed import full_tensor, init_from_env, leave_process_group, rank_info
 from hookloop.entry import build_trainer, load_weights, seed_everything
 from hookloop.recipes import default_config, get_recipe
-from hookloop.trainer import Trainer
 
 
 def trainer_with_own_optimizer(cfg) -> Trainer:
@@ -67,7 +67,8 @@ def main() -> None:
             priority=90,  # after DiLoCo (15) took its outer step
         )
     if mode == "nan-on-rank-1":
-        forward = trainer._forward
+        micro_step = trainer.stepper.micro_step
+        forward = micro_step.forward
 
         def poisoned(state, data, model):
             output, loss_func = forward(state, data, model)
@@ -75,7 +76,7 @@ def main() -> None:
                 return output, lambda out: (loss_func(out)[0] * math.nan, {})
             return output, loss_func
 
-        trainer._forward = poisoned
+        micro_step.forward = poisoned
     if mode == "load-weights":  # no training: report the weights read from <out>/weights-from
         load_weights(trainer.model, (Path(out) / "weights-from").read_text())
         finish(out, mode, rank, world, {"params": whole_params(trainer)})

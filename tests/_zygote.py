@@ -46,7 +46,7 @@ PRELOAD = (
     "torch",
     "torch._dynamo",  # torch.optim imports it on the first add_param_group
     "hookloop.cli",
-    "hookloop.trainer",
+    "hookloop.loop",
     "hookloop.recipes.mlp",
     "hookloop.recipes.gpt",
     "hookloop.callbacks.defaults",

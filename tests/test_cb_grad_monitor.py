@@ -15,6 +15,7 @@ from hookloop.callbacks.grad_monitor import (
     total_grad_norm,
 )
 from hookloop.compat.hpo import GradientMonitorCallback
+from hookloop.state import Progress, TrainState
 
 
 class _NormRecorder(Callback):
@@ -78,7 +79,8 @@ def test_norms_below_the_threshold_do_not_warn(make_trainer):
 
 def test_the_step_path_never_reads_a_tensor_back_to_the_host(monkeypatch):
     mon = GradientMonitor(warn_threshold=2.5)
-    ctx = CallbackContext()
+    progress = Progress()
+    ctx = CallbackContext(state=TrainState(progress))
     mon.on_epoch_start(ctx)
 
     def refuse(*args, **kwargs):
@@ -87,7 +89,7 @@ def test_the_step_path_never_reads_a_tensor_back_to_the_host(monkeypatch):
     for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
         monkeypatch.setattr(torch.Tensor, name, refuse)
     for step, norm in enumerate([1.0, 3.0, float("nan"), 2.0], start=1):
-        ctx.state._step = step
+        progress.step = step
         ctx.grad_norm = torch.tensor(norm)
         mon.on_before_optimizer_step(ctx)
     monkeypatch.undo()

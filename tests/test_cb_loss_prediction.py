@@ -118,7 +118,7 @@ def test_horizon_steps_sets_the_target_and_fewer_points_predict_nothing(make_tra
     trainer = make_trainer([_ScriptedEval(), pred], n=16, eval_n=4, max_steps=8, eval_every=2)
     trainer.train()
     assert pred.prediction is None  # only 4 evaluations
-    trainer.state._max_steps = 10
+    trainer.progress.max_steps = 10
     trainer.train()
     assert pred.predicted_loss == pytest.approx(_curve(1000))
 

@@ -141,7 +141,7 @@ def test_a_second_train_call_starts_clean(make_config):
     trainer = _trainer([cb], make_config(max_steps=6), _nan_loss_at(2))
     assert trainer.train().step == 2
     trainer.config.train.max_steps = 6
-    trainer.state._max_steps = 6
+    trainer.progress.max_steps = 6
     result = trainer.train()  # step 2 is behind us; the counter baseline was re-read
     assert result.step == 6 and not cb.nan_detected
 

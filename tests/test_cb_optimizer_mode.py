@@ -126,7 +126,7 @@ def test_after_training_the_model_holds_the_eval_weights_and_a_second_train_cont
     trainer = _run([], make_config)
     opt = trainer.optimizer
     assert opt.param_groups[0]["train_mode"] is False  # eval_after_training
-    trainer.state._max_steps = 12
+    trainer.progress.max_steps = 12
     assert trainer.train().step == 12  # switched back to train mode at the start
 
 

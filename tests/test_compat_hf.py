@@ -537,8 +537,8 @@ def test_seed_divergence_detector_example_runs_as_written():
     (trainer,) = built
     assert namespace["trainer"] is trainer
     # The loss jumps at step 13; with patience 3 the third high observation aborts.
-    assert trainer.state.step == 15
-    assert trainer.state.stop_reason.startswith("abort")
+    assert trainer.loop.state.step == trainer.state.global_step == 15
+    assert trainer.loop.state.stop_reason.startswith("abort")
 
 
 def _diverging_after(steps: int) -> Any:

@@ -85,7 +85,7 @@ def test_compiled_training_runs_the_compiled_module_and_matches_eager(compiled_r
     _, trainer, result = compiled_run
     from torch._dynamo.eval_frame import OptimizedModule
 
-    assert isinstance(trainer._train_model, OptimizedModule)
+    assert isinstance(trainer.parts.train_model, OptimizedModule)
     assert not isinstance(trainer.model, OptimizedModule)  # what users and checkpoints see
     eager = _trainer(compile=False, steps=STEPS).train()
     assert result.logs["loss"] == pytest.approx(eager.logs["loss"], rel=1e-5)
@@ -107,7 +107,7 @@ def test_an_eager_checkpoint_resumes_compiled_and_a_model_given_compiled_saves_e
     run_dir = tmp_path / "run"
     given = torch.compile(_model())  # handed over compiled, trained eagerly configured
     trainer = _trainer(compile=False, steps=2, out_dir=run_dir, model=given)
-    assert trainer.model is given._orig_mod and trainer._train_model is given
+    assert trainer.model is given._orig_mod and trainer.parts.train_model is given
     trainer.train()
     assert _saved_keys(run_dir) == set(_model().state_dict())
     result = _trainer(compile=True, steps=3, out_dir=run_dir, resume="auto").train()

@@ -21,9 +21,12 @@ PACKAGE = "hookloop"
 #: The engine: the loop and what it is built from.
 ENGINE = tuple(
     f"{PACKAGE}.{name}"
-    for name in ("events", "manager", "state", "callback", "trainer", "checkpoint", "step",
-                 "data", "config", "distributed", "checkpoint.local", "checkpoint.rewind",
-                 "trainer_checkpoints", "trainer_evaluation")
+    for name in ("events", "manager", "state", "requests", "callback", "step", "data",
+                 "config", "distributed", "loop", "loop.trainer", "loop.parts", "loop.stepper",
+                 "loop.schedule", "loop.logbook", "loop.evaluation", "loop.actions",
+                 "checkpoint", "checkpoint.storage", "checkpoint.state", "checkpoint.manager",
+                 "checkpoint.weights", "checkpoint.background", "checkpoint.local",
+                 "checkpoint.rewind", "checkpoint.checkpointer")
 )  # fmt: skip
 #: What sits above the engine; the engine imports none of it.
 ABOVE = tuple(f"{PACKAGE}.{name}" for name in ("callbacks", "compat", "control", "cli"))
@@ -118,7 +121,7 @@ def test_the_analysis_sees_every_kind_of_import():
         "from . import step",
         "from .control import server",
         "if TYPE_CHECKING:",
-        "    from hookloop.trainer import Trainer",
+        "    from hookloop.loop.trainer import Trainer",
         "def later():",
         "    from hookloop.callbacks.jsonlog import JsonLogger",
         "    import hookloop.cli",
@@ -126,11 +129,11 @@ def test_the_analysis_sees_every_kind_of_import():
     found = {ours(name) for name, _ in imports_of("hookloop.state", source)} - {None}
     assert found >= {
         "hookloop.events", "hookloop.manager", "hookloop.step", "hookloop.control",
-        "hookloop.control.server", "hookloop.trainer", "hookloop.callbacks.jsonlog",
+        "hookloop.control.server", "hookloop.loop.trainer", "hookloop.callbacks.jsonlog",
         "hookloop.cli",
     }  # fmt: skip
-    trainer = import_graph(("hookloop.trainer",))["hookloop.trainer"]
-    assert {"hookloop.manager", "hookloop.state", "hookloop.checkpoint"} <= trainer.keys()
+    trainer = import_graph(("hookloop.loop.trainer",))["hookloop.loop.trainer"]
+    assert {"hookloop.manager", "hookloop.loop.parts", "hookloop.loop.actions"} <= trainer.keys()
 
 
 @pytest.mark.parametrize("module", ENGINE)

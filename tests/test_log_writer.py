@@ -27,6 +27,7 @@ from _quiet import SERVICES_OFF
 from hookloop import CallbackContext, TrainConfig, Trainer
 from hookloop.callbacks import JsonLogger, ProgressBar, read_jsonl
 from hookloop.callbacks._writer import LogWriter, LogWriterError, log_writer
+from hookloop.state import Progress, TrainState
 from hookloop.step import read_back
 
 WAIT_S = 60
@@ -114,8 +115,9 @@ def test_a_tensor_in_the_logs_is_read_at_the_log_event_and_plain_values_later(
 
     path, tb_dir = tmp_path / "metrics.jsonl", tmp_path / "tb"
     json_logger, tb_logger = JsonLogger(path), TBLogger(tb_dir, log_config=False)
-    ctx = CallbackContext()
-    ctx.state._step = 7
+    progress = Progress()
+    ctx = CallbackContext(state=TrainState(progress))
+    progress.step = 7
     value = torch.tensor(2.5)
     ctx.logs = {"loss": 0.5, "custom": value, "note": "text", "inf": float("inf")}
     json_logger.on_log(ctx)
@@ -136,9 +138,10 @@ def test_a_tensor_in_the_logs_is_read_at_the_log_event_and_plain_values_later(
 def test_a_checkpoint_offset_counts_every_record_handed_over_before_it(tmp_path, held_writer):
     path = tmp_path / "metrics.jsonl"
     logger = JsonLogger(path)
-    ctx = CallbackContext()
+    progress = Progress()
+    ctx = CallbackContext(state=TrainState(progress))
     for step in range(1, 4):
-        ctx.state._step = step
+        progress.step = step
         ctx.logs = {"loss": float(step)}
         logger.on_log(ctx)
     threading.Timer(0.2, held_writer.set).start()  # state_dict() must wait for the writer

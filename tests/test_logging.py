@@ -280,11 +280,11 @@ def test_a_shared_writer_registered_on_its_own_serves_the_logger_and_other_callb
 
 
 def test_only_rank_zero_writes_logs(tmp_path):
-    from hookloop.state import CallbackContext, TrainState
+    from hookloop.state import CallbackContext, Progress, TrainState
 
-    state = TrainState()
-    state._rank = 1
-    ctx = CallbackContext(state=state, config=Config())
+    progress = Progress()
+    progress.rank = 1
+    ctx = CallbackContext(state=TrainState(progress), config=Config())
     ctx.logs = {"loss": 1.0}
     json_logger, tb_logger = JsonLogger(tmp_path / "m.jsonl"), TBLogger(tmp_path / "tb")
     for cb in (json_logger, tb_logger):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-import hookloop.trainer as trainer_module
+import hookloop.loop.parts as parts_module
 from hookloop import Callback, CallbackContext, CallbackManager
 from hookloop.events import EVENT_NAMES
 from hookloop.testing import RecordingCallback
@@ -610,7 +610,7 @@ def _spy_context(monkeypatch) -> list[str]:
                 writes.append(name)
             super().__setattr__(name, value)
 
-    monkeypatch.setattr(trainer_module, "CallbackContext", SpyContext)
+    monkeypatch.setattr(parts_module, "CallbackContext", SpyContext)
     return writes
 
 

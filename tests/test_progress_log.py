@@ -87,7 +87,7 @@ def test_the_job_id_comes_from_slurm_when_there_is_one(tmp_path, monkeypatch):
 def test_only_rank_zero_writes(tmp_path):
     log = ProgressLog(tmp_path / "p.txt")
     trainer = _train(tmp_path / "run", steps=2, every=2)
-    trainer.state._rank = 1  # what another rank sees
+    trainer.progress.rank = 1  # what another rank sees
     log.on_train_start(trainer.ctx)
     log.on_checkpoint_save(trainer.ctx)
     assert not (tmp_path / "p.txt").exists()

@@ -11,13 +11,9 @@ import torch
 from torch.utils.data import Dataset
 
 from hookloop import Callback, Config, TrainConfig, Trainer
-from hookloop.step import (
-    LossReducer,
-    LossWindow,
-    default_forward_step,
-    gradient_clearer,
-    row_means,
-)
+from hookloop.loop.logbook import LossWindow, row_means
+from hookloop.loop.stepper import gradient_clearer
+from hookloop.step import LossReducer, default_forward_step
 from hookloop.testing import TinyModel, ToyData
 
 
@@ -636,15 +632,14 @@ def test_a_zero_grad_set_on_the_optimizer_instance_is_called_after_every_step(ma
     assert calls == [True, True, True]
 
 
-def test_a_profiled_run_keeps_the_optimizers_zero_grad_range_in_its_trace(make_config):
-    """Without a profiler recording, the loop clears gradients itself (torch's zero_grad
-    opens a profiler range on every call); under one, traces look as they always did."""
+def test_a_profiled_run_shows_each_optimizer_step_in_its_trace(make_config):
+    """The update is torch's public ``optimizer.step()``: a profiler's trace holds its
+    range once per step."""
     model = TinyModel()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         _train_three_steps(model, opt, make_config)
     names = [e.name for e in prof.events()]
-    assert names.count("Optimizer.zero_grad#SGD.zero_grad") == 3
     assert names.count("Optimizer.step#SGD.step") == 3
 
 
@@ -683,11 +678,11 @@ def _raw_weights(steps: int = 3) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def test_without_a_profiler_the_update_skips_torchs_step_range_and_lands_on_the_same_weights(
+def test_the_update_calls_optimizer_step_and_lands_on_the_hand_written_loops_weights(
     make_config, monkeypatch
 ):
-    """The saving: torch's step wrapper opens a record_function range on every call; the
-    loop calls the optimizer's own step instead, to the same weights as optimizer.step()."""
+    """The loop updates through the optimizer's public step (torch's wrapper opens its
+    record_function range on each call, as in the hand-written loop), to the same weights."""
     opened: list[str] = []
     stock = torch.autograd.profiler.record_function
 
@@ -709,7 +704,7 @@ def test_without_a_profiler_the_update_skips_torchs_step_range_and_lands_on_the_
         loss_fn=torch.nn.functional.mse_loss,
         config=make_config(max_steps=3, clip_grad_norm=None, skip_nonfinite=False),
     ).train()
-    assert [n for n in opened if n.startswith("Optimizer.")] == []
+    assert [n for n in opened if n.startswith("Optimizer.")] == ["Optimizer.step#SGD.step"] * 3
     for got, want in zip(model.parameters(), expected, strict=True):
         assert torch.equal(got.detach(), want)
 

@@ -134,10 +134,11 @@ class DataPosition:
         positioned, self._positioned = self._positioned, False
         if isinstance(sampler, EpochSampler):
             sampler.set_epoch(epoch, start=consumed * (loader.batch_size or 1))  # type: ignore[attr-defined]
-            return iter(loader)
-        if hasattr(sampler, "set_epoch"):
+        elif hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)  # type: ignore[union-attr]
-        batches = iter(loader)
+        batches = _opened(loader, keep_rng=epoch_step > 0)
+        if isinstance(sampler, EpochSampler):
+            return batches
         if consumed and not positioned:
             warnings.warn(
                 f"hookloop resume: the train data ({type(loader).__name__}) cannot be positioned "
@@ -149,3 +150,16 @@ class DataPosition:
             )
             batches = itertools.islice(batches, consumed, None)
         return batches
+
+
+def _opened(loader: Iterable[Any], *, keep_rng: bool) -> Iterator[Any]:
+    """``iter(loader)``. A DataLoader without a generator of its own draws its workers'
+    seed from torch's global RNG as it opens; resumed mid-epoch, the checkpoint's RNG
+    state already follows the draw the interrupted run made when it opened the epoch,
+    so with ``keep_rng`` this one is undone and dropout goes on as it would have."""
+    if not keep_rng:
+        return iter(loader)
+    state = torch.get_rng_state()
+    batches = iter(loader)
+    torch.set_rng_state(state)
+    return batches

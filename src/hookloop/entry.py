@@ -18,9 +18,10 @@ import torch
 from hookloop.callback import Callback
 from hookloop.checkpoint import load_weights
 from hookloop.config import Config
+from hookloop.loop import Trainer
 from hookloop.manager import CallbackManager
 from hookloop.recipes import get_recipe
-from hookloop.trainer import Trainer, TrainResult
+from hookloop.result import TrainResult
 
 __all__ = ["build_trainer", "finetune", "load_weights", "pretrain", "seed_everything"]
 

@@ -25,7 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hookloop.rundir import LOCK_FILE
+from hookloop.distributed import broadcast_object
+from hookloop.rundir import LOCK_FILE, RunDir
 
 log = logging.getLogger("hookloop.runlock")
 
@@ -75,6 +76,26 @@ def run_lock(directory: str | Path) -> Iterator[None]:
         _write(fd, None)  # an empty file: released in an orderly way
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+
+
+def lock_run(
+    run: RunDir | None, rank: int, world_size: int
+) -> contextlib.AbstractContextManager[Any]:
+    """The lock ``train()`` holds on ``run`` (nothing without a run directory): global rank
+    0 takes it, and every rank learns whether it could (each then raises the same error)."""
+    if run is None:
+        return contextlib.nullcontext()
+    stack, error = contextlib.ExitStack(), None
+    if rank == 0:
+        try:
+            stack.enter_context(run_lock(run.root))
+        except RunDirLocked as err:
+            error = str(err)
+    if world_size > 1:
+        error = broadcast_object(error)
+    if error is not None:
+        raise RunDirLocked(error)
+    return stack
 
 
 def holder(directory: str | Path) -> dict[str, Any] | None:

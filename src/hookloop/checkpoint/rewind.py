@@ -4,7 +4,7 @@ Teams that train large models recover from a loss spike by hand: stop, reload
 a checkpoint from before the spike, skip the batches around it, perhaps lower
 the learning rate for a while, and restart. A rewind does that inside the
 running process. Something (usually ``DivergenceDetector(action="rewind")``)
-files :meth:`hookloop.state.Control.request_rewind` with the step where the
+files :meth:`hookloop.requests.Control.request_rewind` with the step where the
 divergence began (``since_step``); at the end of the step the loop, on every
 rank at once (the request is agreed like a stop), then:
 
@@ -41,7 +41,8 @@ import torch
 from hookloop.checkpoint.manager import CheckpointManager
 from hookloop.checkpoint.storage import LATEST, CheckpointError, step_of, write_synced
 from hookloop.distributed import barrier, broadcast_object, rank_info
-from hookloop.state import Rewind, RewindRequest, TrainState
+from hookloop.requests import RewindRequest
+from hookloop.state import Progress, Rewind
 
 log = logging.getLogger("hookloop.checkpoint.rewind")
 
@@ -53,8 +54,8 @@ class Rewinder:
     batches skipped in each epoch, the learning-rate scaling in force; a named checkpoint
     state (``rewind``)."""
 
-    def __init__(self, state: TrainState, grad_accum: int) -> None:
-        self.state = state
+    def __init__(self, progress: Progress, grad_accum: int) -> None:
+        self.progress = progress
         self.grad_accum = grad_accum
         self.pending: list[list[int]] = []  # [at_step, batches]: skip before step at_step
         self.skipped: dict[int, int] = {}  # epoch -> batches skipped in it
@@ -64,14 +65,14 @@ class Rewinder:
     # -- checkpoint state --------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {
-            "history": [r.to_json() for r in self.state._rewinds],
+            "history": [r.to_json() for r in self.progress.rewinds],
             "pending": [list(p) for p in self.pending],
             "skipped": sorted(self.skipped.items()),
             "lr": [self.lr_factor, self.lr_until],
         }
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
-        self.state._rewinds = tuple(Rewind(**r) for r in saved.get("history", ()))
+        self.progress.rewinds = tuple(Rewind(**r) for r in saved.get("history", ()))
         self.pending = [list(p) for p in saved.get("pending", ())]
         self.skipped = {int(e): int(n) for e, n in saved.get("skipped", ())}
         self.lr_factor, self.lr_until = saved.get("lr", (1.0, 0))
@@ -143,7 +144,7 @@ class Rewinder:
         if skip is None:  # the batches trained while the divergence built up
             skip = (from_step - request.since_step + 1) * self.grad_accum
         rewind = Rewind(
-            count=len(self.state._rewinds) + 1,
+            count=len(self.progress.rewinds) + 1,
             from_step=from_step,
             to_step=to_step,
             since_step=request.since_step,
@@ -153,11 +154,11 @@ class Rewinder:
             lr_factor=float(request.lr_factor),
             lr_steps=request.lr_steps,
         )
-        return rewind, self.state._rewinds
+        return rewind, self.progress.rewinds
 
     def apply(self, rewind: Rewind, history: tuple[Rewind, ...]) -> None:
         """After the restore: the history grows, the skip and the LR factor are planned."""
-        self.state._rewinds = (*history, rewind)
+        self.progress.rewinds = (*history, rewind)
         if rewind.batches_skipped:
             self.pending.append([rewind.since_step, rewind.batches_skipped])
             self.pending.sort()

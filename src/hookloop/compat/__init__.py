@@ -3,7 +3,7 @@
 Each dialect lives in its own subpackage, is driven by the one table in
 :mod:`hookloop.compat.mapping` and built from one toolkit,
 :mod:`hookloop.compat._toolkit` (the adapter mechanism, name and hook checks);
-the engine (``hookloop.trainer``, ``hookloop.manager``) knows nothing about any
+the engine (``hookloop.loop``, ``hookloop.manager``) knows nothing about any
 of them. The seeds' names for native callbacks live here, with their dialect,
 not in :mod:`hookloop.callbacks`.
 

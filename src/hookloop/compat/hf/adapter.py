@@ -124,6 +124,8 @@ class HFSession:
         self.drives_loop = False
         self.members: list[Any] = []  # the callbacks as given (HF-style or native), in order
         self.native_of: dict[int, Callback] = {}  # id(member) -> what the manager runs
+        self.trainer: Any = None  # what handlers get as ``trainer=`` (the dialect Trainer)
+        self.summary: dict[str, Any] = {}  # HF's end-of-training log, once written
         self.last_logged_step = 0
         self.last_checkpoint: Any = None
         self.total_loss = 0.0
@@ -234,7 +236,8 @@ class HFSession:
         The facts come from ``ctx.run``; the dataloaders and the trainer are the
         objects HF hands its callbacks, so they are the Trainer's public ones.
         """
-        run, trainer = ctx.run, ctx.trainer
+        run, loop = ctx.run, ctx.trainer
+        trainer = self.trainer if self.trainer is not None else loop
         if self.args is None:
             self.args = TrainingArguments.from_config(
                 ctx.config,
@@ -246,8 +249,8 @@ class HFSession:
             "processing_class": self.processing_class,
             "optimizer": ctx.optimizer,
             "lr_scheduler": ctx.scheduler,
-            "train_dataloader": trainer.train_loader if trainer is not None else None,
-            "eval_dataloader": trainer.eval_loader if trainer is not None else None,
+            "train_dataloader": loop.train_loader if loop is not None else None,
+            "eval_dataloader": loop.eval_loader if loop is not None else None,
             "trainer": trainer,
         }
         self.state.set_budget(ctx.state, self.args)
@@ -403,20 +406,20 @@ class _SessionFirst(_SessionPart):
         session = self.session
         session.refresh(ctx, "on_train_start")
         session.state.set_budget(ctx.state, session.args)
-        session.control._new_training()
+        session.control.new_training()
         session.train_start = time.monotonic()
         session.first_step = session.last_logged_step = ctx.state.step
         session.first_samples = ctx.state.samples
 
     def on_epoch_start(self, ctx: CallbackContext) -> None:
-        self.session.control._new_epoch()
+        self.session.control.new_epoch()
 
     def on_train_end(self, ctx: CallbackContext) -> None:
         if not self.session.drives_loop:  # HF's flow reloads it before the summary log
             self.session.load_best_model(ctx)
 
     def on_train_step_start(self, ctx: CallbackContext) -> None:
-        self.session.control._new_step()
+        self.session.control.new_step()
 
     def on_log(self, ctx: CallbackContext) -> None:
         session = self.session

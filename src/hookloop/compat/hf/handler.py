@@ -16,7 +16,7 @@ saved on schedule, as in transformers.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from hookloop.callback import Callback
@@ -105,6 +105,9 @@ class CallbackHandler:
         lr_scheduler: Any = None,
     ) -> None:
         self.callbacks: list[Any] = []
+        #: Told of each edit, ``listener("added" | "removed", callback)``: the dialect
+        #: Trainer makes the same edit in the loop's callback manager.
+        self.listener: Callable[[str, Any], None] | None = None
         for cb in callbacks:
             self.add_callback(cb)
         self.model = model
@@ -130,7 +133,8 @@ class CallbackHandler:
                 f"The callbacks are:\n{self.callback_list}"
             )
         self.callbacks.append(cb)
-        self._added(cb)
+        if self.listener is not None:
+            self.listener("added", cb)
         return cb
 
     def pop_callback(self, callback: Any) -> Any:
@@ -138,7 +142,8 @@ class CallbackHandler:
         for cb in self.callbacks:
             if isinstance(cb, callback) if isinstance(callback, type) else cb == callback:
                 self.callbacks.remove(cb)
-                self._removed(cb)
+                if self.listener is not None:
+                    self.listener("removed", cb)
                 return cb
         return None
 
@@ -153,12 +158,6 @@ class CallbackHandler:
     @property
     def callback_list(self) -> str:
         return "\n".join(type(cb).__name__ for cb in self.callbacks)
-
-    def _added(self, cb: Any) -> None:
-        """Hook for the dialect Trainer."""
-
-    def _removed(self, cb: Any) -> None:
-        """Hook for the dialect Trainer."""
 
     # -- calling events directly ---------------------------------------------------
     def call_event(self, event: str, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:

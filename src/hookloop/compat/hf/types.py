@@ -15,7 +15,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from hookloop.config import Config
@@ -227,31 +227,8 @@ def _eval_key(metric: str) -> str:
     return metric if metric.startswith("eval_") else f"eval_{metric}"
 
 
-class _EngineView:
-    """Lets the dialect Trainer show HF's object as ``trainer.state`` / ``trainer.control``
-    while its loop keeps working on the native one: a name HF's object lacks (the
-    engine's ``_step``, ``drain()``, ``state_dict()``, ...) is read from and written to
-    the native object it is linked to."""
-
-    def _link(self, native: Any) -> None:
-        object.__setattr__(self, "_native", native)
-
-    def __getattr__(self, name: str) -> Any:
-        native = self.__dict__.get("_native")
-        if native is None or name.startswith("__"):
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(native, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        native = self.__dict__.get("_native")
-        if native is not None and name.startswith("_") and name not in self.__dict__:
-            setattr(native, name, value)
-        else:
-            object.__setattr__(self, name, value)
-
-
 @dataclass
-class TrainerState(_EngineView):
+class TrainerState:
     """HF's view of the run's progress, refreshed from the native ``TrainState``.
 
     ``global_step`` counts completed optimizer steps, as in HF: during the events
@@ -281,6 +258,9 @@ class TrainerState(_EngineView):
     trial_name: str | None = None
     trial_params: dict[str, Any] | None = None
     stateful_callbacks: dict[str, Any] = field(default_factory=dict)
+    #: (micro-batches per epoch, per step) when ``epoch`` counts micro-batches, as HF
+    #: counts it (set by the dialect's budget); not part of HF's saved state.
+    epoch_batches: ClassVar[tuple[int, int] | None] = None
 
     def refresh(self, native: TrainState, *, inside_step: bool) -> None:
         """Copy the counters that move during a run from the native state."""
@@ -288,7 +268,7 @@ class TrainerState(_EngineView):
         self.global_step = done
         per_epoch = native.steps_per_epoch
         epoch_done = native.epoch_step - 1 if inside_step else native.epoch_step
-        batches = self.__dict__.get("_epoch_batches")  # (micro-batches per epoch, per step)
+        batches = self.epoch_batches  # (micro-batches per epoch, per step), or None
         if batches:  # HF counts an epoch in micro-batches (the last group may be partial)
             total, k = batches
             self.epoch = native.epoch + min(epoch_done * k, total) / total
@@ -299,7 +279,7 @@ class TrainerState(_EngineView):
 
     def count_epochs_in_batches(self, batches_per_epoch: int, grad_accum: int) -> None:
         """Count ``epoch`` as HF does: micro-batches seen over the epoch's batches."""
-        object.__setattr__(self, "_epoch_batches", (batches_per_epoch, grad_accum))
+        self.epoch_batches = (batches_per_epoch, grad_accum)
 
     def set_budget(self, native: TrainState, args: Any) -> None:
         """The fields fixed for a run (read at init and again at train begin)."""
@@ -363,7 +343,7 @@ CONTROL_FLAGS = (
 
 
 @dataclass
-class TrainerControl(_EngineView):
+class TrainerControl:
     """HF's five flags plus seed 004's ``should_abort_without_save``.
 
     A handler sets a flag; the adapter files the matching native request
@@ -380,17 +360,23 @@ class TrainerControl(_EngineView):
     should_log: bool = False
     should_abort_without_save: bool = False
 
-    def _new_training(self) -> None:
+    def new_training(self) -> None:
+        """Training begins: the stop flags are cleared."""
         self.should_training_stop = False
         self.should_abort_without_save = False
 
-    def _new_epoch(self) -> None:
+    def new_epoch(self) -> None:
+        """An epoch begins: ``should_epoch_stop`` is cleared."""
         self.should_epoch_stop = False
 
-    def _new_step(self) -> None:
+    def new_step(self) -> None:
+        """A step begins: the save, evaluate and log flags are cleared."""
         self.should_save = False
         self.should_evaluate = False
         self.should_log = False
+
+    # transformers' names for the three, for code that calls them
+    _new_training, _new_epoch, _new_step = new_training, new_epoch, new_step
 
     def flags(self) -> tuple[bool, ...]:
         """The flags as a tuple, in ``CONTROL_FLAGS`` order."""

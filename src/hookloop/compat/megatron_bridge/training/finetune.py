@@ -20,7 +20,7 @@ from hookloop.compat.megatron_bridge.training.pretrain import (
     SeedConfig,
     run,
 )
-from hookloop.trainer import TrainResult
+from hookloop.result import TrainResult
 
 
 def finetune(

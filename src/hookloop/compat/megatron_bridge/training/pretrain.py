@@ -31,9 +31,10 @@ from hookloop.compat.megatron_bridge.training.loggers import LogToWriters, Write
 from hookloop.compat.megatron_bridge.training.state import GlobalState
 from hookloop.config import Config
 from hookloop.distributed import rank_info
+from hookloop.loop import Trainer
+from hookloop.result import TrainResult
 from hookloop.state import TrainState
 from hookloop.step import bind_forward_step
-from hookloop.trainer import Trainer, TrainResult
 
 ForwardStepFunc = Callable[..., tuple[Any, Callable[..., Any]]]
 Callbacks = CallbackManager | Iterable[Callback] | None

@@ -1,0 +1,443 @@
+"""The parts transformers' Trainer decides differently, for hookloop's one loop.
+
+When ``TrainingArguments`` decide a dialect run, :func:`dialect` hands the loop
+(:class:`hookloop.Trainer`) these in place of the native parts:
+
+- :class:`HFSchedule`: HF's flow. ``DefaultFlowCallback`` sets ``should_log`` /
+  ``should_evaluate`` / ``should_save`` / ``should_training_stop`` after each step
+  and epoch, before any user callback sees them; the flags still set afterwards
+  decide the log, then the evaluation, then the save (``_maybe_log_save_evaluate``).
+  Every epoch opens with ``on_epoch_begin`` (a resume too), an epoch's last, partial
+  accumulation group is stepped, ``should_epoch_stop`` ends an epoch, and
+  ``on_epoch_end`` comes before the epoch's evaluation. The end of training logs HF's
+  summary (``train_runtime``, ``train_loss``, ...) and reloads the best checkpoint.
+- :func:`plan_budget`: an epoch is ``ceil(batches / gradient_accumulation_steps)``
+  steps; ``num_train_epochs`` may be fractional; ``epoch`` counts micro-batches.
+- :class:`HFMicroStep`: ``compute_loss`` with ``num_items_in_batch`` and HF's
+  accumulation scaling (:mod:`hookloop.compat.hf.loss`).
+- :class:`HFLogBook`: a log with HF's keys (``loss``, ``grad_norm``,
+  ``learning_rate``, ``epoch``); ``learning_rate`` is the rate the step used.
+- :class:`HFEvaluation`: ``evaluation_loop``'s loss per sample and
+  ``compute_metrics(EvalPrediction)`` (:mod:`hookloop.compat.hf.evaluation`).
+- checkpoints saved only when a flag asks (a signal still saves), kept by
+  ``save_total_limit`` as HF keeps them (:class:`~hookloop.compat.hf.layout.HFRetention`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hookloop.checkpoint.manager import CheckpointManager
+from hookloop.compat.hf import data as hf_data
+from hookloop.compat.hf import flow, layout
+from hookloop.compat.hf import optim as hf_optim
+from hookloop.compat.hf.evaluation import Evaluation as Collected
+from hookloop.compat.hf.evaluation import ignored_keys
+from hookloop.compat.hf.loss import HFLoss
+from hookloop.loop.evaluation import Evaluation
+from hookloop.loop.logbook import LogBook
+from hookloop.loop.parts import Dialect, Parts
+from hookloop.loop.parts import plan_budget as native_budget
+from hookloop.loop.schedule import Action, Schedule, abort, passed_through
+from hookloop.loop.stepper import Clipping, MicroStep
+from hookloop.step import move_to, to_float
+
+
+def dialect(session: Any, hf_loss: HFLoss | None, compute_metrics: Any) -> Dialect:
+    """The parts of a run that ``TrainingArguments`` decide. ``hf_loss`` is None when
+    the loss is the user's own (a ``loss_fn`` or a ``forward_step``): the native
+    micro-step and evaluation then run."""
+    return Dialect(
+        plan_budget=functools.partial(plan_budget, session=session),
+        micro_step=functools.partial(_micro_step, hf_loss=hf_loss),
+        clipping=functools.partial(_clipping, session=session),
+        logbook=functools.partial(_logbook, session=session),
+        evaluation=functools.partial(
+            _evaluation, session=session, hf_loss=hf_loss, compute_metrics=compute_metrics
+        ),
+        checkpoints=_checkpoints,
+        schedule=functools.partial(_schedule, session=session),
+        announce_repeated_saves=True,  # a step save and an epoch save: on_save fires twice
+    )
+
+
+# -- the budget ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """HF's ``set_initial_training_values``: micro-batches and steps per epoch (a partial
+    last group counts), the step budget and the epochs it spans."""
+
+    batches: int
+    steps_per_epoch: int
+    max_steps: int
+    num_epochs: int | None
+
+
+def plan_of(args: Any, loader: Any, grad_accum: int) -> Plan:
+    """The plan for ``args`` over ``loader`` (a stream: ``max_steps`` decides)."""
+    max_steps = hf_optim.arg(args, "max_steps", -1)
+    try:
+        batches = len(loader)
+    except TypeError:  # a stream has no length: the budget is max_steps
+        if max_steps <= 0:
+            raise ValueError(
+                "the train data has no length (a stream), so TrainingArguments.max_steps must "
+                f"be > 0 to say how long to train; got max_steps={max_steps}"
+            ) from None
+        return Plan(0, max_steps, max_steps, None)
+    if batches == 0:
+        raise ValueError("the train data has no batch (fewer samples than a batch, with drop_last)")
+    per_epoch = max(math.ceil(batches / grad_accum), 1)
+    if max_steps > 0:
+        return Plan(batches, per_epoch, max_steps, None)
+    epochs = float(hf_optim.arg(args, "num_train_epochs", 3.0))
+    return Plan(batches, per_epoch, math.ceil(epochs * per_epoch), math.ceil(epochs))
+
+
+def plan_budget(p: Parts, *, session: Any) -> None:
+    """HF's budget on the loop's counters; HF's ``epoch`` then counts micro-batches."""
+    k = p.config.train.grad_accum
+    if p.loaders.train is None:
+        native_budget(p)
+        return
+    plan = plan_of(session.args, p.loaders.train, k)
+    if not plan.batches:  # a stream: max_steps decides (checked there)
+        native_budget(p)
+        return
+    st = p.progress
+    st.steps_per_epoch, st.max_steps, st.num_epochs = (
+        plan.steps_per_epoch,
+        plan.max_steps,
+        plan.num_epochs,
+    )
+    session.state.count_epochs_in_batches(plan.batches, k)
+
+
+# -- the micro-step and the gradients ------------------------------------------------------
+
+
+class HFMicroStep(MicroStep):
+    """``training_step`` for each micro-batch of dict batches (``compute_loss`` and its
+    accumulation scaling); the step's loss is the sum of the scaled losses. Batches of
+    another shape run the native micro-step."""
+
+    def __init__(self, forward: Any, state: Any, precision: Any, *, hf_loss: HFLoss, device: Any):
+        super().__init__(forward, state, precision)
+        self.hf_loss, self.device = hf_loss, device
+        self.native = True
+        self.num_items: Any = None
+        self.step_loss: torch.Tensor | None = None
+
+    def begin(self, group: list[Any]) -> None:
+        super().begin(group)
+        self.native = not isinstance(group[0], Mapping)
+        if not self.native:
+            self.num_items = self.hf_loss.items_in_batch(group)
+            self.step_loss = None
+
+    def run(self, batch: Any, data: Iterator[Any], model: Any, k: int) -> tuple[Any, Any]:
+        if self.native:
+            return super().run(batch, data, model, k)
+        hf_loss = self.hf_loss
+        loss, outputs = hf_loss(model, move_to(batch, self.device), self.num_items)
+        scaled = hf_loss.scaled(loss, self.num_items, k)
+        self.precision.backward(scaled)
+        part = scaled.detach()
+        self.step_loss = part if self.step_loss is None else self.step_loss + part
+        return outputs, loss
+
+    def end(self) -> None:
+        if not self.native:
+            self.reducer.add((self.step_loss, {}))
+
+
+def _micro_step(p: Parts, *, hf_loss: HFLoss | None) -> MicroStep:
+    if hf_loss is None:
+        return MicroStep(p.forward, p.state, p.precision)
+    return HFMicroStep(p.forward, p.state, p.precision, hf_loss=hf_loss, device=p.device)
+
+
+def _clipping(p: Parts, *, session: Any) -> Clipping:
+    """HF clips to ``max_grad_norm`` and always measures the norm (unclipped when 0),
+    leaving ``foreach`` to torch."""
+    limit = hf_optim.arg(session.args, "max_grad_norm", 1.0)
+    return Clipping(limit if limit and limit > 0 else None, always_measure=True, foreach=None)
+
+
+# -- the log --------------------------------------------------------------------------------
+
+
+class HFLogBook(LogBook):
+    """A log with HF's keys: the mean loss since the last log, ``grad_norm``,
+    ``learning_rate`` (the rate the last step used) and ``epoch``; and, at the end, HF's
+    summary log (kept as ``session.summary``)."""
+
+    def __init__(self, *, session: Any, rate: Any, **parts: Any) -> None:
+        super().__init__(**parts)
+        self.session = session
+        self.rate = rate  # () -> the learning rate the last update used (None before one)
+
+    def log(self) -> None:
+        st, window, session = self.progress, self.window, self.session
+        self.sync_tokens()
+        steps = st.step - session.last_logged_step
+        keys, means = window.means()
+        logs: dict[str, Any] = {}
+        if means is not None:
+            loss = dict(zip(keys, means.tolist(), strict=True)).get("loss", 0.0)
+            logs["loss"] = loss
+            session.total_loss += loss * steps
+        if window.grad_norm is not None:
+            logs["grad_norm"] = to_float(window.grad_norm)
+        used = self.rate()  # HF logs the rate the last step used (read before its scheduler step)
+        if used is None:
+            used = self.optimizer.param_groups[0]["lr"]
+        logs["learning_rate"] = float(used)
+        logs["epoch"] = session.state.epoch
+        window.clear()
+        session.last_logged_step = st.step
+        self.publish(logs)
+
+    def summary(self) -> None:
+        """HF's end of training, before ``on_train_end``: the summary log."""
+        st, session, window = self.progress, self.session, self.window
+        self.sync_tokens()
+        keys, means = window.means()
+        if means is not None:
+            loss = dict(zip(keys, means.tolist(), strict=True)).get("loss", 0.0)
+            session.total_loss += loss * (st.step - session.last_logged_step)
+        steps = st.step - session.first_step
+        summary = flow.train_summary(
+            time.monotonic() - session.train_start,
+            samples=st.samples - session.first_samples,
+            steps=steps,
+            total_flos=float(st.flops),
+            train_loss=session.total_loss / max(steps, 0.001),
+        )
+        session.refresh(self.ctx, "on_log")
+        summary["epoch"] = session.state.epoch
+        session.summary = summary
+        self.publish(summary)
+
+
+def _logbook(p: Parts, *, session: Any) -> LogBook:
+    return HFLogBook(
+        session=session,
+        rate=lambda: p.stepper.lr_used if p.stepper is not None else None,
+        progress=p.progress,
+        optimizer=p.optimizer,
+        config=p.config.train,
+        device=p.device,
+        ctx=p.ctx,
+        hooks=p.callbacks.index,
+        fire=p.callbacks.fire,
+    )
+
+
+# -- evaluation -----------------------------------------------------------------------------
+
+
+class HFEvaluation(Evaluation):
+    """HF's ``evaluation_loop``: the loss per sample, then ``compute_metrics``. ``prefix``
+    and ``ignore_keys`` are ``evaluate()``'s ``metric_key_prefix`` and ``ignore_keys``
+    for the pass being run (None: ``"eval"`` and the model config's)."""
+
+    def __init__(self, *, session: Any, hf_loss: HFLoss, compute_metrics: Any, **parts: Any):
+        super().__init__(**parts)
+        self.session, self.hf_loss, self.compute_metrics = session, hf_loss, compute_metrics
+        self.prefix: str | None = None
+        self.ignore_keys: list[str] | None = None
+
+    def run(self, loader: Any, kind: str) -> dict[str, float]:
+        ctx, hooks, fire, model, hf_loss = self.ctx, self.hooks, self.fire, self.model, self.hf_loss
+        args = self.session.args
+        prefix = kind if kind != "eval" or self.prefix is None else self.prefix
+        collected = Collected(
+            hf_data.label_names(model, args),
+            self.ignore_keys if self.ignore_keys is not None else ignored_keys(model),
+            self.compute_metrics,
+            list(hf_optim.arg(args, "include_for_metrics", []) or []),
+            nan_filter=bool(hf_optim.arg(args, "logging_nan_inf_filter", True)),
+        )
+        was_training = model.training
+        model.eval()
+        if hooks[f"on_{kind}_start"]:
+            fire(f"on_{kind}_start", ctx)
+        with torch.no_grad():
+            for batch in itertools.islice(loader, self.max_batches):
+                if hooks[f"on_{kind}_step_start"]:
+                    ctx.batch = batch
+                    fire(f"on_{kind}_step_start", ctx)
+                inputs = move_to(batch, self.device)
+                loss = None
+                with self.precision.autocast():
+                    if collected.has_labels(inputs):
+                        num_items = hf_loss.items_in_batch([inputs])
+                        loss, outputs = hf_loss(model, inputs, num_items)
+                        loss = loss.detach().mean()
+                    else:
+                        outputs = model(**inputs)
+                collected.add(inputs, loss, outputs)
+                if hooks[f"on_{kind}_step_end"]:
+                    ctx.batch, ctx.outputs, ctx.loss = batch, outputs, loss
+                    fire(f"on_{kind}_step_end", ctx)
+                ctx.batch = ctx.outputs = ctx.loss = None
+        metrics = collected.metrics(prefix)
+        self.finish(kind, metrics)
+        model.train(was_training)
+        return metrics
+
+
+def _evaluation(
+    p: Parts, *, session: Any, hf_loss: HFLoss | None, compute_metrics: Any
+) -> Evaluation:
+    common = dict(
+        model=p.model,
+        forward=p.forward,
+        precision=p.precision,
+        state=p.state,
+        progress=p.progress,
+        ctx=p.ctx,
+        hooks=p.callbacks.index,
+        fire=p.callbacks.fire,
+        max_batches=p.config.train.eval_max_batches,
+        device=p.device,
+    )
+    if hf_loss is None:
+        return Evaluation(**common)
+    return HFEvaluation(session=session, hf_loss=hf_loss, compute_metrics=compute_metrics, **common)
+
+
+# -- checkpoints ----------------------------------------------------------------------------
+
+
+class HFSaves(CheckpointManager):
+    """The dialect's saves: only those a flag asks for (a signal still saves)."""
+
+    def due_at_end(self, stop_reason: str | None) -> bool:
+        return (stop_reason or "").startswith("signal")
+
+
+def _checkpoints(p: Parts, root: Path, resuming: bool) -> CheckpointManager:
+    """As HF: an output_dir that already holds checkpoints is trained into again."""
+    manager = HFSaves.from_config(p.config.checkpoint, root, resuming=True)
+    manager.policy = layout.HFRetention(**dataclasses.asdict(manager.policy))
+    return manager
+
+
+# -- the schedule ---------------------------------------------------------------------------
+
+
+class HFSchedule(Schedule):
+    """HF's flow over the loop's boundaries (see the module doc)."""
+
+    opens_every_epoch = True
+    steps_partial_group = True
+    ends_epochs_early = True
+
+    def __init__(self, *, session: Any, logbook: Any, ctx: Any, **parts: Any) -> None:
+        super().__init__(**parts)
+        self.session, self.logbook, self.ctx = session, logbook, ctx
+
+    def will_log(self) -> bool:
+        """``ctx.state.will_log`` by HF's logging schedule: the steps strategy (the native
+        schedule), the first step with ``logging_first_step``, an epoch's last step with
+        the epoch strategy. A callback may still clear ``should_log``."""
+        if super().will_log():
+            return True
+        args, st = self.session.args, self.progress
+        if st.step == 1 and getattr(args, "logging_first_step", False):
+            return True
+        last_of_epoch = st.epoch_step == st.steps_per_epoch or (
+            st.max_steps is not None and st.step >= st.max_steps
+        )
+        return flow.strategy(args, "logging_strategy") == "epoch" and last_of_epoch
+
+    def plan_next(self) -> None:
+        self.next_boundary = self.progress.step + 1  # HF looks at its flags after every step
+
+    def budget_reason(self) -> str | None:
+        return None  # the epoch's end decides, from should_training_stop
+
+    def at_step_end(self) -> Iterator[Action]:
+        """``_maybe_log_save_evaluate`` on the flags the handlers left set."""
+        st, flags, session = self.progress, self.session.control, self.session
+        requests = self.take_requests()  # native callbacks' requests join HF's flags
+        yield from passed_through(requests)
+        flags.should_log |= requests.log
+        flags.should_evaluate |= requests.evaluate
+        if flags.should_log and st.step > session.last_logged_step:
+            yield "log", {}
+        if flags.should_evaluate and self.has_eval:
+            yield "evaluate", {}
+        requests = requests.merge(self.take_requests())  # filed by log or eval handlers
+        if requests.abort:
+            yield abort(requests)
+            return
+        flags.should_save |= requests.save
+        if flags.should_save and self.checkpointer.persistent is not None:
+            yield "save", {}
+        if flags.should_training_stop and st.stop_reason is None:
+            at_budget = st.max_steps is not None and st.step >= st.max_steps
+            reason = "max_steps" if at_budget else requests.stop or "should_training_stop"
+            yield "stop", {"reason": reason, "failed": requests.failed}
+            return
+        reason = self.stop_reason(requests) if st.stop_reason is None else None
+        if reason is not None:
+            yield "stop", {"reason": reason, "failed": requests.failed}
+
+    def closes_epoch(self, ended: str) -> bool:
+        """HF ends every epoch it leaves (a partial one too), unless an abort ended it."""
+        return not (self.progress.stop_reason or "").startswith("abort")
+
+    def evaluates_before_epoch_end(self) -> bool:
+        return False  # DefaultFlowCallback asks in on_epoch_end; the epoch's end evaluates
+
+    def advances_epoch(self, ended: str) -> bool:
+        st = self.progress
+        complete = ended == "exhausted" or st.epoch_step == st.steps_per_epoch
+        return complete or (self.session.control.should_epoch_stop and ended != "stopped")
+
+    def at_epoch_end(self) -> Iterator[Action]:
+        """The epoch's log, evaluation and save, then the budget."""
+        st = self.progress
+        yield from self.at_step_end()
+        if st.stop_reason is None and st.num_epochs is not None and st.epoch >= st.num_epochs:
+            yield "stop", {"reason": "max_epochs"}
+        if st.stop_reason is None and st.max_steps is not None and st.step >= st.max_steps:
+            yield "stop", {"reason": "max_steps"}
+
+    def epoch_stop(self) -> bool:
+        return bool(self.session.control.should_epoch_stop)
+
+    def finish(self) -> None:
+        """HF's end of training: the summary log, then the best checkpoint's weights when
+        ``load_best_model_at_end``."""
+        self.logbook.summary()
+        self.session.load_best_model(self.ctx)
+
+
+def _schedule(p: Parts, *, session: Any) -> Schedule:
+    return HFSchedule(
+        session=session,
+        logbook=p.logbook,
+        ctx=p.ctx,
+        config=p.config.train,
+        progress=p.progress,
+        control=p.control,
+        signals=p.signals,
+        device=p.device,
+        has_eval=p.loaders.eval is not None,
+        checkpointer=p.checkpointer,
+    )
