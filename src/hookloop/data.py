@@ -49,7 +49,8 @@ class EpochSampler(Sampler[int]):
     def __len__(self) -> int:
         return self.length // self.world_size
 
-    def _order(self) -> list[int]:
+    def order(self) -> list[int]:
+        """This rank's indices of the selected epoch, in order (the skipped ones too)."""
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
             order = torch.randperm(self.length, generator=g).tolist()
@@ -60,7 +61,7 @@ class EpochSampler(Sampler[int]):
         return order[self.rank : per_rank * self.world_size : self.world_size]
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._order()[self.start :])
+        return iter(self.order()[self.start :])
 
 
 def is_map_style(data: Any) -> bool:

@@ -227,7 +227,7 @@ class GradNormLogger(_PerParameterLogger):
         if not params:
             return
         self._names = [n for n, _ in params]
-        self._norms = list(torch._foreach_norm([p.grad for _, p in params]))
+        self._norms = _norms([p.grad for _, p in params])
         self._captured_at = ctx.state.step
 
     def on_before_log(self, ctx: CallbackContext) -> None:
@@ -290,7 +290,7 @@ class ParameterNormLogger(_PerParameterLogger):
         with torch.no_grad():
             if self.log_norms and params:
                 keys += [f"param_norm/{name}" for name, _ in params]
-                tensors += torch._foreach_norm([p.detach() for _, p in params])
+                tensors += _norms([p.detach() for _, p in params])
             if self.log_spectral_norms:
                 for name, p in params:
                     if p.dim() >= 2:
@@ -357,5 +357,10 @@ class WeightNormLogger(Callback):
         if not params or _on_meta(params):
             return
         with torch.no_grad():
-            norms = _read_back(list(torch._foreach_norm([p.detach() for _, p in params])))
+            norms = _read_back(_norms([p.detach() for _, p in params]))
         ctx.logs[self.key] = math.sqrt(sum(v * v for v in norms))
+
+
+def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's 2-norm, as a 0-dim tensor on its device (no host read)."""
+    return [torch.linalg.vector_norm(t) for t in tensors]

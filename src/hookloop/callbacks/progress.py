@@ -31,12 +31,13 @@ def format_metrics(values: dict[str, Any], keys: list[str] | None = None) -> str
     parts = []
     for key in keys or list(values):
         value = values.get(key)
-        if _is_number(value):
+        if is_number(value):
             parts.append(f"{key} {_auto(value)}")
     return " | ".join(parts)
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
+    """A plain int or float (not a bool): what the display formats as a number."""
     return not isinstance(value, bool) and isinstance(value, (int, float))
 
 
@@ -261,7 +262,7 @@ class ProgressBar(Callback):
         if now < self._next_show:
             return
         self._next_show = now + self.min_interval
-        shown = [c for c in self.columns if _is_number(ctx.logs.get(c.key))]
+        shown = [c for c in self.columns if is_number(ctx.logs.get(c.key))]
         if self._bar is not None:
             if self._bar.total != ctx.state.max_steps:
                 self._bar.total = ctx.state.max_steps

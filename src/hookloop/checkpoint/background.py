@@ -136,8 +136,8 @@ class _Walk:
         return buf
 
     def finish(self) -> None:
-        if self.dst:
-            torch._foreach_copy_(self.dst, self.src)
+        for dst, src in zip(self.dst, self.src, strict=True):
+            dst.copy_(src)
         for device in self.devices:  # the one wait for the device-to-host copies
             torch.cuda.synchronize(device)
 

@@ -58,6 +58,12 @@ class OuterOptimizer:
         self._sgd.zero_grad(set_to_none=True)
         return self.weights
 
+    def configure(self, *, lr: float, momentum: float, nesterov: bool) -> None:
+        """Change the outer step's settings (its momentum buffers are kept)."""
+        check_outer_settings(lr, momentum, nesterov)
+        for group in self._sgd.param_groups:
+            group.update(lr=lr, momentum=momentum, nesterov=nesterov)
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "weights": [w.detach().cpu() for w in self.weights],

@@ -420,8 +420,8 @@ class DiLoCoServer:
                 nesterov=s.nesterov,
             )
             outer.load_state_dict(saved["outer"])
-            for group in outer._sgd.param_groups:  # this start's settings, not the saved ones
-                group.update(lr=s.outer_lr, momentum=s.outer_momentum, nesterov=s.nesterov)
+            # this start's settings, not the saved ones
+            outer.configure(lr=s.outer_lr, momentum=s.outer_momentum, nesterov=s.nesterov)
             self.fragments.append(Fragment(names=saved["names"], outer=outer, round=saved["round"]))
         self.rounds_closed = state["rounds_closed"]
         now = time.monotonic()  # the remembered members get a heartbeat timeout to come back

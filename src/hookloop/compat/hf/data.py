@@ -23,8 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from hookloop.compat.hf.optim import arg
 from hookloop.data import EpochSampler
@@ -37,7 +36,7 @@ class HFSampler(EpochSampler):
     """HF's training order (or the sequential one), resumable mid-epoch. With
     several ranks each takes every ``world_size``-th sample of that order."""
 
-    def _order(self) -> list[int]:
+    def order(self) -> list[int]:
         if not self.shuffle:
             order = list(range(self.length))
         else:

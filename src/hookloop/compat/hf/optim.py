@@ -49,7 +49,8 @@ def decay_parameter_names(model: torch.nn.Module) -> list[str]:
             full = f"{child_name}.{name}"
             if not any(p.search(full.lower()) for p in _NO_DECAY_NAMES):
                 names.append(full)
-    names += [n for n in model._parameters if not any(p.search(n.lower()) for p in _NO_DECAY_NAMES)]
+    own = [n for n, _ in model.named_parameters(recurse=False)]
+    names += [n for n in own if not any(p.search(n.lower()) for p in _NO_DECAY_NAMES)]
     return names
 
 

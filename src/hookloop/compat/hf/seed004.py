@@ -153,7 +153,7 @@ def format_final_metrics(logs: Mapping[str, Any], specs: Mapping[str, Mapping[st
         value = logs.get(key)
         if value is None:
             continue
-        text = format(value, spec.get("fmt", "")) if _progress._is_number(value) else str(value)
+        text = format(value, spec.get("fmt", "")) if _progress.is_number(value) else str(value)
         parts.append(f"{spec.get('label', key)} {text}{spec.get('suffix', '')}")
     return "training finished: " + ", ".join(parts)
 
@@ -210,7 +210,7 @@ class ProgressCallback(_progress.ProgressBar):
             if ctx.state.is_rank_zero:
                 self._summary(logs)
             return
-        if _progress._is_number(logs.get("loss")):
+        if _progress.is_number(logs.get("loss")):
             self._last_loss = float(logs["loss"])
         super().on_log(ctx)
 
@@ -435,7 +435,7 @@ class TBLogger(TrainerCallback):
                 value = spec["transform"](value, metrics)
                 if value is None:
                     continue
-            if _progress._is_number(value):
+            if _progress.is_number(value):
                 self.summary_writer.add_scalar(tag, value, global_step=step)
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

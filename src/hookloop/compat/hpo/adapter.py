@@ -36,7 +36,7 @@ from hookloop.compat.hpo.callback import (
     check_training_callback,
     overridden_hooks,
 )
-from hookloop.compat.hpo.trainer_view import HpoTrainer
+from hookloop.compat.hpo.trainer_view import HpoTrainer, context_of
 from hookloop.compat.mapping import dialect_events
 from hookloop.state import CallbackContext
 from hookloop.step import to_float
@@ -122,7 +122,7 @@ class HpoAdapter(DialectAdapter):
 
     def trainer_view(self, ctx: CallbackContext) -> HpoTrainer:
         """The ``trainer`` the seed hooks receive: one view per run context."""
-        if self._view is None or self._view._hpo_ctx is not ctx:
+        if self._view is None or context_of(self._view) is not ctx:
             self._view = HpoTrainer(ctx, self.written)
         return self._view
 

@@ -192,3 +192,8 @@ def _registered(ctx: CallbackContext, cls: type) -> bool:
     if ctx.trainer is None:
         return False
     return any(isinstance(cb, cls) for cb in ctx.trainer.callbacks.callbacks)
+
+
+def context_of(view: HpoTrainer) -> CallbackContext:
+    """The run context ``view`` reads through (its adapter makes a new view per run)."""
+    return object.__getattribute__(view, "_hpo_ctx")
