@@ -14,7 +14,9 @@ from hookloop import Trainer
 from hookloop.config import apply_overrides
 from hookloop.distributed import full_tensor, init_from_env, leave_process_group, rank_info
 from hookloop.entry import build_trainer, load_weights, seed_everything
+from hookloop.loop.actions import register_action
 from hookloop.recipes import default_config, get_recipe
+from hookloop.requests import register_kind
 
 
 def trainer_with_own_optimizer(cfg) -> Trainer:
@@ -46,11 +48,27 @@ def main() -> None:
             losses[ctx.state.step] = ctx.logs["loss"]
 
     trainer.callbacks.register("on_log", record)
+    applied: list[list[float]] = []  # [step, factor] where a valued request was acted on
     if mode == "stop-on-rank-1":
         trainer.callbacks.register(
             "on_train_step_end",
             lambda ctx: ctx.control.request_stop("asked on rank 1") if rank == 1 else None,
             once=7,
+        )
+        # A request that carries a value, filed on rank 1 alone at step 4 (as the control
+        # server files on rank 0 alone): every rank acts on it at the same step.
+        register_kind("scale_lr", "multiply every parameter group's learning rate")
+
+        def scale_lr(trainer, values) -> None:
+            for group in trainer.optimizer.param_groups:
+                group["lr"] *= values["factor"]
+            applied.append([trainer.state.step, values["factor"]])
+
+        register_action("scale_lr", scale_lr)
+        trainer.callbacks.register(
+            "on_train_step_end",
+            lambda ctx: ctx.control.request("scale_lr", factor=0.25) if rank == 1 else None,
+            once=4,
         )
     if mode == "diloco":
         from hookloop.callbacks.diloco import DiLoCo
@@ -92,6 +110,9 @@ def main() -> None:
         "params": whole_params(trainer),
         "eval_loss": result.metrics.get("eval_loss"),
     }
+    if mode == "stop-on-rank-1":
+        record["applied"] = applied
+        record["lr"] = trainer.optimizer.param_groups[0]["lr"]
     if mode == "diloco":
         record["synced"] = synced
         record["outer_steps"] = diloco.outer_steps

@@ -36,10 +36,25 @@ def test_two_ranks_match_one_process_with_the_same_global_batch(tmp_path):
     assert ranks[0]["losses"] == ranks[1]["losses"]  # logged losses are reduced over ranks
 
 
-def test_a_stop_asked_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
-    results = launch("stop-on-rank-1", tmp_path, "data.batch_size=16")
+@pytest.fixture(scope="module")
+def asked_on_rank_1(tmp_path_factory) -> list[dict]:
+    """One two-rank run in which rank 1 alone asks: a valued request at step 4, a stop at 7."""
+    return launch("stop-on-rank-1", tmp_path_factory.mktemp("asked"), "data.batch_size=16")
+
+
+def test_a_stop_asked_on_one_rank_stops_every_rank_at_the_same_step(asked_on_rank_1):
+    results = asked_on_rank_1
     assert [r["step"] for r in results] == [7, 7]
     assert all(r["stop_reason"] == "asked on rank 1" for r in results)
+
+
+def test_a_request_with_a_value_filed_on_one_rank_acts_on_every_rank_at_the_same_step(
+    asked_on_rank_1,
+):
+    results = asked_on_rank_1
+    assert [r["applied"] for r in results] == [[[4, 0.25]], [[4, 0.25]]]
+    assert results[0]["lr"] == results[1]["lr"]
+    assert results[0]["params"] == results[1]["params"]  # the ranks stayed in step
 
 
 def test_a_nan_on_one_rank_skips_the_step_on_both(tmp_path):

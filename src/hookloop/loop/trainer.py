@@ -113,8 +113,7 @@ class Trainer:
         self.parts = p = build_parts(given, dialect)
         self.config, self.callbacks, self.ctx = config, manager, p.ctx
         self.progress, self.state, self.control = p.progress, p.state, p.control
-        self.model, self.optimizer, self.scheduler = p.model, p.optimizer, p.scheduler
-        self.device, self.precision = p.device, p.precision
+        self.model, self.optimizer = p.model, p.optimizer
         self.stepper, self.schedule, self.logbook = p.stepper, p.schedule, p.logbook
         self.evaluation, self.checkpointer = p.evaluation, p.checkpointer
         self.resume = resume
@@ -125,6 +124,20 @@ class Trainer:
         p.fire("on_init_end")
 
     # -- what callbacks and users read ---------------------------------------------
+    @property
+    def scheduler(self) -> Any:
+        """The LR scheduler (None: a constant rate)."""
+        return self.parts.scheduler
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts.device
+
+    @property
+    def precision(self) -> Any:
+        """fp32, bf16 or fp16: autocast and the gradient scaler (:mod:`hookloop.precision`)."""
+        return self.parts.precision
+
     @property
     def train_loader(self) -> Iterable[Any] | None:
         return self.parts.loaders.train

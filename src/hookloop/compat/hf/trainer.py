@@ -79,29 +79,13 @@ class Trainer:
         hf_step = session.drives_loop and native.get("loss_fn") is None
         hf_loss = HFLoss(model) if hf_step and native.get("forward_step") is None else None
         session.compute_metrics = None if hf_loss is not None else compute_metrics
-        optimizer, scheduler = optimizers
-        datasets = [train_dataset, eval_dataset, test_dataset]
         self._hf_data: dict[str, Any] | None = None  # how HF builds a loader from a dataset
-        dialect = None
+        run = _Run(config, [train_dataset, eval_dataset, test_dataset], *optimizers)
         if session.drives_loop:
-            _refuse_unsupported(args)
-            config = _args_config(args)
-            if not config.train.log_every:
-                # HF's logged loss (and train_loss) average every step since the last
-                # log: the loss window keeps them all, and no step is a native log.
-                config.train.log_every = _NO_NATIVE_LOG
-            # HF saves where the flags say and on_save clears should_save: at the save step.
-            config.checkpoint.async_save = False
-            _seed_everything(int(hf_optim.arg(args, "seed", 42)))  # as HF's Trainer does
             collator = hf_data.collator_for(data_collator, processing_class)
             self._hf_data = {"args": args, "model": model, "collator": collator}
-            datasets = [self._loader(d, train=i == 0) for i, d in enumerate(datasets)]
-            if optimizer is None:
-                optimizer = hf_optim.create_optimizer(model, args)
-            if scheduler is None and datasets[0] is not None:
-                plan = hf_parts.plan_of(args, datasets[0], config.train.grad_accum)
-                scheduler = hf_optim.create_scheduler(optimizer, args, plan.max_steps)
-            dialect = hf_parts.dialect(session, hf_loss, compute_metrics)
+            run = self._decided_by_args(args, model, run)
+            run.dialect = hf_parts.dialect(session, hf_loss, compute_metrics)
         elif data_collator is not None:
             raise ValueError(
                 "data_collator is HF's: it applies when TrainingArguments decide the run "
@@ -116,14 +100,14 @@ class Trainer:
         session.trainer = self  # what HF callbacks get as ``trainer=``
         self.loop = loop = Loop(
             model,
-            optimizer,
-            train_data=datasets[0],
-            eval_data=datasets[1],
-            test_data=datasets[2],
-            config=config,
+            run.optimizer,
+            train_data=run.datasets[0],
+            eval_data=run.datasets[1],
+            test_data=run.datasets[2],
+            config=run.config,
             callbacks=CallbackManager(session.wrap(handler.callbacks)),
-            scheduler=scheduler,
-            dialect=dialect,
+            scheduler=run.scheduler,
+            dialect=run.dialect,
             **native,
         )
         handler.model, handler.optimizer, handler.lr_scheduler = (
@@ -136,6 +120,26 @@ class Trainer:
         handler.listener = self._mirror  # each edit of the list after construction reaches the loop
         if session.drives_loop and getattr(loop.model, "config", None) is not None:
             loop.model.config.use_cache = hf_optim.arg(args, "use_cache", False)  # as HF's init
+
+    def _decided_by_args(self, args: Any, model: torch.nn.Module, run: _Run) -> _Run:
+        """What ``TrainingArguments`` decide before the loop is built, as HF's Trainer:
+        the Config, the seed, HF's loaders, optimizer and LR schedule."""
+        _refuse_unsupported(args)
+        config = _args_config(args)
+        if not config.train.log_every:
+            # HF's logged loss (and train_loss) average every step since the last
+            # log: the loss window keeps them all, and no step is a native log.
+            config.train.log_every = _NO_NATIVE_LOG
+        # HF saves where the flags say and on_save clears should_save: at the save step.
+        config.checkpoint.async_save = False
+        _seed_everything(int(hf_optim.arg(args, "seed", 42)))  # as HF's Trainer does
+        datasets = [self._loader(d, train=i == 0) for i, d in enumerate(run.datasets)]
+        optimizer = run.optimizer or hf_optim.create_optimizer(model, args)
+        scheduler = run.scheduler
+        if scheduler is None and datasets[0] is not None:
+            plan = hf_parts.plan_of(args, datasets[0], config.train.grad_accum)
+            scheduler = hf_optim.create_scheduler(optimizer, args, plan.max_steps)
+        return _Run(config, datasets, optimizer, scheduler)
 
     # -- HF's objects ---------------------------------------------------------------
     @property
@@ -335,6 +339,19 @@ class Trainer:
 
 
 _NO_NATIVE_LOG = 2**62
+
+
+@dataclasses.dataclass
+class _Run:
+    """What the loop is built with: the config, the data, optimizer and LR schedule, and
+    HF's parts when ``TrainingArguments`` decide the run."""
+
+    config: Config | TrainConfig | None
+    datasets: list[Any]
+    optimizer: Any
+    scheduler: Any
+    dialect: Any = None
+
 
 _HF_NAME = {
     "train_data": "train_dataset",
