@@ -13,11 +13,11 @@ Contenders:
   ``default_callbacks`` below), ``log_every=10``, ``skip_nonfinite=True``;
 - ``hookloop-clip``: bare plus ``clip_grad_norm=1.0`` and ``skip_nonfinite=True``
   (for information; no target);
-- ``raw-lean``: the raw loop calling the optimizer as hookloop's step does when no
-  profiler records: ``p.grad = None`` for each parameter in place of
-  ``opt.zero_grad(set_to_none=True)``, and the optimizer class's own step in place of
-  ``opt.step()`` (torch wraps both in a profiler range opened on every call); hookloop's
-  own cost is its excess over this one. For information, no target.
+- ``raw-lean``: the raw loop calling the optimizer as hookloop's step does:
+  ``opt.step()``, then ``p.grad = None`` for each parameter in place of
+  ``opt.zero_grad(set_to_none=True)`` (the same effect, without the profiler range
+  torch opens around every ``zero_grad`` call); hookloop's own cost is its excess over
+  this one. For information, no target.
 
 Only ``.train()`` (or the raw loop) is timed; model, optimizer and Trainer are
 built before the clock starts. In each round the contenders run in a fresh
@@ -219,14 +219,13 @@ def prepare(name: str, problem: Problem, changes: dict[str, Any] | None = None) 
         return Prepared(raw_loop, model)
     if name == "raw-lean":
         data, params = problem.data, list(model.parameters())
-        own_step = type(opt).step.__wrapped__  # inside torch's profiler range
 
         def raw_lean_loop() -> None:
             for x, y in data:
                 out = model(x)
                 loss = mse(out, y)
                 loss.backward()
-                own_step(opt)
+                opt.step()
                 for p in params:
                     p.grad = None
 
@@ -416,16 +415,17 @@ class ShellOnly(Trainer):
     step that is raw-lean's body plus the step counters, so its excess over raw-lean is
     what the loop costs outside the step."""
 
-    def _train_step(self, group: list[Any], fetching: float | None = None) -> None:
-        st = self.state
-        st._step += 1
-        st._epoch_step += 1
+    def _train_step(self, group: list[Any]) -> None:
+        st = self.progress
+        st.step += 1
+        st.epoch_step += 1
         inputs, targets = group[0]
-        loss = self._probe_loss(self.model(inputs), targets)
+        loss = self.probe_loss(self.model(inputs), targets)
         loss.backward()
-        self._apply_update()  # the optimizer called as the Trainer's step calls it
-        self._zero_grad()
-        self._last_graph = loss  # held to the next step, as raw's `loss` variable is
+        self.optimizer.step()  # the optimizer called as the Trainer's step calls it
+        for p in self.probe_params:
+            p.grad = None
+        self.probe_last = loss  # held to the next step, as raw's `loss` variable is
 
 
 #: Variant -> (contender it starts from, TrainConfig changes); None: the ShellOnly probe.
@@ -448,7 +448,8 @@ def prepare_variant(variant: str, problem: Problem) -> Prepared:
         trainer = ShellOnly(
             model, opt, train_data=problem.data, config=bare_config(len(problem.data))
         )
-        trainer._probe_loss = nn.MSELoss()  # type: ignore[attr-defined]
+        trainer.probe_loss = nn.MSELoss()  # type: ignore[attr-defined]
+        trainer.probe_params = list(model.parameters())  # type: ignore[attr-defined]
         return Prepared(trainer.train, model)
     name, changes = spec
     return prepare(name, problem, changes)
