@@ -110,6 +110,8 @@ class LogWriter:
                 batch = get(timeout=self.handover_s)
             except queue.Empty:  # no handover lately: take what waits (a quiet loop's last log)
                 with self._lock:
+                    if not self._queue.empty():
+                        continue  # handed over since the wait ran out: that batch comes first
                     batch, self._batch = self._batch, []
             for i, (fn, args) in enumerate(batch):
                 self._left_in_batch = len(batch) - i - 1
