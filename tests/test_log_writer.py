@@ -116,6 +116,21 @@ def test_tasks_keep_their_order_when_a_handover_lands_as_the_threads_wait_runs_o
     assert seen == ["start", "first", "second"]
 
 
+def test_a_logger_waits_for_its_own_writes_not_for_a_slow_task_handed_over_after_them():
+    """What lets one logger drain at a checkpoint without waiting for the fsync another
+    logger handed over after its records."""
+    writer = LogWriter(name="test-writer")
+    seen: list[str] = []
+    mine = writer.submit(seen.append, "mine")
+    slow_sync = threading.Event()
+    writer.submit(slow_sync.wait, 10.0)
+    assert writer.wait(mine, timeout=10)
+    assert seen == ["mine"] and not slow_sync.is_set()
+    assert not writer.flush(timeout=0.2)  # everything: the slow task still runs
+    slow_sync.set()
+    assert writer.flush(timeout=10)
+
+
 def test_a_log_event_returns_before_the_record_is_written(tmp_path, held_writer):
     path = tmp_path / "metrics.jsonl"
     logger = JsonLogger(path)
