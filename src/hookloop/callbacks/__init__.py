@@ -21,6 +21,7 @@ from hookloop.callbacks.early_stopping import EarlyStopping
 from hookloop.callbacks.grad_monitor import GradientMonitor
 from hookloop.callbacks.info import InfoCallback
 from hookloop.callbacks.jsonlog import JsonLogger, read_jsonl
+from hookloop.callbacks.logger import Logger, Record
 from hookloop.callbacks.loss_prediction import LossPrediction
 from hookloop.callbacks.memory import PeakMemory
 from hookloop.callbacks.metrics import DefaultMetrics
@@ -81,6 +82,7 @@ __all__ = [
     "GradientMonitor",
     "InfoCallback",
     "JsonLogger",
+    "Logger",
     "LossPrediction",
     "MetricTracker",
     "NaNDetection",
@@ -92,6 +94,7 @@ __all__ = [
     "ProfilerCallback",
     "ProgressBar",
     "ProgressLog",
+    "Record",
     "ResumableSummaryWriter",
     "SpikeTracker",
     "StragglerDetection",
