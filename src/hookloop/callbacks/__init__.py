@@ -11,6 +11,10 @@ norm loggers 25, PeakMemory 30, TextgenCallback 60, LossPrediction 70,
 OverfitDetection 75, DivergenceDetector 80, WandbLoggingCallback 80,
 OptunaPruning 85, EarlyStopping 90, CheckpointPolicy 95, JsonLogger 100,
 ProgressLog 100, TBLogger 100, ProgressBar 110.
+
+JsonLogger, TBLogger and WandbLoggingCallback are backends of :class:`Logger`
+(:mod:`hookloop.callbacks.logger`), which owns what every logger does the same way:
+the events, rank 0 alone writing, the cut back on resume and rewind, the flushes.
 """
 
 from hookloop.callbacks.checkpoint_policy import CheckpointPolicy
