@@ -25,7 +25,9 @@ CLASSES = sorted(
     {
         obj
         for name in builtins.__all__
-        if inspect.isclass(obj := getattr(builtins, name)) and issubclass(obj, Callback)
+        if inspect.isclass(obj := getattr(builtins, name))
+        and issubclass(obj, Callback)
+        and not inspect.isabstract(obj)  # a base to build on (Logger), not one to register
     },
     key=lambda cls: cls.__name__,
 )

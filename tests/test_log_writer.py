@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import queue
 import signal
 import subprocess
 import sys
@@ -88,6 +89,46 @@ def test_a_failed_write_is_raised_on_the_loops_thread_naming_the_task():
     with pytest.raises(LogWriterError, match=r"write_to_a_full_disk.*No space left"):
         writer.flush(timeout=10)
     writer.submit(lambda: None)  # reported once; the writer goes on serving
+    assert writer.flush(timeout=10)
+
+
+def test_tasks_keep_their_order_when_a_handover_lands_as_the_threads_wait_runs_out():
+    """The thread takes the tasks not handed over yet when its wait for a handover runs
+    out; a handover in between (the loop's, every 0.25 s: the same period) comes first.
+    A run once wrote a TensorBoard event file that began with step 22, before steps 2-20."""
+    writer = LogWriter(name="test-writer")
+    seen: list[str] = []
+    raced = threading.Event()
+
+    class RacingQueue(queue.SimpleQueue):
+        def get(self, block=True, timeout=None):
+            if not raced.is_set() and self.empty():
+                writer._next_handover = 0.0  # the loop, between the time-out and the lock:
+                writer.submit(seen.append, "first")  # handed over
+                writer.submit(seen.append, "second")  # left for the next handover
+                raced.set()
+                raise queue.Empty
+            return super().get(block, timeout)
+
+    writer._queue = RacingQueue()
+    writer.submit(seen.append, "start")  # starts the thread
+    assert raced.wait(10)
+    assert writer.flush(timeout=10)
+    assert seen == ["start", "first", "second"]
+
+
+def test_a_logger_waits_for_its_own_writes_not_for_a_slow_task_handed_over_after_them():
+    """What lets one logger drain at a checkpoint without waiting for the fsync another
+    logger handed over after its records."""
+    writer = LogWriter(name="test-writer")
+    seen: list[str] = []
+    mine = writer.submit(seen.append, "mine")
+    slow_sync = threading.Event()
+    writer.submit(slow_sync.wait, 10.0)
+    assert writer.wait(mine, timeout=10)
+    assert seen == ["mine"] and not slow_sync.is_set()
+    assert not writer.flush(timeout=0.2)  # everything: the slow task still runs
+    slow_sync.set()
     assert writer.flush(timeout=10)
 
 

@@ -11,6 +11,10 @@ norm loggers 25, PeakMemory 30, TextgenCallback 60, LossPrediction 70,
 OverfitDetection 75, DivergenceDetector 80, WandbLoggingCallback 80,
 OptunaPruning 85, EarlyStopping 90, CheckpointPolicy 95, JsonLogger 100,
 ProgressLog 100, TBLogger 100, ProgressBar 110.
+
+JsonLogger, TBLogger and WandbLoggingCallback are backends of :class:`Logger`
+(:mod:`hookloop.callbacks.logger`), which owns what every logger does the same way:
+the events, rank 0 alone writing, the cut back on resume and rewind, the flushes.
 """
 
 from hookloop.callbacks.checkpoint_policy import CheckpointPolicy
@@ -21,6 +25,7 @@ from hookloop.callbacks.early_stopping import EarlyStopping
 from hookloop.callbacks.grad_monitor import GradientMonitor
 from hookloop.callbacks.info import InfoCallback
 from hookloop.callbacks.jsonlog import JsonLogger, read_jsonl
+from hookloop.callbacks.logger import Logger, Record
 from hookloop.callbacks.loss_prediction import LossPrediction
 from hookloop.callbacks.memory import PeakMemory
 from hookloop.callbacks.metrics import DefaultMetrics
@@ -81,6 +86,7 @@ __all__ = [
     "GradientMonitor",
     "InfoCallback",
     "JsonLogger",
+    "Logger",
     "LossPrediction",
     "MetricTracker",
     "NaNDetection",
@@ -92,6 +98,7 @@ __all__ = [
     "ProfilerCallback",
     "ProgressBar",
     "ProgressLog",
+    "Record",
     "ResumableSummaryWriter",
     "SpikeTracker",
     "StragglerDetection",

@@ -9,12 +9,15 @@ loop for the GIL, which on a busy machine costs the loop more than the write.
 There is one thread per process for all loggers, so records keep the order in
 which the loop produced them, across loggers too.
 
-When the queue is drained (:meth:`LogWriter.flush`) the loggers decide:
+When the queue is drained the loggers decide (:class:`hookloop.callbacks.logger.Logger`):
 before a checkpoint's state is taken (so a resume's byte offset is exact), at
 ``on_checkpoint_save``, at the end of training, after an exception, and at
-interpreter exit. A task that raises does not kill the thread: the first error
-is kept and raised on the loop's thread at the next :meth:`submit` or
-:meth:`flush`, so a full disk stops training within one log event.
+interpreter exit. A logger waits for its own tasks only (:meth:`LogWriter.wait`
+with the number :meth:`LogWriter.submit` gave its last one), never for the
+disk sync another logger handed over after them. A task that raises does not
+kill the thread: the first error is kept and raised on the loop's thread at the
+next :meth:`submit`, :meth:`wait` or :meth:`flush`, so a full disk stops
+training within one log event.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 EXIT_TIMEOUT_S = 10.0
 #: The longest a task waits on the loop's side before the thread gets it.
 HANDOVER_S = 0.25
+_NEVER = 1 << 62  # a task number no run reaches
 
 Task = tuple[Callable[..., Any], tuple[Any, ...]]
 
@@ -49,22 +53,33 @@ class LogWriter:
         self._queue: queue.SimpleQueue[list[Task]] = queue.SimpleQueue()
         self._batch: list[Task] = []  # submitted, not yet handed to the thread
         self._next_handover = 0.0
-        self._lock = threading.Lock()  # guards _batch and the thread's start
+        self._lock = threading.Lock()  # guards _batch, _submitted and the thread's start
         self._thread: threading.Thread | None = None
+        self._submitted = 0  # tasks submitted so far: the number of the latest
+        self._done = 0  # tasks run so far (in order, so task n has run when _done >= n)
+        self._done_changed = threading.Condition(threading.Lock())
+        self._waited_for: list[int] = []  # the task numbers wait() waits for
+        self._wake_at = _NEVER  # the smallest of them: the thread wakes its waiter there
         self._left_in_batch = 0  # tasks after the running one in the thread's batch
         self._error: BaseException | None = None
         self._failed_task = ""
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` on the writer thread after every task submitted before it."""
+    def submit(self, fn: Callable[..., Any], *args: Any) -> int:
+        """Run ``fn(*args)`` on the writer thread after every task submitted before it.
+
+        Returns the task's number, for :meth:`wait`.
+        """
         if self._error is not None:
             self._raise_error()
         with self._lock:
             self._batch.append((fn, args))
+            self._submitted += 1
+            number = self._submitted
             now = time.monotonic()
             if now >= self._next_handover:
                 self._next_handover = now + self.handover_s
                 self._hand_over()
+        return number
 
     def _hand_over(self) -> None:
         """Give the pending tasks to the thread (the caller holds the lock)."""
@@ -80,17 +95,30 @@ class LogWriter:
 
         Raises :class:`LogWriterError` if one of them failed.
         """
+        return self.wait(self._submitted, timeout)
+
+    def wait(self, number: int, timeout: float | None = None) -> bool:
+        """Wait until task ``number`` (what :meth:`submit` returned) and every task before it
+        have run, not for those submitted after it; False if ``timeout`` ran out.
+
+        Raises :class:`LogWriterError` if a task failed.
+        """
         thread = self._thread
-        if thread is None or threading.current_thread() is thread:
-            ok = True  # nothing was ever submitted, or called from a task (it runs in order)
+        if self._done >= number or thread is None or threading.current_thread() is thread:
+            ok = True  # done already, nothing ever submitted, or called from a task
         elif not thread.is_alive():
             ok = False
         else:
-            done = threading.Event()
             with self._lock:
-                self._batch.append((done.set, ()))
-                self._hand_over()
-            ok = done.wait(timeout)
+                self._hand_over()  # the task may still wait in the batch
+            with self._done_changed:
+                self._waited_for.append(number)
+                self._wake_at = min(self._waited_for)
+                try:
+                    ok = self._done_changed.wait_for(lambda: self._done >= number, timeout)
+                finally:
+                    self._waited_for.remove(number)
+                    self._wake_at = min(self._waited_for, default=_NEVER)
         if self._error is not None:
             self._raise_error()
         return ok
@@ -110,6 +138,8 @@ class LogWriter:
                 batch = get(timeout=self.handover_s)
             except queue.Empty:  # no handover lately: take what waits (a quiet loop's last log)
                 with self._lock:
+                    if not self._queue.empty():
+                        continue  # handed over since the wait ran out: that batch comes first
                     batch, self._batch = self._batch, []
             for i, (fn, args) in enumerate(batch):
                 self._left_in_batch = len(batch) - i - 1
@@ -119,6 +149,10 @@ class LogWriter:
                     if self._error is None:
                         self._error = exc
                         self._failed_task = getattr(fn, "__qualname__", repr(fn))
+                self._done += 1
+                if self._done >= self._wake_at:
+                    with self._done_changed:
+                        self._done_changed.notify_all()
 
     def _raise_error(self) -> None:
         exc, self._error = self._error, None
@@ -132,6 +166,9 @@ class LogWriter:
         self._batch = []
         self._thread = None
         self._lock = threading.Lock()
+        self._submitted = self._done = 0
+        self._done_changed = threading.Condition(threading.Lock())
+        self._waited_for, self._wake_at = [], _NEVER
         self._error = None
 
 

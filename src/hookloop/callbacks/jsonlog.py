@@ -1,9 +1,11 @@
 """A JSON Lines record of every log and evaluation event, and of each run's start and end.
 
-One line per event. The loop only hands each record to the shared background
-writer (:mod:`hookloop.callbacks._writer`), which encodes and appends it and
-passes it to the OS as soon as its queue is empty. The queue is drained before
-a checkpoint's state is taken and again at ``on_checkpoint_save`` (then
+One line per event. The events, the resume and the flushes are those of every
+logger (:class:`hookloop.callbacks.logger.Logger`); this module is the JSON
+backend. The loop only hands each record to the shared background writer
+(:mod:`hookloop.callbacks._writer`), which encodes and appends it and passes it
+to the OS as soon as its queue is empty. The queue is drained before a
+checkpoint's state is taken and again at ``on_checkpoint_save`` (then
 fsynced), at the end of training, after an exception and at exit; so a killed
 process leaves every record up to its last checkpoint, and at most the line
 being written is torn (:func:`read_jsonl` skips it). Every record has ``kind``,
@@ -41,144 +43,77 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
-import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from hookloop.callback import Callback
-from hookloop.callbacks._writer import log_writer
-from hookloop.state import CallbackContext
+from hookloop.callbacks.logger import Logger, Record, plain_values, run_status
+
+__all__ = [
+    "JsonLogger",
+    "metric_tag",
+    "numeric_metrics",
+    "plain_values",
+    "read_jsonl",
+    "run_status",
+]
 
 
-def run_status(stop_reason: str | None) -> str:
-    """``finished`` (the step or epoch budget was reached), ``aborted``, or ``stopped``.
+class JsonLogger(Logger):
+    """Appends ``{"kind", "time", "step", "epoch", **values}`` records to ``path``.
 
-    ``stopped`` covers every other orderly end: a stop request, a signal,
-    ``exit_interval`` or ``exit_duration`` (these save a checkpoint and can be resumed).
+    The backend part of :class:`~hookloop.callbacks.logger.Logger`: one JSON line per
+    record; a checkpoint keeps the file's size, and a resume truncates the file to it.
     """
-    reason = stop_reason or ""
-    if reason in ("max_steps", "max_epochs", "finished", ""):
-        return "finished"
-    if reason.startswith("abort"):
-        return "aborted"
-    return "stopped"
-
-
-class JsonLogger(Callback):
-    """Appends ``{"kind", "time", "step", "epoch", **values}`` records to ``path``."""
-
-    priority = 100
 
     def __init__(self, path: str | Path) -> None:
         if not isinstance(path, (str, Path)) or not str(path):
             raise ValueError(f"path must be a file path, got {path!r}")
+        super().__init__()
         self.path = Path(path)
         self._file: TextIO | None = None  # touched on the writer thread, or after a flush
-        self._writer = log_writer()
-        self._restored = False  # set by load_state_dict, read once at the next train start
 
-    def _write(self, kind: str, ctx: CallbackContext, values: dict[str, Any]) -> None:
-        if not ctx.state.is_rank_zero:
-            return
-        st = ctx.state
-        record = {"kind": kind, "time": round(time.time(), 3), "step": st.step, "epoch": st.epoch}
-        if plain_values(values):  # usual: numbers, read back already
-            record.update(values)  # converted (NaN/Inf to strings) on the writer thread
-        else:  # a tensor is read here, while it holds this step's number
-            for key, value in values.items():
-                record[key] = value if type(value) in _PLAIN else _jsonable(value)
-        self._writer.submit(self._append, record)
-
-    def _append(self, record: dict[str, Any]) -> None:
+    def write(self, record: Record) -> None:
         """On the writer thread: encode and append one record."""
-        for key, value in record.items():
+        line = {
+            "kind": record.kind,
+            "time": round(record.time, 3),
+            "step": record.step,
+            "epoch": record.epoch,
+        }
+        line.update(record.values)
+        for key, value in line.items():
             if type(value) is float and not math.isfinite(value):
-                record[key] = str(value)  # JSON has no NaN/Inf; keep them visible as strings
+                line[key] = str(value)  # JSON has no NaN/Inf; keep them visible as strings
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a", encoding="utf-8")
-        self._file.write(json.dumps(record) + "\n")
-        if self._writer.idle():  # a burst is over: let readers (tail, dashboards) see it
+        self._file.write(json.dumps(line) + "\n")
+        if self._background.idle():  # a burst is over: let readers (tail, dashboards) see it
             self._file.flush()
 
-    def flush(self) -> None:
-        """Wait until every record handed over so far has reached the OS."""
-        self._writer.flush()
+    def sync(self, durable: bool) -> None:
         if self._file is not None:
             self._file.flush()
+            if durable:
+                os.fsync(self._file.fileno())
 
-    def _sync(self) -> None:
-        """On the writer thread: put the records on disk (the loop does not wait for it)."""
-        if self._file is not None:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-
-    def on_train_start(self, ctx: CallbackContext) -> None:
-        restored, self._restored = self._restored, False
-        if ctx.run.resuming and not restored and ctx.state.is_rank_zero:
-            self._drop_records_after(ctx.state.step)
-        self._write(
-            "start",
-            ctx,
-            {
-                "pid": os.getpid(),
-                "host": socket.gethostname(),
-                "resumed": ctx.state.step > 0,
-                "max_steps": ctx.state.max_steps,
-            },
-        )
-
-    def on_checkpoint_load(self, ctx: CallbackContext) -> None:
-        if ctx.rewind is not None:  # a rewind: the file was cut back by load_state_dict
-            self._write("rewind", ctx, ctx.rewind.to_json())
-
-    def on_log(self, ctx: CallbackContext) -> None:
-        self._write("train", ctx, ctx.logs or {})
-
-    def on_eval_end(self, ctx: CallbackContext) -> None:
-        self._write("eval", ctx, ctx.metrics or {})
-
-    def on_test_end(self, ctx: CallbackContext) -> None:
-        self._write("test", ctx, ctx.metrics or {})
-
-    def on_checkpoint_save(self, ctx: CallbackContext) -> None:
-        if ctx.state.is_rank_zero:
-            self.flush()  # a SIGKILL from now on leaves every record up to this checkpoint
-            self._writer.submit(self._sync)
-
-    def on_train_end(self, ctx: CallbackContext) -> None:
-        reason = ctx.state.stop_reason
-        status = "failed" if ctx.state.failed else run_status(reason)
-        self._write("end", ctx, {"status": status, "stop_reason": reason})
-        self.close()
-
-    def on_exception(self, ctx: CallbackContext) -> None:
-        if not ctx.state.in_training:  # a start that failed: no start record, so no end
-            self.close()
-            return
-        exc = ctx.exception
-        status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
-        error = f"{type(exc).__name__}: {exc}"[:500] if exc is not None else None
-        self._write("end", ctx, {"status": status, "stop_reason": status, "error": error})
-        self.close()
-
-    def state_dict(self) -> dict[str, Any]:
-        self.flush()  # the offset counts every record written before this checkpoint
+    def position(self) -> dict[str, Any]:
         return {"offset": self.path.stat().st_size if self.path.exists() else 0}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Drop records written after the checkpoint (they will be written again)."""
-        self.close()
-        self._restored = True
-        offset = int(state.get("offset", 0))
+    def cut(self, step: int, saved: dict[str, Any] | None) -> None:
+        """Truncate the file to the checkpoint's offset; without one, keep the records up
+        to ``step``."""
+        self.release()
+        if saved is None:
+            self._drop_records_after(step)
+            return
+        offset = int(saved.get("offset", 0))
         if self.path.exists() and self.path.stat().st_size > offset:
             with self.path.open("r+b") as f:
                 f.truncate(offset)
 
     def _drop_records_after(self, step: int) -> None:
         """Rewind by content when no byte offset was restored: keep records up to ``step``."""
-        self.close()
         if not self.path.is_file():
             return
         kept = [r for r in read_jsonl(self.path) if _step_of(r) <= step]
@@ -186,8 +121,7 @@ class JsonLogger(Callback):
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
         os.replace(tmp, self.path)
 
-    def close(self) -> None:
-        self._writer.flush()
+    def release(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -196,27 +130,6 @@ class JsonLogger(Callback):
 def _step_of(record: dict[str, Any]) -> int:
     step = record.get("step")
     return step if isinstance(step, int) else 0
-
-
-_PLAIN = (int, str, bool, type(None))  # written as they are (floats may be NaN/Inf)
-_SCALARS = {int, float, str, bool, type(None)}
-
-
-def plain_values(values: dict[str, Any]) -> bool:
-    """Whether every value is a plain Python scalar: nothing to read from a device, so a
-    logger may hand the values to its writer thread as they are."""
-    return set(map(type, values.values())) <= _SCALARS
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # JSON has no NaN/Inf; keep them visible as strings
-    if isinstance(value, (int, float, str, bool)) or value is None:
-        return value
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return str(value)
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

@@ -53,7 +53,8 @@ from typing import Any
 from hookloop._optional import require
 from hookloop.callback import Callback
 from hookloop.callbacks._writer import log_writer
-from hookloop.callbacks.jsonlog import metric_tag, numeric_metrics, plain_values, run_status
+from hookloop.callbacks.jsonlog import metric_tag, numeric_metrics
+from hookloop.callbacks.logger import Logger, Record, run_status
 from hookloop.config import dump_yaml
 from hookloop.state import CallbackContext
 
@@ -370,15 +371,16 @@ def _wait_for_a_later_second(log_dir: Path) -> None:
             time.sleep(wait)
 
 
-class TBLogger(Callback):
+class TBLogger(Logger):
     """Scalars, the config and a run summary in TensorBoard.
 
     ``TBLogger("runs/x/tb")`` owns a :class:`ResumableSummaryWriter` and drives
     its resume itself; ``TBLogger(writer)`` writes through a writer that is
     registered as a callback of its own (so that other callbacks can share it).
+    The events, the resume and the flushes are those of every logger
+    (:class:`~hookloop.callbacks.logger.Logger`); this is the TensorBoard backend:
+    a cut reopens the owned writer with ``purge_step`` just after the step.
     """
-
-    priority = 100
 
     def __init__(
         self,
@@ -388,44 +390,25 @@ class TBLogger(Callback):
         flush_secs: float = 10.0,
     ) -> None:
         if isinstance(log_dir, ResumableSummaryWriter):
-            self.writer, self._owns_writer = log_dir, False
+            writer, owns_writer = log_dir, False
         elif isinstance(log_dir, (str, Path)) and str(log_dir):
-            self.writer = ResumableSummaryWriter(log_dir, flush_secs=flush_secs)
-            self._owns_writer = True
+            writer, owns_writer = ResumableSummaryWriter(log_dir, flush_secs=flush_secs), True
         else:
             raise ValueError(
                 f"log_dir must be a directory path or a ResumableSummaryWriter, got {log_dir!r}"
             )
+        super().__init__()
+        self.writer, self._owns_writer = writer, owns_writer
         self.log_config = log_config
         self._started = 0.0
-        self._resumed_from: int | None = None
-        self._last_logs: dict[str, float] = {}
+        self._last_logs: dict[str, Any] = {}
 
-    # -- resume (forwarded to an owned writer) ---------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        return self.writer.state_dict() if self._owns_writer else {}
+    # -- the backend ------------------------------------------------------------------
+    def prepare(self, values: dict[str, Any]) -> dict[str, Any]:
+        return numeric_metrics(values)  # a tensor is read now; strings and the like left out
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self._owns_writer:
-            self.writer.load_state_dict(state)
-
-    def on_checkpoint_load(self, ctx: CallbackContext) -> None:
-        self._resumed_from = ctx.state.step
-        if self._owns_writer:
-            self.writer.on_checkpoint_load(ctx)
-
-    def on_checkpoint_save(self, ctx: CallbackContext) -> None:
-        if self._owns_writer:
-            self.writer.on_checkpoint_save(ctx)
-
-    # -- writing ----------------------------------------------------------------
-    def on_train_start(self, ctx: CallbackContext) -> None:
-        if self._owns_writer:
-            self.writer.on_train_start(ctx)
+    def open(self, ctx: CallbackContext) -> None:
         self._started = time.monotonic()
-        self._last_logs = {}
-        if not ctx.state.is_rank_zero:
-            return
         step = ctx.state.step
         self.writer.add_text("run/start", _markdown_table(self._start_info(ctx)), step)
         config = getattr(ctx.config, "to_dict", None)
@@ -433,69 +416,72 @@ class TBLogger(Callback):
             text = dump_yaml(config())
             self.writer.add_text("config", _code_block(text), step)
 
-    def on_log(self, ctx: CallbackContext) -> None:
-        if not ctx.state.is_rank_zero or not ctx.logs:
-            return
-        # Usually plain numbers: picked and tagged on the writer thread. A tensor a callback
-        # put in the logs is read now, while it holds this step's value.
-        logs = ctx.logs if plain_values(ctx.logs) else numeric_metrics(ctx.logs)
-        self._last_logs = dict(logs)
-        self.writer.add_scalars_at(self._last_logs, ctx.state.step, kind="train")
+    def write(self, record: Record) -> None:
+        """On the writer thread: a log's or an evaluation's numbers as one event of scalars
+        (tagged as :func:`~hookloop.callbacks.jsonlog.metric_tag` says); the summary at the end."""
+        kind, values = record.kind, record.values
+        if kind == "train":
+            if values:
+                self._last_logs = values
+                self.writer._add_summary(values, record.step, kind)
+        elif kind in ("eval", "test"):
+            self.writer._add_summary(values, record.step, kind)
+            self.writer._flush_now()  # evaluations are rare: show them soon
+        elif kind == "start":
+            self._last_logs = {}
+        elif kind == "end":
+            self.writer._add_text("run/summary", self._summary(record), record.step, {})
 
-    def on_eval_end(self, ctx: CallbackContext) -> None:
-        self._write_metrics("eval", ctx)
+    def cut(self, step: int, saved: dict[str, Any] | None) -> None:
+        if self._owns_writer:  # a shared writer, registered on its own, purges by itself
+            self.writer.rewind(step)
 
-    def on_test_end(self, ctx: CallbackContext) -> None:
-        self._write_metrics("test", ctx)
+    def position(self) -> dict[str, Any]:
+        return {"log_dir": str(self.writer.log_dir)} if self._owns_writer else {}
 
-    def _write_metrics(self, kind: str, ctx: CallbackContext) -> None:
-        if not ctx.state.is_rank_zero:
-            return
-        values = numeric_metrics(ctx.metrics)
-        self.writer.add_scalars_at(
-            {metric_tag(kind, key): value for key, value in values.items()}, ctx.state.step
-        )
-        self.writer.flush_later()  # evaluations are rare: show them soon
+    def sync(self, durable: bool) -> None:
+        self.writer._flush_now()
 
-    def on_train_end(self, ctx: CallbackContext) -> None:
-        reason = ctx.state.stop_reason
-        self._write_summary(ctx, run_status(reason), reason)
-
-    def on_exception(self, ctx: CallbackContext) -> None:
-        error = f"{type(ctx.exception).__name__}: {ctx.exception}"[:300]
-        self._write_summary(ctx, "failed", error)
-
-    def _write_summary(self, ctx: CallbackContext, status: str, reason: Any) -> None:
-        if ctx.state.is_rank_zero:
-            st = ctx.state
-            rows: dict[str, Any] = {
-                "status": status,
-                "stop reason": reason,
-                "step": st.step if not st.max_steps else f"{st.step} / {st.max_steps}",
-                "epoch": st.epoch,
-                "wall time (this session)": _duration(time.monotonic() - self._started),
-            }
-            last = numeric_metrics(self._last_logs)
-            rows.update({f"last {k}": _fmt(v) for k, v in last.items()})
-            rows.update({k: _fmt(v) for k, v in numeric_metrics(st.last_eval).items()})
-            self.writer.add_text("run/summary", _markdown_table(rows), st.step)
+    def release(self) -> None:
         if self._owns_writer:
             self.writer.close()
         else:
             self.writer.flush()
+
+    # -- the texts ----------------------------------------------------------------------
+    def _summary(self, record: Record) -> str:
+        values, st = record.values, record.state
+        if "error" in values:  # ended by an exception
+            status, reason = "failed", values["error"]
+            reason = reason[:300] if isinstance(reason, str) else reason
+        else:
+            reason = values.get("stop_reason")
+            status = run_status(reason)
+        max_steps = st.max_steps if st is not None else None
+        rows: dict[str, Any] = {
+            "status": status,
+            "stop reason": reason,
+            "step": record.step if not max_steps else f"{record.step} / {max_steps}",
+            "epoch": record.epoch,
+            "wall time (this session)": _duration(time.monotonic() - self._started),
+        }
+        last = numeric_metrics(self._last_logs)
+        rows.update({f"last {k}": _fmt(v) for k, v in last.items()})
+        last_eval = st.last_eval if st is not None else {}
+        rows.update({k: _fmt(v) for k, v in numeric_metrics(last_eval).items()})
+        return _markdown_table(rows)
 
     def _start_info(self, ctx: CallbackContext) -> dict[str, Any]:
         st = ctx.state
         info: dict[str, Any] = {
             "run directory": ctx.run.dir.root if ctx.run.dir is not None else None,
             "recipe": getattr(ctx.config, "recipe", None),
-            "resumed from step": self._resumed_from if st.step else None,
+            "resumed from step": st.step if st.step and ctx.run.resumed_from else None,
             "max steps": st.max_steps,
             "steps per epoch": st.steps_per_epoch,
             "world size": st.world_size,
             "host / pid": f"{socket.gethostname()} / {os.getpid()}",
         }
-        self._resumed_from = None
         return {k: v for k, v in info.items() if v is not None}
 
 

@@ -45,9 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from hookloop._optional import require
-from hookloop.callback import Callback
-from hookloop.callbacks._writer import log_writer
-from hookloop.callbacks.jsonlog import metric_tag, numeric_metrics, run_status
+from hookloop.callbacks.jsonlog import metric_tag, numeric_metrics
+from hookloop.callbacks.logger import Logger, Record, run_status
 from hookloop.state import CallbackContext
 
 _MODES = (None, "online", "offline", "disabled", "shared")
@@ -57,8 +56,14 @@ def _wandb() -> Any:
     return require("wandb", extra="wandb", feature="WandbLoggingCallback")
 
 
-class WandbLoggingCallback(Callback):
-    """Logs every log event and evaluation to one W&B run (rank 0 only)."""
+class WandbLoggingCallback(Logger):
+    """Logs every log event and evaluation to one W&B run (rank 0 only).
+
+    The events, the resume and the flushes are those of every logger
+    (:class:`~hookloop.callbacks.logger.Logger`); this is the W&B backend: the run
+    opens at train start, a cut continues it rewound to the step, and it finishes
+    when training ends.
+    """
 
     priority = 80
 
@@ -84,6 +89,7 @@ class WandbLoggingCallback(Callback):
         if init_kwargs is not None and not isinstance(init_kwargs, dict):
             raise ValueError(f"init_kwargs must be a dict, got {init_kwargs!r}")
         _wandb()  # fail now, naming the extra, rather than after the model is built
+        super().__init__()
         self.project = project
         self.run_name = name
         self.entity = entity
@@ -95,30 +101,16 @@ class WandbLoggingCallback(Callback):
         self.init_kwargs = dict(init_kwargs or {})
         self.run: Any = None
         self._resume_id: str | None = None
-        self._background = log_writer()
+        self._run_kwargs: dict[str, Any] = {}  # wandb.init's, but for the resume
+        self._exit_code = 0
 
-    # -- resume ----------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        self._background.flush()  # every step before the checkpoint is with W&B
-        run_id = self.run.id if self.run is not None else self._resume_id
-        return {"run_id": run_id}
+    # -- the backend ------------------------------------------------------------------
+    def prepare(self, values: dict[str, Any]) -> dict[str, Any]:
+        return numeric_metrics(values)  # a tensor is read now; strings and the like left out
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        run_id = state.get("run_id")
-        self._resume_id = run_id if isinstance(run_id, str) and run_id else None
-
-    def on_checkpoint_load(self, ctx: CallbackContext) -> None:
-        """A rewind in training: continue the run from the restored step, as a resume does
-        (at a resume the run is not open yet, and ``on_train_start`` opens it so)."""
-        if ctx.rewind is not None and self.run is not None:
-            self._finish(0)
-            self.on_train_start(ctx)
-
-    # -- events ------------------------------------------------------------------
-    def on_train_start(self, ctx: CallbackContext) -> None:
-        if not ctx.state.is_rank_zero or self.run is not None:
+    def open(self, ctx: CallbackContext) -> None:
+        if self.run is not None:
             return
-        wandb = _wandb()
         # wandb.init(dir=D) writes under D/wandb: D is the parent of the run's wandb part.
         run_dir = ctx.run.dir
         directory = self.dir or (run_dir.wandb.parent if run_dir is not None else None)
@@ -137,49 +129,57 @@ class WandbLoggingCallback(Callback):
         to_dict = getattr(ctx.config, "to_dict", None)
         if to_dict is not None:
             kwargs["config"] = to_dict()
-        if self._resume_id is not None and ctx.state.step > 0:
+        self._run_kwargs = kwargs
+        self._start(ctx.state.step)
+
+    def _start(self, step: int) -> None:
+        """``wandb.init``, continuing the checkpointed run from ``step`` if there is one."""
+        kwargs = dict(self._run_kwargs)
+        if self._resume_id is not None and step > 0:
             if self.rewind:
-                kwargs["resume_from"] = f"{self._resume_id}?_step={ctx.state.step}"
+                kwargs["resume_from"] = f"{self._resume_id}?_step={step}"
             else:
                 kwargs["id"], kwargs["resume"] = self._resume_id, "allow"
         kwargs.update(self.init_kwargs)
-        self.run = wandb.init(**{k: v for k, v in kwargs.items() if v is not None})
+        self.run = _wandb().init(**{k: v for k, v in kwargs.items() if v is not None})
 
-    def on_log(self, ctx: CallbackContext) -> None:
-        self._log("train", ctx.logs, ctx)
-
-    def on_eval_end(self, ctx: CallbackContext) -> None:
-        self._log("eval", ctx.metrics, ctx)
-
-    def on_test_end(self, ctx: CallbackContext) -> None:
-        self._log("test", ctx.metrics, ctx)
-
-    def _log(self, kind: str, values: dict[str, Any] | None, ctx: CallbackContext) -> None:
-        if self.run is None or not ctx.state.is_rank_zero:
+    def write(self, record: Record) -> None:
+        """On the writer thread: a log's or an evaluation's numbers as one ``run.log`` at
+        the record's step (``train/<key>``, ``eval/<key>``); the status at the end."""
+        run = self.run
+        if run is None:
             return
-        data = {metric_tag(kind, k): v for k, v in numeric_metrics(values).items()}
-        if data:
-            self._background.submit(self.run.log, data, ctx.state.step)
+        kind, values = record.kind, record.values
+        if kind in ("train", "eval", "test"):
+            data = {metric_tag(kind, k): v for k, v in numeric_metrics(values).items()}
+            if data:
+                run.log(data, record.step)
+        elif kind == "end":
+            if "error" in values:  # ended by an exception
+                run.summary["status"] = "failed"
+                self._exit_code = 1
+            else:
+                reason = values.get("stop_reason")
+                run.summary["status"] = run_status(reason)
+                run.summary["stop_reason"] = reason or "finished"
 
-    def on_checkpoint_save(self, ctx: CallbackContext) -> None:
+    def position(self) -> dict[str, Any]:
+        return {"run_id": self.run.id if self.run is not None else self._resume_id}
+
+    def cut(self, step: int, saved: dict[str, Any] | None) -> None:
+        """Remember the checkpoint's run; a rewind in training continues the open run from
+        ``step`` as a resume does (at a resume the run is not open yet, and :meth:`open`
+        continues it so)."""
+        if saved is not None:
+            run_id = saved.get("run_id")
+            self._resume_id = run_id if isinstance(run_id, str) and run_id else None
         if self.run is not None:
-            self._background.flush()
+            self._finish(0)
+            self._start(step)
 
-    def on_train_end(self, ctx: CallbackContext) -> None:
-        self._background.flush()
-        if self.run is not None:
-            reason = ctx.state.stop_reason
-            self.run.summary["status"] = run_status(reason)
-            self.run.summary["stop_reason"] = reason or "finished"
-        self._finish(0)
-
-    def on_exception(self, ctx: CallbackContext) -> None:
-        try:
-            self._background.flush()
-        finally:
-            if self.run is not None:
-                self.run.summary["status"] = "failed"
-            self._finish(1)
+    def release(self) -> None:
+        exit_code, self._exit_code = self._exit_code, 0
+        self._finish(exit_code)
 
     def _finish(self, exit_code: int) -> None:
         if self.run is not None:
