@@ -30,7 +30,7 @@ from hookloop import (
 from hookloop.callbacks import JsonLogger, read_jsonl
 from hookloop.callbacks.logger import Logger, Record
 from hookloop.callbacks.tensorboard import TBLogger
-from hookloop.state import Rewind, RunInfo
+from hookloop.state import Progress, Rewind, RunInfo, TrainState
 from hookloop.testing import TinyModel, ToyData
 from test_logging import tb_scalars
 
@@ -189,8 +189,9 @@ def test_ranks_other_than_zero_neither_write_nor_cut_a_shared_log(tmp_path):
     before = log.read_bytes()
     logger = CsvLogger(log)
     manager = CallbackManager(logger)
-    ctx = CallbackContext(run=RunInfo(resume="auto"))
-    ctx.state._rank, ctx.state._step, ctx.state._in_training = 1, 1, True
+    progress = Progress()
+    progress.rank, progress.step, progress.in_training = 1, 1, True
+    ctx = CallbackContext(state=TrainState(progress), run=RunInfo(resume="auto"))
     logger.load_state_dict({"bytes": 0})
     manager.fire("on_checkpoint_load", ctx)
     manager.fire("on_train_start", ctx)

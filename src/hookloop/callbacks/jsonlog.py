@@ -88,7 +88,7 @@ class JsonLogger(Logger):
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a", encoding="utf-8")
         self._file.write(json.dumps(line) + "\n")
-        if self._background.idle():  # a burst is over: let readers (tail, dashboards) see it
+        if self.burst_over():  # let readers (tail, dashboards) see it
             self._file.flush()
 
     def sync(self, durable: bool) -> None:

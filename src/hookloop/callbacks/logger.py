@@ -14,7 +14,7 @@ The contract, event by event (global rank 0 only; other ranks write nothing):
 ``on_log``                 a ``train`` record of ``ctx.logs``
 ``on_eval_end``            an ``eval`` record of ``ctx.metrics``; ``on_test_end``: ``test``
 ``on_checkpoint_load``     cut back to the restored step; after a rewind
-                           (``ctx.rewind``, :mod:`hookloop.rewind`) a ``rewind`` record
+                           (``ctx.rewind``, :mod:`hookloop.checkpoint.rewind`) a ``rewind`` record
 ``state_dict()``           the writer drained, the files flushed: :meth:`Logger.position`
 ``on_checkpoint_save``     the writer drained, the files flushed, then synced to disk
                            in the background
@@ -156,6 +156,11 @@ class Logger(Callback, ABC):
         self._last_task = 0  # the number of this logger's latest task on the writer
         self._loaded: dict[str, Any] | None = None  # from load_state_dict, until the cut
         self._cut_before_start = False  # a checkpoint was loaded before on_train_start
+
+    def burst_over(self) -> bool:
+        """On the writer thread: whether the record being written is the last one handed
+        over so far (a backend may then hand its file to the OS, once per burst)."""
+        return self._background.idle()
 
     # -- what a backend implements ----------------------------------------------------
     @abstractmethod

@@ -95,6 +95,8 @@ class Trainer:
     ) -> None:
         check_inputs(model, optimizer, forward_step, loss_fn, non_loss_data_func)
         config = as_config(config).validate()
+        # A figure in the config is the user's own: it wins over the recipe's estimate.
+        self.flops_per_sample = check_flops(config.train.flops_per_sample or flops_per_sample)
         manager = as_manager(callbacks)
         manager.check_requirements()
         given = Inputs(
@@ -117,8 +119,6 @@ class Trainer:
         self.stepper, self.schedule, self.logbook = p.stepper, p.schedule, p.logbook
         self.evaluation, self.checkpointer = p.evaluation, p.checkpointer
         self.resume = resume
-        # A figure in the config is the user's own: it wins over the recipe's estimate.
-        self.flops_per_sample = check_flops(config.train.flops_per_sample or flops_per_sample)
         self.ctx.trainer = self
         self.actions = self._actions()
         p.fire("on_init_end")
