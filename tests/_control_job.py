@@ -12,6 +12,7 @@ shared CPU to the test. Registers under $HOOKLOOP_JOBS_DIR. Ends like
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -24,6 +25,35 @@ from hookloop.config import apply_overrides
 from hookloop.control import ControlServer
 from hookloop.entry import build_trainer
 from hookloop.recipes import default_config
+
+
+def register_note(out: Path) -> None:
+    """A command that carries a value, as a user adds one: ``note {"text": ...}`` writes
+    the text and the step it was acted on at to ``OUT/notes.jsonl``."""
+    from hookloop.control import Command, CommandError, register_command
+    from hookloop.loop.actions import register_action
+    from hookloop.requests import register_kind
+
+    def check(values) -> None:
+        text = values["text"]
+        if not isinstance(text, str) or not 0 < len(text) <= 100:
+            raise CommandError(f"note: text must be a string of 1 to 100 characters, got {text!r}")
+
+    def note(trainer, values) -> None:
+        with (out / "notes.jsonl").open("a") as f:
+            f.write(json.dumps({"step": trainer.state.step, "text": values["text"]}) + "\n")
+
+    register_kind("note", "write a note with the step it was acted on at")
+    register_action("note", note)
+    register_command(
+        "note",
+        Command(
+            "write a note at the end of the current step",
+            lambda values: [("note", {"text": values["text"]})],
+            takes=("text",),
+            check=check,
+        ),
+    )
 
 
 class _Pause(Callback):
@@ -56,6 +86,7 @@ def main() -> int:
         ],
     )
     out = Path(args.out)
+    register_note(out)
     callbacks = [
         ControlServer(job_id=args.job_id, required=True),
         JsonLogger(out / "metrics.jsonl"),

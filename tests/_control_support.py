@@ -136,11 +136,12 @@ class Job:
         assert code == 200, (code, body)
         return body
 
-    def command(self, name: str) -> dict[str, Any]:
+    def command(self, name: str, values: dict[str, Any] | None = None) -> dict[str, Any]:
+        asked = {"command": name} if values is None else {"command": name, "values": values}
         code, body, _ = self.request(
             "POST",
             self.api("control"),
-            json.dumps({"command": name}).encode(),
+            json.dumps(asked).encode(),
             headers={"Content-Type": "application/json"},
         )
         # seed 004's acknowledgement: 200 {"status": "acknowledged", "command": name, ...}

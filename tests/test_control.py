@@ -348,7 +348,7 @@ def test_auth_401_without_or_with_a_wrong_token_200_with_it(shared):
 
 def test_bad_requests_get_4xx_naming_what_is_valid(shared):
     code, answer, _ = shared.request("POST", shared.api("control"), b'{"command": "explode"}')
-    assert code == 400 and answer["valid_commands"] == list(COMMANDS)
+    assert code == 400 and answer["valid_commands"] == [*COMMANDS, "note"]  # the job added one
     assert "graceful_stop, save_checkpoint, save_and_stop, abort, evaluate_now" in answer["error"]
     code, answer, _ = shared.request("POST", shared.api("control"), b"not json")
     assert code == 400 and "valid commands" in answer["error"].lower()
@@ -482,6 +482,52 @@ def test_jobs_and_ctl_functions(shared, capsys, monkeypatch):
     assert capsys.readouterr().out.strip() == shared.token
     assert main(["ctl", str(shared.proc.pid), "url"]) == 0
     assert capsys.readouterr().out.strip() == shared.record.url
+
+
+def _notes(job) -> list[dict]:
+    path = job.out / "notes.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_command_the_job_registered_carries_its_values_over_http_and_ctl(
+    shared, capsys, monkeypatch
+):
+    """``note`` (tests/_control_job.py: register_kind, register_action, register_command)
+    is a command the job added: it takes a text, is checked before anything is filed,
+    and is acted on at the end of the step it was filed in."""
+    assert "note" in shared.status()["commands"]
+    filed = shared.command("note", {"text": "over http"})["step"]
+    (note,) = shared.wait_for("the note", lambda: _notes(shared))
+    assert note["text"] == "over http" and note["step"] in (filed, filed + 1)
+    for values, why in [
+        ({}, "needs the value 'text'"),
+        ({"text": "x", "colour": "red"}, "takes no value 'colour'; it takes: text"),
+        ({"text": 7}, "text must be a string"),
+        ("text", '"values" must be a JSON object'),
+    ]:
+        code, answer, _ = shared.request(
+            "POST",
+            shared.api("control"),
+            json.dumps({"command": "note", "values": values}).encode(),
+        )
+        assert code == 400 and why in answer["error"], (values, code, answer)
+    code, answer, _ = shared.request(
+        "POST", shared.api("control"), json.dumps({"command": "abort", "values": {"x": 1}}).encode()
+    )
+    assert code == 400 and "abort takes no value 'x'; it takes: none" in answer["error"]
+    monkeypatch.setenv("HOOKLOOP_JOBS_DIR", str(shared.jobs_dir))
+    assert main_ctl(["shared-job", "note", "text=from ctl"]) == 0
+    assert "shared-job: note filed at step" in capsys.readouterr().out
+    shared.wait_for("the second note", lambda: len(_notes(shared)) == 2)
+    assert [n["text"] for n in _notes(shared)] == ["over http", "from ctl"]
+    assert main_ctl(["shared-job", "note", "txt=typo"]) == 2  # refused by the job: HTTP 400
+    assert "takes no value 'txt'" in capsys.readouterr().err
+    assert main_ctl(["shared-job", "nope"]) == 2
+    assert "unknown action 'nope'" in capsys.readouterr().err
+    assert main_ctl(["shared-job", "note", "=x"]) == 2
+    shared.wait_step(shared.status()["step"] + 3)
+    assert len(_notes(shared)) == 2  # nothing refused was filed
+    assert shared.status()["stopping"] is None
 
 
 def test_graceful_stop_saves_and_exits_0(fleet, tmp_path, capsys, monkeypatch):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import difflib
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,6 +197,10 @@ class Control:
     def request(self, kind: str, /, **values: Any) -> None:
         """File a request of ``kind`` (a name of :data:`KINDS`) carrying ``values``."""
         self._file((check_kind(kind), values))
+
+    def request_all(self, asked: Iterable[tuple[str, dict[str, Any]]]) -> None:
+        """File several requests as one (a drain on the loop's thread sees all or none)."""
+        self._file(*[(check_kind(kind), dict(values)) for kind, values in asked])
 
     def _file(self, *asked: tuple[str, dict[str, Any]]) -> None:
         with self._lock:  # one filing: a drain on the loop's thread sees all of it or none

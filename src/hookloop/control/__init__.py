@@ -21,16 +21,22 @@ from hookloop.control.registry import (
 )
 from hookloop.control.server import (
     COMMANDS,
+    SERVER_COMMANDS,
+    Command,
     CommandError,
     ControlServer,
     TrainerControlCallback,
     parse_command,
+    parse_request,
+    register_command,
 )
 
 __all__ = [
     "ALIASES",
     "COMMANDS",
     "JOBS_DIR_ENV",
+    "SERVER_COMMANDS",
+    "Command",
     "CommandError",
     "ControlError",
     "ControlServer",
@@ -43,4 +49,6 @@ __all__ = [
     "jobs_dir",
     "list_jobs",
     "parse_command",
+    "parse_request",
+    "register_command",
 ]

@@ -21,6 +21,8 @@ import sys
 import time
 from typing import Any
 
+import yaml
+
 from hookloop.control.client import ALIASES, ControlError, JobClient
 from hookloop.control.registry import (
     RegistryError,
@@ -29,6 +31,7 @@ from hookloop.control.registry import (
     list_jobs,
     process_alive,
 )
+from hookloop.control.server import COMMANDS
 
 ACTIONS = ("status", *ALIASES, "token", "url")
 OK, FAILED, USAGE = 0, 1, 2
@@ -59,7 +62,17 @@ def add_ctl_command(subparsers: Any) -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("job", metavar="JOB", help="job id, unique id prefix, or pid")
-    parser.add_argument("action", choices=ACTIONS, metavar="ACTION", help=" | ".join(ACTIONS))
+    parser.add_argument(
+        "action",
+        metavar="ACTION",
+        help=" | ".join(ACTIONS) + " | any command the server takes (e.g. evaluate_now)",
+    )
+    parser.add_argument(
+        "values",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="values for a command that takes them (each VALUE read as YAML: 3e-4, true, ...)",
+    )
     parser.add_argument("--json", action="store_true", help="print the server's JSON answer")
     parser.add_argument(
         "--wait",
@@ -131,6 +144,14 @@ def run_jobs(args: argparse.Namespace) -> int:
 
 
 def run_ctl(args: argparse.Namespace) -> int:
+    if not args.action.isidentifier() and args.action not in ACTIONS:
+        return _error(_unknown(args.action, list(COMMANDS)), USAGE)
+    try:
+        values = _parse_values(args.values)
+    except ValueError as err:
+        return _error(str(err), USAGE)
+    if values and args.action in ("status", "token", "url"):
+        return _error(f"{args.action} takes no KEY=VALUE arguments", USAGE)
     try:
         record = find_job(args.job, args.jobs_dir)
     except LookupError as err:
@@ -151,11 +172,17 @@ def run_ctl(args: argparse.Namespace) -> int:
             answer = client.status()
             print(json.dumps(answer, indent=2) if args.json else format_status(answer, record.url))
             return OK
-        answer = client.command(args.action)
+        known = None
+        if args.action not in ACTIONS and args.action not in COMMANDS:
+            known = list(client.status().get("commands") or [])  # one the job registered
+            if args.action not in known:
+                return _error(_unknown(args.action, known), USAGE)
+        answer = client.command(args.action, values, known=known)
     except ControlError as err:
-        return _error(str(err), FAILED)
+        return _error(str(err), USAGE if err.status == 400 else FAILED)
     print(json.dumps(answer, indent=2) if args.json else f"{record.job_id}: {answer['message']}")
-    if args.wait > 0 and ALIASES[args.action] in ("graceful_stop", "save_and_stop", "abort"):
+    ending = ("graceful_stop", "save_and_stop", "abort")
+    if args.wait > 0 and ALIASES.get(args.action, args.action) in ending:
         deadline = time.monotonic() + args.wait
         while process_alive(record.pid, record.pid_start):
             if time.monotonic() > deadline:
@@ -163,6 +190,28 @@ def run_ctl(args: argparse.Namespace) -> int:
             time.sleep(0.1)
         print(f"{record.job_id}: process {record.pid} has exited")
     return OK
+
+
+def _unknown(action: str, commands: list[str]) -> str:
+    valid = [
+        *ACTIONS,
+        *(c for c in dict.fromkeys([*COMMANDS, *commands]) if c not in ALIASES.values()),
+    ]
+    return f"unknown action {action!r}; valid: {', '.join(valid)}"
+
+
+def _parse_values(pairs: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` arguments as a dict, each value read as YAML (``3e-4``, ``true``, ...)."""
+    values: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.isidentifier():
+            raise ValueError(f"values are KEY=VALUE with KEY a name, got {pair!r}")
+        try:
+            values[key] = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            raise ValueError(f"the value of {key} is not a YAML scalar: {raw!r}") from None
+    return values
 
 
 def format_status(st: dict[str, Any], url: str | None = None) -> str:

@@ -99,12 +99,25 @@ class JobClient:
     def history(self, after: int = 0) -> dict[str, Any]:
         return self._checked("GET", f"jobs/{self.job_id}/history?after={int(after)}")
 
-    def command(self, command: str) -> dict[str, Any]:
-        """Send a command (canonical name or CLI alias); returns the acknowledgement."""
+    def command(
+        self,
+        command: str,
+        values: dict[str, Any] | None = None,
+        *,
+        known: list[str] | None = None,
+    ) -> dict[str, Any]:
+        """Send a command (canonical name or CLI alias), with the ``values`` it takes;
+        returns the acknowledgement. ``known``: the commands the server says it takes
+        (its status's ``commands``), for a command registered there and not here. The
+        server checks the values (HTTP 400 naming what is wrong)."""
         name = ALIASES.get(command, command)
-        if name not in COMMANDS:
+        valid = [*COMMANDS, *(known or ())]
+        if name not in valid:
             raise ValueError(
-                f"unknown command {command!r}; valid: {', '.join(COMMANDS)} "
+                f"unknown command {command!r}; valid: {', '.join(dict.fromkeys(valid))} "
                 f"(or {', '.join(ALIASES)})"
             )
-        return self._checked("POST", f"jobs/{self.job_id}/control", {"command": name})
+        body: dict[str, Any] = {"command": name}
+        if values:
+            body["values"] = dict(values)
+        return self._checked("POST", f"jobs/{self.job_id}/control", body)

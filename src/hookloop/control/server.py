@@ -15,7 +15,8 @@ Routes (every one but the dashboard page needs ``Authorization: Bearer <token>``
 ``GET  /jobs/{id}/status``  step, epoch, max_steps, latest metrics, rate, ETA ...
 ``GET  /jobs/{id}/history`` logged metrics since ``?after=<seq>`` (for charts)
 ``POST /jobs/{id}/control`` ``{"command": "graceful_stop" | "save_checkpoint" |
-                            "save_and_stop" | "abort" | "evaluate_now"}``
+                            "save_and_stop" | "abort" | "evaluate_now",
+                            "values": {...}}`` (values: for a command that takes them)
 ==========================  =====================================================
 
 Replies speak seed 004's protocol and hookloop's at once. A status carries the
@@ -27,7 +28,8 @@ hookloop's ``accepted``, ``job_id`` and ``step``, once filed. A malformed body o
 unknown command gets ``400`` with the list of valid commands; a command the job
 cannot carry out (saving without an output directory, evaluating without
 evaluation data, anything once a stop has been filed) gets ``409``. Nothing a
-client sends reaches the training thread except those five requests.
+client sends reaches the training thread except the requests a command files
+(:data:`SERVER_COMMANDS`; :func:`register_command` adds one, with the values it takes).
 
 What the status shows is cheap to keep: the training thread does no work per
 step for it. Step, epoch and sample counters are plain integers the server
@@ -54,6 +56,8 @@ import threading
 import time
 import warnings
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -75,16 +79,72 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hookloop.control")
 
-#: The commands ``POST /jobs/{id}/control`` accepts, with what each does.
-COMMANDS: dict[str, str] = {
-    "graceful_stop": "finish the current step, save a checkpoint (when the job has an "
-    "output directory) and exit 0",
-    "save_checkpoint": "write a checkpoint at the end of the current step and go on",
-    "save_and_stop": "write a checkpoint at the end of the current step, then exit 0",
-    "abort": "end after the current step without saving anything (exit code 3)",
-    "evaluate_now": "run an evaluation at the end of the current step and go on",
+
+@dataclass(frozen=True)
+class Command:
+    """One command of ``POST /jobs/{id}/control``: what it files on the loop's Control.
+
+    ``requests(values)`` returns the requests to file, each ``(kind, values)`` of the
+    request vocabulary (:mod:`hookloop.requests`), filed together. ``takes`` names the
+    values the command reads from the body's ``"values"`` object (none: it takes none)
+    and ``check(values)`` refuses bad ones with a :class:`CommandError`. ``needs`` is
+    what the job must have (``"checkpoints"``, ``"eval data"``); ``ends``: the job
+    is ending once it is filed (no command is taken after it).
+    """
+
+    doc: str
+    requests: Callable[[dict[str, Any]], list[tuple[str, dict[str, Any]]]]
+    takes: tuple[str, ...] = ()
+    check: Callable[[dict[str, Any]], None] | None = None
+    needs: str | None = None
+    ends: bool = False
+
+
+#: Every command the server takes, by name (:func:`register_command` adds one).
+SERVER_COMMANDS: dict[str, Command] = {
+    "graceful_stop": Command(
+        "finish the current step, save a checkpoint (when the job has an output directory) "
+        "and exit 0",
+        lambda v: [("stop", {"reason": "graceful_stop requested over HTTP"})],
+        ends=True,
+    ),
+    "save_checkpoint": Command(
+        "write a checkpoint at the end of the current step and go on",
+        lambda v: [("save", {})],
+        needs="checkpoints",
+    ),
+    "save_and_stop": Command(
+        "write a checkpoint at the end of the current step, then exit 0",
+        lambda v: [("save", {}), ("stop", {"reason": "save_and_stop requested over HTTP"})],
+        needs="checkpoints",
+        ends=True,
+    ),
+    "abort": Command(
+        "end after the current step without saving anything (exit code 3)",
+        lambda v: [("abort", {"reason": "abort requested over HTTP"})],
+        ends=True,
+    ),
+    "evaluate_now": Command(
+        "run an evaluation at the end of the current step and go on",
+        lambda v: [("evaluate", {})],
+        needs="eval data",
+    ),
 }
-VALID_COMMANDS = ", ".join(COMMANDS)
+#: The commands ``POST /jobs/{id}/control`` accepts, with what each does.
+COMMANDS: dict[str, str] = {name: c.doc for name, c in SERVER_COMMANDS.items()}
+
+
+def register_command(name: str, command: Command) -> None:
+    """Let the server take ``name``: a new command, typically filing a request kind added
+    with :func:`hookloop.requests.register_kind` (its handler: ``register_action``)."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"a command name must be an identifier, got {name!r}")
+    if name in SERVER_COMMANDS and SERVER_COMMANDS[name] != command:
+        raise ValueError(f"command {name!r} is already registered")
+    SERVER_COMMANDS[name] = command
+    COMMANDS[name] = command.doc
+
+
 ROUTES = (
     "GET /, GET /jobs, GET /jobs/{job_id}/status, GET /jobs/{job_id}/history?after=SEQ, "
     "POST /jobs/{job_id}/control"
@@ -114,26 +174,51 @@ class CommandError(ValueError):
 
 def parse_command(body: bytes) -> str:
     """The command named by a request body, or :class:`CommandError` saying what is wrong."""
+    return parse_request(body)[0]
+
+
+def parse_request(body: bytes) -> tuple[str, dict[str, Any]]:
+    """``(command, values)`` from a request body ``{"command": ..., "values": {...}}``, the
+    values checked against what the command takes; :class:`CommandError` otherwise."""
+    valid = ", ".join(COMMANDS)
     if not body.strip():
-        raise CommandError(f"empty request body; {_BODY_HELP}. Valid commands: {VALID_COMMANDS}")
+        raise CommandError(f"empty request body; {_BODY_HELP}. Valid commands: {valid}")
     try:
         data = json.loads(body)
     except (ValueError, RecursionError):  # includes UnicodeDecodeError and JSONDecodeError
         raise CommandError(
-            f"the request body is not valid JSON; {_BODY_HELP}. Valid commands: {VALID_COMMANDS}"
+            f"the request body is not valid JSON; {_BODY_HELP}. Valid commands: {valid}"
         ) from None
     if not isinstance(data, dict):
         raise CommandError(
             f"the request body must be a JSON object, got {type(data).__name__}; {_BODY_HELP}. "
-            f"Valid commands: {VALID_COMMANDS}"
+            f"Valid commands: {valid}"
         )
     if "command" not in data:
-        raise CommandError(f'missing "command"; valid commands: {VALID_COMMANDS}')
+        raise CommandError(f'missing "command"; valid commands: {valid}')
     command = data["command"]
-    if not isinstance(command, str) or command not in COMMANDS:
+    if not isinstance(command, str) or command not in SERVER_COMMANDS:
         shown = repr(command) if len(repr(command)) <= 60 else repr(command)[:57] + "..."
-        raise CommandError(f"unknown command {shown}; valid commands: {VALID_COMMANDS}")
-    return command
+        raise CommandError(f"unknown command {shown}; valid commands: {valid}")
+    return command, _values(command, data.get("values"))
+
+
+def _values(command: str, values: Any) -> dict[str, Any]:
+    spec = SERVER_COMMANDS[command]
+    if values is None or (values == {} and not spec.takes):
+        values = {}
+    elif not isinstance(values, dict):
+        raise CommandError(f'"values" must be a JSON object, got {type(values).__name__}')
+    unknown = sorted(set(values) - set(spec.takes))
+    if unknown:
+        takes = ", ".join(spec.takes) if spec.takes else "none"
+        raise CommandError(f"{command} takes no value {unknown[0]!r}; it takes: {takes}")
+    missing = [k for k in spec.takes if k not in values]
+    if missing:
+        raise CommandError(f'{command} needs the value {missing[0]!r} in "values"')
+    if spec.check is not None:
+        spec.check(values)
+    return values
 
 
 def is_loopback(host: str) -> bool:
@@ -516,8 +601,8 @@ class ControlServer(Callback):
                 return wrong
             body = await request.read()
             try:
-                command = parse_command(body)
-                step = self._file(command)
+                command, values = parse_request(body)
+                step = self._file(command, values)
             except CommandError as err:
                 return _json({"error": str(err), "valid_commands": list(COMMANDS)}, err.status)
             return _json(
@@ -573,37 +658,27 @@ class ControlServer(Callback):
         shown = asked if len(asked) <= 80 else asked[:77] + "..."
         return _json({"error": f"no job {shown!r} here; this server runs job {self.job_id!r}"}, 404)
 
-    def _file(self, command: str) -> int:
+    def _file(self, command: str, values: dict[str, Any] | None = None) -> int:
         """File ``command`` on the loop's Control; returns the step it was filed at."""
         snap, control, state = self._snapshot, self._control, self._state
+        spec = SERVER_COMMANDS[command]
         if control is None or state is None or snap.phase not in ("training", "evaluating"):
             raise CommandError(f"the job is not training (it is {snap.phase})", 409)
-        needs_save = command in ("save_checkpoint", "save_and_stop")
-        if needs_save and not self._can_save:
+        if spec.needs == "checkpoints" and not self._can_save:
             raise CommandError(
                 f"{command}: this job has no output directory, so it cannot save checkpoints",
                 409,
             )
-        if command == "evaluate_now" and not self._can_evaluate:
-            raise CommandError("evaluate_now: this job has no evaluation data", 409)
+        if spec.needs == "eval data" and not self._can_evaluate:
+            raise CommandError(f"{command}: this job has no evaluation data", 409)
         with snap.lock:
             if snap.stopping is not None:
                 raise CommandError(
                     f"{command}: the job is already ending ({snap.stopping} was filed)", 409
                 )
             step = state.step
-            if command == "graceful_stop":
-                control.request_stop("graceful_stop requested over HTTP")
-            elif command == "save_and_stop":
-                control.request_save()
-                control.request_stop("save_and_stop requested over HTTP")
-            elif command == "abort":
-                control.request_abort("abort requested over HTTP")
-            elif command == "save_checkpoint":
-                control.request_save()
-            else:
-                control.request_evaluate()
-            if command in ("graceful_stop", "save_and_stop", "abort"):
+            control.request_all(spec.requests(values or {}))
+            if spec.ends:
                 snap.stopping = command
             snap.filed.append({"command": command, "step": step, "time": time.time()})
         log.info("control: %s filed at step %d", command, step)
