@@ -12,7 +12,7 @@ from torch.utils.data import Dataset
 
 from hookloop import Callback, Config, TrainConfig, Trainer
 from hookloop.loop.logbook import LossWindow, row_means
-from hookloop.loop.stepper import gradient_clearer
+from hookloop.loop.stepper import FiniteCheck, gradient_clearer
 from hookloop.step import LossReducer, default_forward_step
 from hookloop.testing import TinyModel, ToyData
 
@@ -796,3 +796,40 @@ def test_an_optimizer_subclasss_own_step_and_a_step_set_on_the_instance_are_call
     plain.step = step  # type: ignore[method-assign]
     _train_three_steps(TinyModel(), plain, make_config)
     assert calls == [1, 1, 1]
+
+
+# -- the finiteness check ------------------------------------------------------------------
+
+
+def _with(value: float, shape=(64, 32), at=(3, 4)) -> torch.Tensor:
+    t = torch.randn(*shape)
+    t[at] = value
+    return t
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_the_finiteness_check_finds_one_bad_element_in_any_gradient(bad):
+    check = FiniteCheck(torch.device("cpu"))
+    finite = [torch.tensor(0.5), torch.randn(64, 32), torch.randn(64)]
+    assert not check.any_nonfinite(finite, sharded=False)
+    assert check.any_nonfinite([*finite, _with(bad)], sharded=False)
+    assert check.any_nonfinite([torch.tensor(bad), *finite], sharded=False)
+    assert check.any_nonfinite([_with(bad).t()], sharded=False)  # not contiguous
+    assert check.any_nonfinite([_with(bad).to(torch.bfloat16)], sharded=False)  # no NumPy dtype
+
+
+def test_the_finiteness_check_finds_inf_and_minus_inf_together_and_says_nothing():
+    """Their sum is NaN (NumPy would warn of an invalid value): a step skipped for it
+    prints no warning of NumPy's under Python's own warning filters."""
+    import sys
+
+    import _zygote as zygote
+
+    code = (
+        "import torch; from hookloop.loop.stepper import FiniteCheck\n"
+        "both = torch.randn(10); both[0], both[1] = float('inf'), -float('inf')\n"
+        "print(FiniteCheck(torch.device('cpu')).any_nonfinite([both], sharded=False))\n"
+    )
+    done = zygote.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout.strip()) == (0, "True"), done.stderr
+    assert "encountered" not in done.stderr, done.stderr

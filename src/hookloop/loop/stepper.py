@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -282,6 +283,12 @@ def gradient_clearer(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
     return clear
 
 
+# The finiteness check's sum says "overflow" or "invalid value" exactly when it finds what
+# it looks for (the step is then skipped, and said so): not a warning for the user.
+warnings.filterwarnings(
+    "ignore", r"(overflow|invalid value) encountered in dot", RuntimeWarning, __name__
+)
+
 #: The dtypes NumPy reads without a copy (a CPU check goes through NumPy views).
 _NUMPY_DTYPES = frozenset({torch.float16, torch.float32, torch.float64})
 
@@ -289,14 +296,16 @@ _NUMPY_DTYPES = frozenset({torch.float16, torch.float32, torch.float64})
 class FiniteCheck:
     """Is any element of these tensors NaN or Inf? One host read.
 
-    On the CPU each tensor is checked through a NumPy view of its memory (no copy, no
-    torch dispatch); on a GPU the tensors' largest magnitude is taken on the device
-    (``torch.nn.utils.get_total_norm`` with the infinity norm, which is NaN or Inf exactly
-    when some element is) and read back once.
+    On the CPU each tensor is summed through a NumPy view of its memory (no copy, no
+    torch dispatch): a sum is NaN or Inf exactly when an element is, or when finite
+    elements add up past the dtype's range (about 3.4e38 in float32), which is no
+    finite gradient worth applying. On a GPU the tensors' largest magnitude is taken on
+    the device (``torch.nn.utils.get_total_norm`` with the infinity norm) and read once.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.on_cpu = device.type == "cpu"
+        self._ones: dict[tuple[int, Any], np.ndarray] = {}  # length, dtype -> a vector of ones
 
     def any_nonfinite(self, tensors: list[torch.Tensor], *, sharded: bool = True) -> bool:
         """``tensors`` must not require grad (detached losses, ``p.grad``). Sharded
@@ -304,13 +313,19 @@ class FiniteCheck:
         ranks. ``sharded=False`` (one process: no DTensor) skips the look for slices."""
         if sharded:
             tensors = local_shards(tensors)
-        if self.on_cpu:
-            for t in tensors:
-                if t.dtype in _NUMPY_DTYPES and t.device.type == "cpu":
-                    if not np.isfinite(t.numpy()).all():
-                        return True
-                elif not bool(torch.isfinite(t).all()):
+        if not self.on_cpu:
+            largest = torch.nn.utils.get_total_norm(tensors, math.inf, foreach=True)
+            return not bool(torch.isfinite(largest))
+        total, ones = 0.0, self._ones
+        for t in tensors:
+            if t.dtype not in _NUMPY_DTYPES or t.device.type != "cpu" or not t.is_contiguous():
+                if not bool(torch.isfinite(t).all()):
                     return True
-            return False
-        largest = torch.nn.utils.get_total_norm(tensors, math.inf, foreach=True)
-        return not bool(torch.isfinite(largest))
+                continue
+            flat = t.numpy().reshape(-1)
+            key = (flat.shape[0], flat.dtype)
+            one = ones.get(key)
+            if one is None:
+                one = ones[key] = np.ones(key[0], dtype=key[1])
+            total += float(flat.dot(one))  # BLAS: NaN and Inf carry through the sum
+        return not math.isfinite(total)
