@@ -27,8 +27,8 @@ from hookloop.control.registry import (
     find_job,
     jobs_dir,
     list_jobs,
-    process_alive,
 )
+from hookloop.processes import process_alive
 
 ACTIONS = ("status", *ALIASES, "token", "url")
 OK, FAILED, USAGE = 0, 1, 2

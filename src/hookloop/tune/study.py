@@ -35,6 +35,7 @@ from hookloop._optional import require
 from hookloop.callback import Callback
 from hookloop.callbacks.monitor import as_float, check_metric_name
 from hookloop.config import Config, dump_yaml
+from hookloop.processes import process_alive
 from hookloop.runs import PARAMS_FILE
 from hookloop.state import CallbackContext
 from hookloop.tune.space import SearchSpace, apply_params
@@ -207,12 +208,6 @@ def recover_interrupted(study: Any) -> list[int]:
         study.enqueue_trial(params, user_attrs={"retry_of": trial.number})
         recovered.append(trial.number)
     return recovered
-
-
-def process_alive(pid: int) -> bool:
-    from hookloop.runs import _process_alive
-
-    return _process_alive(pid)
 
 
 class BestMetric(Callback):
