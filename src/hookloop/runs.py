@@ -40,6 +40,7 @@ from hookloop.rundir import (  # noqa: F401  (re-exported: the layout's names)
     CHECKPOINTS_DIR,
     CONFIG_FILE,
     METRICS_FILE,
+    PARAMS_FILE,
     PLOTS_DIR,
     PROFILE_DIR,
     SAMPLES_FILE,
@@ -103,15 +104,11 @@ def summarize_run(run_dir: str | Path) -> RunSummary:
     )
 
 
-#: Written by ``hookloop tune`` in each trial's run directory: ``{study, trial, params}``.
-PARAMS_FILE = "params.yaml"
-
-
 def _params(run_dir: Path) -> dict[str, Any] | None:
     """The searched values of a ``hookloop tune`` trial, or None for any other run."""
     import yaml
 
-    path = run_dir / PARAMS_FILE
+    path = RunDir(run_dir).params
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else None
     except (OSError, UnicodeDecodeError, yaml.YAMLError):

@@ -36,7 +36,7 @@ from hookloop.callback import Callback
 from hookloop.callbacks.monitor import as_float, check_metric_name
 from hookloop.config import Config, dump_yaml
 from hookloop.processes import process_alive
-from hookloop.runs import PARAMS_FILE
+from hookloop.rundir import RunDir
 from hookloop.state import CallbackContext
 from hookloop.tune.space import SearchSpace, apply_params
 
@@ -263,8 +263,8 @@ def train_trial(
     callbacks = [*default_callbacks(cfg, run_dir), best]
     if trial is not None:
         run_dir.mkdir(parents=True, exist_ok=True)  # another rank may have made it
-        (run_dir / "config.yaml").write_text(dump_yaml(cfg.to_dict()))
-        (run_dir / PARAMS_FILE).write_text(
+        RunDir(run_dir).config.write_text(dump_yaml(cfg.to_dict()))
+        RunDir(run_dir).params.write_text(
             yaml.safe_dump({"study": spec.study_name, "trial": number, "params": values})
         )
         callbacks.append(OptunaPruning(trial, spec.metric, raise_pruned=False))
