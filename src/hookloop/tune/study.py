@@ -36,6 +36,7 @@ from hookloop.callback import Callback
 from hookloop.callbacks.monitor import as_float, check_metric_name
 from hookloop.config import Config, dump_yaml
 from hookloop.processes import process_alive
+from hookloop.recipes import resolve_config
 from hookloop.rundir import RunDir
 from hookloop.state import CallbackContext
 from hookloop.tune.space import SearchSpace, apply_params
@@ -98,8 +99,6 @@ class TuneSpec:
 
     def base_config(self) -> Config:
         """The recipe's defaults with the command's overrides (what every trial starts from)."""
-        from hookloop.cli import resolve_config
-
         return resolve_config(self.recipe, None, list(self.overrides))
 
     def search_space(self, base: Config | None = None) -> SearchSpace:
