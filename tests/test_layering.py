@@ -26,7 +26,7 @@ ENGINE = tuple(
                  "trainer_checkpoints", "trainer_evaluation")
 )  # fmt: skip
 #: What sits above the engine; the engine imports none of it.
-ABOVE = tuple(f"{PACKAGE}.{name}" for name in ("callbacks", "compat", "control", "cli"))
+ABOVE = tuple(f"{PACKAGE}.{name}" for name in ("callbacks", "compat", "control", "cli", "app"))
 
 
 def module_file(module: str) -> Path | None:
@@ -119,13 +119,13 @@ def test_the_analysis_sees_every_kind_of_import():
         "    from hookloop.trainer import Trainer",
         "def later():",
         "    from hookloop.callbacks.jsonlog import JsonLogger",
-        "    import hookloop.cli",
+        "    import hookloop.app.cli",
     ])  # fmt: skip
     found = {ours(name) for name, _ in imports_of("hookloop.state", source)} - {None}
     assert found >= {
         "hookloop.events", "hookloop.manager", "hookloop.step", "hookloop.control",
         "hookloop.control.server", "hookloop.trainer", "hookloop.callbacks.jsonlog",
-        "hookloop.cli",
+        "hookloop.app.cli",
     }  # fmt: skip
     trainer = import_graph(("hookloop.trainer",))["hookloop.trainer"]
     assert {"hookloop.manager", "hookloop.state", "hookloop.checkpoint"} <= trainer.keys()

@@ -16,6 +16,7 @@ import torch
 
 import _zygote as zygote
 from hookloop import Callback, Config, Trainer
+from hookloop.app.runs import summarize_run
 from hookloop.callbacks import JsonLogger, read_jsonl
 from hookloop.callbacks.tensorboard import ResumableSummaryWriter, TBLogger
 from hookloop.callbacks.wandb_logger import (
@@ -24,7 +25,6 @@ from hookloop.callbacks.wandb_logger import (
     offline_run_files,
     read_wandb_records,
 )
-from hookloop.runs import summarize_run
 from hookloop.testing import TinyModel, ToyData
 
 # -- helpers ----------------------------------------------------------------------------

@@ -222,7 +222,7 @@ LAYOUT_DIRS = {"tb", "checkpoints", "plots", "profile", "wandb"}
 def _sources():
     for folder in ("callbacks", "control", "compat"):
         yield from sorted((SRC / folder).rglob("*.py"))
-    yield SRC / "plot.py"
+    yield SRC / "app" / "plot.py"
 
 
 def _is_trainer(node: ast.AST) -> bool:

@@ -25,11 +25,11 @@ from typing import Any
 
 import yaml
 
+from hookloop.app.resume_config import OptimizerOverrides, resume_config
 from hookloop.callback import Callback
 from hookloop.config import Config, describe, dump_yaml
 from hookloop.recipes import get_recipe, recipe_names, resolve_config
 from hookloop.result import ExitCode, TrainResult
-from hookloop.resume_config import OptimizerOverrides, resume_config
 from hookloop.rundir import RunDir
 from hookloop.runlock import RunDirLocked
 from hookloop.state import CallbackContext
@@ -115,8 +115,8 @@ def _parser() -> argparse.ArgumentParser:
     config.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     config.set_defaults(run=_config)
 
-    from hookloop.plot import add_plot_command
-    from hookloop.runs import add_runs_command
+    from hookloop.app.plot import add_plot_command
+    from hookloop.app.runs import add_runs_command
 
     add_plot_command(sub)  # hookloop plot RUN_DIR... [--out FILE] [--log-scale]
     add_runs_command(sub)  # hookloop runs [DIR] [--json]
