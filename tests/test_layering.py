@@ -278,8 +278,8 @@ def test_no_file_on_sys_path_has_the_name_of_a_standard_library_module():
     """``import queue`` (or ``gc``, ``profile`` ...) in any script, test or library means the
     standard library's module, whatever folder the script runs from.
 
-    Only names that land on sys.path are checked: a bench script's neighbours, the test
-    helpers, the package's top-level name. A module inside the package, such as
+    Only names that land on sys.path are checked: a bench script's neighbours, the files
+    of tests/ and gpu_tests/, the package's top-level name. A module inside the package, such as
     ``hookloop.profile`` or ``hookloop.compat.hf.types``, cannot shadow anything: Python 3
     has no implicit relative imports, so ``import profile`` never finds it, and the
     package's folders are not put on sys.path (its commands run as ``python -m``).
