@@ -17,7 +17,7 @@ import time
 
 import hookloop.callbacks.defaults as defaults
 from hookloop import Callback
-from hookloop.cli import main
+from hookloop.app.cli import main
 
 
 class HoldAt(Callback):

@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 
-from hookloop import cli
+from hookloop.app import cli
 from hookloop.callback import Callback
 from hookloop.callbacks import defaults
 

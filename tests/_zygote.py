@@ -45,7 +45,7 @@ from typing import Any
 PRELOAD = (
     "torch",
     "torch._dynamo",  # torch.optim imports it on the first add_param_group
-    "hookloop.cli",
+    "hookloop.app.cli",
     "hookloop.loop",
     "hookloop.recipes.mlp",
     "hookloop.recipes.gpt",

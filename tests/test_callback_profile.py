@@ -14,7 +14,7 @@ from torch import nn
 
 from _quiet import SERVICES_OFF
 from hookloop import Callback, CallbackManager, TrainConfig, Trainer
-from hookloop.cli import main
+from hookloop.app.cli import main
 from hookloop.profile import current_profile
 
 SLOW_S = 0.003

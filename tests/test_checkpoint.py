@@ -309,7 +309,7 @@ def test_a_new_run_into_a_directory_with_checkpoints_is_refused(tmp_path):
 
 
 def test_cli_refuses_to_start_a_second_run_in_the_same_directory(tmp_path):
-    from hookloop.cli import main
+    from hookloop.app.cli import main
 
     out = tmp_path / "run"
     assert main(["train", "--out", str(out), *RUN_ARGS, "train.max_steps=2"]) == 0

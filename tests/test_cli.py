@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from _quiet import SERVICES_OFF
+from hookloop.app.cli import main
 from hookloop.callbacks import read_jsonl
-from hookloop.cli import main
 
 # No progress bar, control server or TensorBoard: no test here checks them.
 QUIET = ("logging.progress=false", *SERVICES_OFF)
@@ -194,7 +194,7 @@ def test_a_sigterm_after_the_last_step_keeps_exit_143_and_the_closing_line_says_
     import signal
 
     from hookloop import Trainer
-    from hookloop.cli import closing_line
+    from hookloop.app.cli import closing_line
     from hookloop.testing import TinyModel, ToyData
 
     trainer = Trainer(

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from _quiet import SERVICES_OFF
+from hookloop.app.cli import main
 from hookloop.callbacks import read_jsonl
-from hookloop.cli import main
 from hookloop.diloco.server import ServerSettings, ServerThread
 
 TOKEN = "diloco-cli-test-token-0123456789"

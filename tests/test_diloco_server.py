@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 import _zygote as zygote
 import hookloop.compat.hf as hf
+from hookloop.app.cli import main as cli_main
 from hookloop.callbacks import DiLoCo
-from hookloop.cli import main as cli_main
 from hookloop.diloco.callback import DiLoCoCallback
 from hookloop.diloco.client import DiLoCoClient, ServerRefused, ServerUnavailable
 from hookloop.diloco.server import ServerSettings, ServerThread

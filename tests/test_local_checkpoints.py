@@ -15,11 +15,12 @@ import torch
 import _zygote as zygote
 from _quiet import SERVICES_OFF
 from hookloop import Callback, Config, DataConfig, TrainConfig, Trainer
+from hookloop.app.cli import main
 from hookloop.callbacks import JsonLogger, read_jsonl
 from hookloop.callbacks.defaults import default_callbacks
 from hookloop.checkpoint import FAULT_ENV
-from hookloop.cli import main, resolve_config
 from hookloop.entry import build_trainer
+from hookloop.recipes import resolve_config
 from hookloop.testing import TinyModel, ToyData, assert_same_checkpoint
 
 

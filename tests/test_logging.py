@@ -16,6 +16,7 @@ import torch
 
 import _zygote as zygote
 from hookloop import Callback, Config, Trainer
+from hookloop.app.runs import summarize_run
 from hookloop.callbacks import JsonLogger, read_jsonl
 from hookloop.callbacks.tensorboard import ResumableSummaryWriter, TBLogger
 from hookloop.callbacks.wandb_logger import (
@@ -24,7 +25,6 @@ from hookloop.callbacks.wandb_logger import (
     offline_run_files,
     read_wandb_records,
 )
-from hookloop.runs import summarize_run
 from hookloop.testing import TinyModel, ToyData
 
 # -- helpers ----------------------------------------------------------------------------
@@ -198,7 +198,7 @@ KILLABLE_RUN = textwrap.dedent(
     from hookloop import Callback
     from hookloop.callbacks import JsonLogger
     from hookloop.callbacks.tensorboard import TBLogger
-    from hookloop.cli import resolve_config
+    from hookloop.recipes import resolve_config
     from hookloop.entry import build_trainer
 
     class Slow(Callback):  # and from step 26 on, still: the kill after step 24 lands first
@@ -215,8 +215,8 @@ KILLABLE_RUN = textwrap.dedent(
 
 @pytest.mark.slow
 def test_sigkill_then_resume_leaves_one_scalar_per_step_in_tensorboard(tmp_path):
-    from hookloop.cli import resolve_config
     from hookloop.entry import build_trainer
+    from hookloop.recipes import resolve_config
 
     run = tmp_path / "run"
     script = tmp_path / "train.py"

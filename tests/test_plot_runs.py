@@ -14,9 +14,9 @@ import pytest
 
 from _quiet import NO_CONTROL, NO_TENSORBOARD
 from hookloop import Config, Trainer
+from hookloop.app.plot import add_plot_command, make_figure
+from hookloop.app.runs import add_runs_command, summarize_run
 from hookloop.callbacks import JsonLogger, read_jsonl
-from hookloop.plot import add_plot_command, make_figure
-from hookloop.runs import add_runs_command, summarize_run
 from hookloop.testing import TinyModel, ToyData
 
 pytest.importorskip("matplotlib")
@@ -31,7 +31,7 @@ def command(add: object, argv: list[str]) -> int:
 
 
 def cli_train(out: Path, *overrides: str) -> None:
-    from hookloop.cli import main
+    from hookloop.app.cli import main
 
     code = main(["train", "--recipe", "mlp-regression", "--out", str(out),
                  "train.max_steps=40", "train.log_every=2", "train.eval_every=10",

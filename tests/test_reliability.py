@@ -20,10 +20,10 @@ import pytest
 import _zygote as zygote
 from _quiet import SERVICES_OFF
 from hookloop import CallbackManager, ExitCode
+from hookloop.app.cli import main
+from hookloop.app.runs import list_runs
 from hookloop.callbacks import read_jsonl
-from hookloop.cli import main
 from hookloop.runlock import RunDirLocked, run_lock
-from hookloop.runs import list_runs
 
 QUIET = ("logging.progress=false", *SERVICES_OFF)
 MLP = ("--recipe", "mlp-regression")
@@ -407,7 +407,7 @@ def test_sigterm_during_start_up_says_so_and_leaves_nothing_behind(tmp_path):
         "for recipe in __import__('hookloop.recipes', fromlist=['x'])._RECIPES.values():\n"
         "    if recipe.name == 'mlp-regression':\n"
         "        object.__setattr__(recipe, 'build', slow)\n"
-        "from hookloop.cli import main\n"
+        "from hookloop.app.cli import main\n"
         f"sys.exit(main(['train', '--recipe', 'mlp-regression', '--out', {str(run)!r}, "
         "'control.enabled=false', 'logging.tensorboard=false']))\n"
     )

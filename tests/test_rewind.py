@@ -19,10 +19,10 @@ from _dist_launch import torchrun
 from _quiet import SERVICES_OFF
 from _rewind_job import KILL_AT, SPIKE, build
 from hookloop import Callback, Config, Control, ExitCode
+from hookloop.app.cli import main
 from hookloop.callbacks import DefaultMetrics, NaNDetection, ProgressBar, read_jsonl
 from hookloop.callbacks.defaults import default_callbacks
 from hookloop.callbacks.divergence import DivergenceDetector
-from hookloop.cli import main
 from hookloop.config import apply_overrides
 from hookloop.state import RewindRequest
 from test_logging import tb_scalars

@@ -220,9 +220,8 @@ LAYOUT_DIRS = {"tb", "checkpoints", "plots", "profile", "wandb"}
 
 
 def _sources():
-    for folder in ("callbacks", "control", "compat"):
+    for folder in ("callbacks", "control", "compat", "app"):
         yield from sorted((SRC / folder).rglob("*.py"))
-    yield SRC / "plot.py"
 
 
 def _is_trainer(node: ast.AST) -> bool:

@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from _quiet import SERVICES_OFF
-from hookloop.cli import main
+from hookloop.app.cli import main
+from hookloop.app.runs import list_runs, summarize_run
 from hookloop.recipes import Recipe, mlp
-from hookloop.runs import list_runs, summarize_run
 from hookloop.tune import SearchSpace, TuneSpec
 
 optuna = pytest.importorskip("optuna")

@@ -79,9 +79,9 @@ def _params(db: Path) -> dict[int, dict]:
 
 
 def _alive(pid: int) -> bool:
-    from hookloop.runs import _process_alive
+    from hookloop.processes import process_alive
 
-    return _process_alive(pid)
+    return process_alive(pid)
 
 
 @pytest.mark.slow

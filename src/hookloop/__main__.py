@@ -1,5 +1,5 @@
 import sys
 
-from hookloop.cli import main
+from hookloop.app.cli import main
 
 sys.exit(main())

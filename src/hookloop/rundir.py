@@ -13,10 +13,11 @@ Everything one training run leaves behind lives under one directory::
       plots/           figures from `hookloop plot`
       profile/         torch.profiler traces and summary tables
       wandb/           Weights & Biases files
+      params.yaml      a `hookloop tune` trial's study, number and searched values
       .lock            who is training into it (hookloop.runlock)
 
-Writers (the loggers, the checkpoint manager, `hookloop plot`) and readers
-(`hookloop runs`) ask :class:`RunDir` for a path instead of spelling it out,
+Writers (the loggers, the checkpoint manager, `hookloop plot`, `hookloop tune`) and
+readers (`hookloop runs`) ask :class:`RunDir` for a path instead of spelling it out,
 so moving a part is a one-line change. Callbacks reach it as ``ctx.run.dir``.
 """
 
@@ -35,6 +36,7 @@ PROGRESS_FILE = "progress.txt"
 PLOTS_DIR = "plots"
 PROFILE_DIR = "profile"
 WANDB_DIR = "wandb"
+PARAMS_FILE = "params.yaml"
 LOCK_FILE = ".lock"
 
 
@@ -87,6 +89,11 @@ class RunDir:
     @property
     def wandb(self) -> Path:
         return self.root / WANDB_DIR
+
+    @property
+    def params(self) -> Path:
+        """A ``hookloop tune`` trial's ``{study, trial, params}`` (no other run has one)."""
+        return self.root / PARAMS_FILE
 
     @property
     def lock(self) -> Path:

@@ -29,9 +29,9 @@ from hookloop.control.registry import (
     find_job,
     jobs_dir,
     list_jobs,
-    process_alive,
 )
 from hookloop.control.server import COMMANDS
+from hookloop.processes import process_alive
 
 ACTIONS = ("status", *ALIASES, "token", "url")
 OK, FAILED, USAGE = 0, 1, 2

@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hookloop.processes import process_alive
+
 JOBS_DIR_ENV = "HOOKLOOP_JOBS_DIR"
 TOKEN_FILE = "auth_token"
 ENDPOINT_FILE = "endpoint.json"
@@ -92,46 +94,6 @@ def new_job_id() -> str:
         job_id = f"{base}_{n}"
     _issued.add(job_id)
     return job_id
-
-
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """``(state letter, start time in clock ticks since boot)`` from /proc; Linux only."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return None
-    try:  # the command name is in parentheses and may itself hold spaces or ')'
-        fields = raw[raw.rindex(b")") + 2 :].split()
-        return fields[0].decode("ascii", "replace"), int(fields[19])
-    except (ValueError, IndexError):
-        return None
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """When ``pid`` started, to tell a recycled pid apart (None where unknown)."""
-    info = _proc_stat(pid)
-    return info[1] if info is not None else None
-
-
-def process_alive(pid: int, start_ticks: int | None = None) -> bool:
-    """Whether ``pid`` runs (a zombie does not) and, when known, is still the same process."""
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # exists, owned by someone else
-    except OSError:
-        return False
-    info = _proc_stat(pid)
-    if info is None:
-        return True  # no /proc: trust kill(0)
-    state, started = info
-    if state in ("Z", "X"):
-        return False  # exited, not yet reaped by its parent
-    return start_ticks is None or started == start_ticks
 
 
 @dataclass

@@ -68,8 +68,8 @@ from hookloop.control.registry import (
     JobRecord,
     check_job_id,
     new_job_id,
-    process_start_ticks,
 )
+from hookloop.processes import process_start_ticks
 from hookloop.profile import current_profile
 
 if TYPE_CHECKING:

@@ -3,7 +3,8 @@
 A recipe has a name, a default :class:`~hookloop.config.Config` (with its own
 ``model`` and ``data`` sections) and a ``build(config)`` function returning
 :class:`RecipeParts`. ``hookloop recipes`` lists them; ``hookloop train
---recipe NAME`` runs one.
+--recipe NAME`` runs one. :func:`resolve_config` is the config a command runs
+with: a recipe's defaults, then a YAML file, then dotted overrides.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from hookloop.callback import Callback
-from hookloop.config import Config
+from hookloop.config import Config, apply_overrides, load_yaml
 
 
 @dataclass
@@ -78,3 +81,22 @@ def default_config(name: str) -> Config:
     cfg = get_recipe(name).default_config()
     cfg.recipe = name
     return cfg
+
+
+def resolve_config(recipe: str | None, config_file: str | None, overrides: list[str]) -> Config:
+    """Recipe defaults, then the YAML file, then the command-line overrides."""
+    name = recipe
+    if name is None and config_file:
+        data = (
+            yaml.safe_load(Path(config_file).read_text()) if Path(config_file).is_file() else None
+        )
+        if isinstance(data, dict) and isinstance(data.get("recipe"), str):
+            name = data["recipe"]
+    for item in overrides:
+        if item.startswith("recipe="):
+            name = item.split("=", 1)[1]
+    cfg = default_config(name or Config().recipe)
+    if config_file:
+        load_yaml(config_file, cfg)
+    apply_overrides(cfg, [o for o in overrides if not o.startswith("recipe=")])
+    return cfg.validate()

@@ -35,7 +35,9 @@ from hookloop._optional import require
 from hookloop.callback import Callback
 from hookloop.callbacks.monitor import as_float, check_metric_name
 from hookloop.config import Config, dump_yaml
-from hookloop.runs import PARAMS_FILE
+from hookloop.processes import process_alive
+from hookloop.recipes import resolve_config
+from hookloop.rundir import RunDir
 from hookloop.state import CallbackContext
 from hookloop.tune.space import SearchSpace, apply_params
 
@@ -97,8 +99,6 @@ class TuneSpec:
 
     def base_config(self) -> Config:
         """The recipe's defaults with the command's overrides (what every trial starts from)."""
-        from hookloop.cli import resolve_config
-
         return resolve_config(self.recipe, None, list(self.overrides))
 
     def search_space(self, base: Config | None = None) -> SearchSpace:
@@ -209,12 +209,6 @@ def recover_interrupted(study: Any) -> list[int]:
     return recovered
 
 
-def process_alive(pid: int) -> bool:
-    from hookloop.runs import _process_alive
-
-    return _process_alive(pid)
-
-
 class BestMetric(Callback):
     """Keeps the best value of ``metric`` over the run's evaluations (the trial's objective)."""
 
@@ -268,8 +262,8 @@ def train_trial(
     callbacks = [*default_callbacks(cfg, run_dir), best]
     if trial is not None:
         run_dir.mkdir(parents=True, exist_ok=True)  # another rank may have made it
-        (run_dir / "config.yaml").write_text(dump_yaml(cfg.to_dict()))
-        (run_dir / PARAMS_FILE).write_text(
+        RunDir(run_dir).config.write_text(dump_yaml(cfg.to_dict()))
+        RunDir(run_dir).params.write_text(
             yaml.safe_dump({"study": spec.study_name, "trial": number, "params": values})
         )
         callbacks.append(OptunaPruning(trial, spec.metric, raise_pruned=False))

@@ -25,11 +25,11 @@ from typing import Any
 
 import yaml
 
+from hookloop.app.resume_config import OptimizerOverrides, resume_config
 from hookloop.callback import Callback
-from hookloop.config import Config, apply_overrides, describe, dump_yaml, load_yaml
-from hookloop.recipes import default_config, get_recipe, recipe_names
+from hookloop.config import Config, describe, dump_yaml
+from hookloop.recipes import get_recipe, recipe_names, resolve_config
 from hookloop.result import ExitCode, TrainResult
-from hookloop.resume_config import OptimizerOverrides, resume_config
 from hookloop.rundir import RunDir
 from hookloop.runlock import RunDirLocked
 from hookloop.state import CallbackContext
@@ -115,8 +115,8 @@ def _parser() -> argparse.ArgumentParser:
     config.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     config.set_defaults(run=_config)
 
-    from hookloop.plot import add_plot_command
-    from hookloop.runs import add_runs_command
+    from hookloop.app.plot import add_plot_command
+    from hookloop.app.runs import add_runs_command
 
     add_plot_command(sub)  # hookloop plot RUN_DIR... [--out FILE] [--log-scale]
     add_runs_command(sub)  # hookloop runs [DIR] [--json]
@@ -134,25 +134,6 @@ def _parser() -> argparse.ArgumentParser:
     add_jobs_command(sub)  # hookloop jobs [--json]
     add_ctl_command(sub)  # hookloop ctl JOB {status,stop,save,save-and-stop,abort,eval,token,url}
     return parser
-
-
-def resolve_config(recipe: str | None, config_file: str | None, overrides: list[str]) -> Config:
-    """Recipe defaults, then the YAML file, then the command-line overrides."""
-    name = recipe
-    if name is None and config_file:
-        data = (
-            yaml.safe_load(Path(config_file).read_text()) if Path(config_file).is_file() else None
-        )
-        if isinstance(data, dict) and isinstance(data.get("recipe"), str):
-            name = data["recipe"]
-    for item in overrides:
-        if item.startswith("recipe="):
-            name = item.split("=", 1)[1]
-    cfg = default_config(name or Config().recipe)
-    if config_file:
-        load_yaml(config_file, cfg)
-    apply_overrides(cfg, [o for o in overrides if not o.startswith("recipe=")])
-    return cfg.validate()
 
 
 def _run_dir(out: str | None, recipe: str, resume: str | None) -> Path:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import sys
 from dataclasses import asdict, dataclass
@@ -36,10 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from hookloop.callbacks.jsonlog import read_jsonl, run_status
+from hookloop.processes import process_alive
 from hookloop.rundir import (  # noqa: F401  (re-exported: the layout's names)
     CHECKPOINTS_DIR,
     CONFIG_FILE,
     METRICS_FILE,
+    PARAMS_FILE,
     PLOTS_DIR,
     PROFILE_DIR,
     SAMPLES_FILE,
@@ -103,15 +104,11 @@ def summarize_run(run_dir: str | Path) -> RunSummary:
     )
 
 
-#: Written by ``hookloop tune`` in each trial's run directory: ``{study, trial, params}``.
-PARAMS_FILE = "params.yaml"
-
-
 def _params(run_dir: Path) -> dict[str, Any] | None:
     """The searched values of a ``hookloop tune`` trial, or None for any other run."""
     import yaml
 
-    path = run_dir / PARAMS_FILE
+    path = RunDir(run_dir).params
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else None
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
@@ -152,23 +149,7 @@ def _status(
     pid, host = start.get("pid"), start.get("host")
     if host != socket.gethostname() or not isinstance(pid, int):
         return "killed?"
-    return "running" if _process_alive(pid) else "killed"
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # alive, owned by someone else
-    except OSError:
-        return False
-    try:  # a killed child its parent has not yet reaped is a zombie: dead, for us
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
+    return "running" if process_alive(pid) else "killed"
 
 
 def list_runs(root: str | Path = "runs") -> list[RunSummary]:

@@ -24,8 +24,8 @@ it). The table pools the steps of all rounds: p50, p99 and max step time, the
 full (generation-2) collections counted through ``gc.callbacks``, and the median
 over rounds of the whole run's time as a ratio to the raw run of the same round.
 
-    python bench/gc.py                 # 8 rounds of 3000 steps, heap of 500k objects
-    python bench/gc.py --quick         # 3 rounds of 1500 steps
+    python bench/gc_jitter.py          # 8 rounds of 3000 steps, heap of 500k objects
+    python bench/gc_jitter.py --quick  # 3 rounds of 1500 steps
 """
 
 from __future__ import annotations

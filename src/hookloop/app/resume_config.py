@@ -19,6 +19,7 @@ import torch
 from hookloop.callback import Callback
 from hookloop.config import Config, apply_overrides, load_yaml
 from hookloop.recipes import default_config
+from hookloop.rundir import RunDir
 from hookloop.state import CallbackContext
 
 #: Keys a resume may not change, and why.
@@ -40,7 +41,7 @@ def resume_config(
 
     Raises ValueError naming a frozen key that changed and why it cannot.
     """
-    saved_file = run_dir / "config.yaml"
+    saved_file = RunDir(run_dir).config
     saved = _load(saved_file, None, [])
     for item in overrides:
         if item.startswith("recipe="):
