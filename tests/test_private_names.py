@@ -100,7 +100,8 @@ def _root(node: ast.AST) -> ast.AST:
 
 def _accesses() -> list[tuple[str, int, str, bool]]:
     """``(file, line, expression, third party?)`` for every ``x._name`` the file does
-    not define, and every import of a private module from outside hookloop."""
+    not define, every private name imported from another module of hookloop, and every
+    import of a private module from outside hookloop."""
     found = []
     for rel, tree in _modules():
         own, roots = _defined(tree), _third_party_roots(tree)
@@ -110,6 +111,12 @@ def _accesses() -> list[tuple[str, int, str, bool]]:
                 third = isinstance(root, ast.Name) and root.id in roots
                 if third or node.attr not in own:
                     found.append((rel, node.lineno, ast.unparse(node), third))
+            elif isinstance(node, ast.ImportFrom) and _ours(node.module) and node.level == 0:
+                found += [
+                    (rel, node.lineno, f"{node.module}.{a.name}", False)
+                    for a in node.names
+                    if _private(a.name)
+                ]
             elif isinstance(node, (ast.Import, ast.ImportFrom)):
                 modules = (
                     [a.name for a in node.names]

@@ -28,7 +28,7 @@ from hookloop.events import (
     check_event,
     unknown_event_message,
 )
-from hookloop.profile import CallbackProfile, _publish
+from hookloop.profile import CallbackProfile, publish
 from hookloop.state import CallbackContext
 
 Handler = Callable[[CallbackContext], Any]
@@ -209,13 +209,13 @@ class CallbackManager:
             if self._profile is None:
                 self._profile = CallbackProfile()
                 self._rebuild()
-                _publish(self._profile)  # the control server serves it from there
+                publish(self._profile)  # the control server serves it from there
             return self._profile
         stopped, self._profile = self._profile, None
         if stopped is not None:
             stopped.stop()
             self._rebuild()
-            _publish(None, replacing=stopped)
+            publish(None, replacing=stopped)
         return stopped
 
     @property

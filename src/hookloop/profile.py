@@ -33,7 +33,7 @@ def current_profile() -> CallbackProfile | None:
     return _current
 
 
-def _publish(profile: CallbackProfile | None, *, replacing: CallbackProfile | None = None) -> None:
+def publish(profile: CallbackProfile | None, *, replacing: CallbackProfile | None = None) -> None:
     """Make ``profile`` the current one (``None`` clears it if ``replacing`` is current)."""
     global _current
     if profile is not None or _current is replacing:

@@ -59,7 +59,7 @@ class TextgenCallback(Callback):
         print_samples: bool = True,
         stream: TextIO | str | None = "stderr",
     ) -> None:
-        self.prompts = _load_prompts(prompts)
+        self.prompts = load_prompts(prompts)
         if generate_fn is not None and not callable(generate_fn):
             raise ValueError(
                 f"generate_fn must be callable(model, prompt) -> str, got {generate_fn!r}"
@@ -198,7 +198,8 @@ class TextgenCallback(Callback):
         return f"TextgenCallback(priority={self.priority}, prompts={len(self.prompts)})"
 
 
-def _load_prompts(prompts: Sequence[str] | str | Path) -> list[str]:
+def load_prompts(prompts: Sequence[str] | str | Path) -> list[str]:
+    """Prompts as given (a list of strings), or the list a YAML file holds."""
     if isinstance(prompts, (str, Path)):
         file = Path(prompts)
         if not file.is_file():

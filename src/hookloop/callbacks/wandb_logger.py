@@ -52,7 +52,8 @@ from hookloop.state import CallbackContext
 _MODES = (None, "online", "offline", "disabled", "shared")
 
 
-def _wandb() -> Any:
+def import_wandb() -> Any:
+    """The wandb module, or an ImportError naming the extra to install."""
     return require("wandb", extra="wandb", feature="WandbLoggingCallback")
 
 
@@ -88,7 +89,7 @@ class WandbLoggingCallback(Logger):
             raise ValueError(f"tags must be a list of strings, got {tags!r}")
         if init_kwargs is not None and not isinstance(init_kwargs, dict):
             raise ValueError(f"init_kwargs must be a dict, got {init_kwargs!r}")
-        _wandb()  # fail now, naming the extra, rather than after the model is built
+        import_wandb()  # fail now, naming the extra, rather than after the model is built
         super().__init__()
         self.project = project
         self.run_name = name
@@ -141,7 +142,7 @@ class WandbLoggingCallback(Logger):
             else:
                 kwargs["id"], kwargs["resume"] = self._resume_id, "allow"
         kwargs.update(self.init_kwargs)
-        self.run = _wandb().init(**{k: v for k, v in kwargs.items() if v is not None})
+        self.run = import_wandb().init(**{k: v for k, v in kwargs.items() if v is not None})
 
     def write(self, record: Record) -> None:
         """On the writer thread: a log's or an evaluation's numbers as one ``run.log`` at

@@ -43,7 +43,7 @@ from hookloop.compat.hf.types import (
     TrainerControl,
     TrainerState,
     TrainingArguments,
-    _eval_key,
+    eval_key,
 )
 from hookloop.compat.mapping import dialect_event_names, dialect_events
 from hookloop.result import is_abort
@@ -493,7 +493,7 @@ class _SessionLast(_SessionPart):
         metric = getattr(args, "metric_for_best_model", None)
         if not metric or not ctx.metrics:
             return
-        value = ctx.metrics.get(_eval_key(metric))
+        value = ctx.metrics.get(eval_key(metric))
         if value is None:
             return
         best = state.best_metric

@@ -908,7 +908,7 @@ class TextgenCallback(TrainerCallback):
         generation_steps: int | None = None,
         max_new_tokens: int = 200,
     ) -> None:
-        from hookloop.callbacks.textgen import _load_prompts
+        from hookloop.callbacks.textgen import load_prompts
 
         self.summary_writer = _check_writer("summary_writer", summary_writer, optional=False)
         if isinstance(prompts, os.PathLike):
@@ -917,7 +917,7 @@ class TextgenCallback(TrainerCallback):
             raise ValueError(
                 f"prompts must be a list of strings or a YAML file path, got {prompts!r}"
             )
-        self.prompts = _load_prompts(prompts)
+        self.prompts = load_prompts(prompts)
         if generation_config is not None and not isinstance(generation_config, Mapping):
             raise ValueError(
                 f"generation_config must be a dict of GenerationConfig arguments or None, "

@@ -213,7 +213,7 @@ class TrainingArguments:
         c.every = self.save_steps if self.save_strategy == "steps" else None
         c.keep_last = self.save_total_limit
         if self.metric_for_best_model is not None:
-            c.monitor = _eval_key(self.metric_for_best_model)
+            c.monitor = eval_key(self.metric_for_best_model)
             c.mode = "max" if self.greater_is_better else "min"
         config.seed = self.seed
         t.precision = "fp16" if self.fp16 else "bf16" if self.bf16 else "fp32"
@@ -222,7 +222,7 @@ class TrainingArguments:
         return config.validate()
 
 
-def _eval_key(metric: str) -> str:
+def eval_key(metric: str) -> str:
     """HF names the best-model metric with or without the ``eval_`` prefix."""
     return metric if metric.startswith("eval_") else f"eval_{metric}"
 

@@ -215,7 +215,7 @@ class WandbFace(Face):
             return
         import os
 
-        from hookloop.callbacks.wandb_logger import _wandb
+        from hookloop.callbacks.wandb_logger import import_wandb
 
         kwargs: dict[str, Any] = {
             "project": native.project,
@@ -230,7 +230,7 @@ class WandbFace(Face):
             Path(native.dir).mkdir(parents=True, exist_ok=True)
             kwargs["dir"] = str(native.dir)
         kwargs.update(native.init_kwargs)
-        native.run = _wandb().init(**{k: v for k, v in kwargs.items() if v is not None})
+        native.run = import_wandb().init(**{k: v for k, v in kwargs.items() if v is not None})
 
     def on_epoch_end(self, loop_trainer: Any, epoch: int = 0, **fields: Any) -> None:
         self._start(loop_trainer)
