@@ -818,6 +818,29 @@ def test_the_finiteness_check_finds_one_bad_element_in_any_gradient(bad):
     assert check.any_nonfinite([_with(bad).to(torch.bfloat16)], sharded=False)  # no NumPy dtype
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_steps_check_covers_its_loss_and_every_groups_gradients(bad):
+    check = FiniteCheck(torch.device("cpu"))
+    # The first group's parameters are float64: no NumPy float32 view (torch checks them).
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4).double(), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    opt.add_param_group({"params": list(model[1].parameters()), "lr": 0.01})
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    loss = torch.tensor(0.5)
+    assert not check.step_nonfinite(loss, None, opt, sharded=False)
+    assert check.step_nonfinite(torch.tensor(bad), None, opt, sharded=False)
+    model[1].bias.grad[0] = bad  # the second group's last gradient
+    assert check.step_nonfinite(loss, None, opt, sharded=False)
+    model[1].bias.grad = None  # a parameter without a gradient is left out
+    assert not check.step_nonfinite(loss, None, opt, sharded=False)
+    model[0].weight.grad[1, 1] = bad
+    assert check.step_nonfinite(loss, None, opt, sharded=False)
+    # A grad norm stands for the gradients: only it and the loss are read.
+    assert not check.step_nonfinite(loss, torch.tensor(1.0), opt, sharded=False)
+    assert check.step_nonfinite(loss, torch.tensor(bad), opt, sharded=False)
+
+
 def test_the_finiteness_check_finds_inf_and_minus_inf_together_and_says_nothing():
     """Their sum is NaN (NumPy would warn of an invalid value): a step skipped for it
     prints no warning of NumPy's under Python's own warning filters."""

@@ -184,12 +184,14 @@ class Control:
     Requests are thread-safe: another thread may file them at any time.
     """
 
-    __slots__ = ("_asked", "_lock", "_skip", "pending")
+    __slots__ = ("_asked", "_lock", "pending", "skip_requested")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._asked: dict[str, dict[str, Any]] = {}
-        self._skip = False
+        #: Whether this step's update is to be skipped (``skip_step()``; the loop reads and
+        #: clears it at the update, and clears it when a step begins).
+        self.skip_requested = False
         #: Whether any request waits: the loop reads this one attribute after every step.
         self.pending = False
 
@@ -252,7 +254,7 @@ class Control:
 
     def skip_step(self) -> None:
         """Do not apply this step's optimizer update (gradients are discarded)."""
-        self._skip = True
+        self.skip_requested = True
 
     # -- reading (for callbacks that coordinate) ---------------------------
     @property
@@ -280,7 +282,7 @@ class Control:
 
     def take_skip(self) -> bool:
         """Whether this step's update is to be skipped (and forget the request)."""
-        skip, self._skip = self._skip, False
+        skip, self.skip_requested = self.skip_requested, False
         return skip
 
     def drain(

@@ -218,17 +218,17 @@ class Stepper:
         started = self.clock()
         cfg, st, precision = self.config, self.progress, self.precision
         self.lr_used = self.optimizer.param_groups[0]["lr"]
-        skip = self.control.take_skip()
+        control = self.control
+        skip = control.skip_requested
+        if skip:
+            control.skip_requested = False
         if not skip and cfg.skip_nonfinite and precision.scaler is None:
             # The one host read per step this option costs. (With fp16 the GradScaler
             # does its own inf check and skips the update itself.)
             sharded = st.world_size > 1 or cfg.parallel == "fsdp"  # DTensor gradients
-            loss = loss_dict["loss"]
-            # A norm over the gradients is non-finite when one of them is: it stands for them.
-            checked = (
-                [loss, grad_norm] if grad_norm is not None else [loss, *gradients(self.optimizer)]
+            skip = self.finite.step_nonfinite(
+                loss_dict["loss"], grad_norm, self.optimizer, sharded=sharded
             )
-            skip = self.finite.any_nonfinite(checked, sharded=sharded)
             st.nonfinite_steps += skip
         if st.world_size > 1:
             skip = bool(agree_flags([int(skip)], self.device)[0])
@@ -289,9 +289,6 @@ warnings.filterwarnings(
     "ignore", r"(overflow|invalid value) encountered in dot", RuntimeWarning, __name__
 )
 
-#: The dtypes NumPy reads without a copy (a CPU check goes through NumPy views).
-_NUMPY_DTYPES = frozenset({torch.float16, torch.float32, torch.float64})
-
 
 class FiniteCheck:
     """Is any element of these tensors NaN or Inf? One host read.
@@ -305,7 +302,40 @@ class FiniteCheck:
 
     def __init__(self, device: torch.device) -> None:
         self.on_cpu = device.type == "cpu"
-        self._ones: dict[tuple[int, Any], np.ndarray] = {}  # length, dtype -> a vector of ones
+        self._ones: dict[int, np.ndarray] = {}  # length -> a float32 vector of ones
+
+    def step_nonfinite(
+        self,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor | None,
+        optimizer: torch.optim.Optimizer,
+        *,
+        sharded: bool,
+    ) -> bool:
+        """Whether a step's (detached) loss or any gradient the optimizer will use is NaN or
+        Inf. Its ``grad_norm``, when there is one, stands for the gradients: a norm over
+        them is non-finite when one of them is."""
+        if grad_norm is not None:
+            return self.any_nonfinite([loss, grad_norm], sharded=sharded)
+        if sharded or not self.on_cpu or loss.dtype is not torch.float32:
+            return self.any_nonfinite([loss, *gradients(optimizer)], sharded=sharded)
+        # The usual CPU case, written out: this runs once a step (see any_nonfinite).
+        total, ones, f32 = loss.item(), self._ones, torch.float32
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                grad = p.grad
+                if grad is None:
+                    continue
+                if grad.dtype is not f32:
+                    if not bool(torch.isfinite(grad).all()):
+                        return True
+                    continue
+                flat = grad.numpy().reshape(-1)
+                one = ones.get(flat.size)
+                if one is None:
+                    one = ones[flat.size] = np.ones(flat.size, dtype=np.float32)
+                total += float(flat.dot(one))  # BLAS: NaN and Inf carry through the sum
+        return not math.isfinite(total)
 
     def any_nonfinite(self, tensors: list[torch.Tensor], *, sharded: bool = True) -> bool:
         """``tensors`` must not require grad (detached losses, ``p.grad``). Sharded
@@ -318,14 +348,17 @@ class FiniteCheck:
             return not bool(torch.isfinite(largest))
         total, ones = 0.0, self._ones
         for t in tensors:
-            if t.dtype not in _NUMPY_DTYPES or t.device.type != "cpu" or not t.is_contiguous():
+            if t.dtype is not torch.float32 or t.is_cuda:  # (NumPy views of float32 alone)
                 if not bool(torch.isfinite(t).all()):
                     return True
                 continue
+            if not t.dim():  # a loss: its value, without a NumPy array
+                total += t.item()
+                continue
             flat = t.numpy().reshape(-1)
-            key = (flat.shape[0], flat.dtype)
-            one = ones.get(key)
+            size = flat.size
+            one = ones.get(size)
             if one is None:
-                one = ones[key] = np.ones(key[0], dtype=key[1])
+                one = ones[size] = np.ones(size, dtype=np.float32)
             total += float(flat.dot(one))  # BLAS: NaN and Inf carry through the sum
         return not math.isfinite(total)

@@ -309,7 +309,7 @@ class Trainer:
         st, ctx, hooks, stepper = self.progress, self.ctx, self.callbacks.index, self.stepper
         st.step += 1
         st.epoch_step += 1
-        self.control.take_skip()  # a skip filed after last step's update does not carry over
+        self.control.skip_requested = False  # one filed after last step's update: not this one
         st.will_log = self.schedule.will_log()
         per_rank = batch_size_of(group[0]) if len(group) == 1 else sum(map(batch_size_of, group))
         samples = per_rank * st.world_size
