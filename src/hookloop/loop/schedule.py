@@ -159,7 +159,8 @@ class Schedule:
             later = self.take_requests()
             yield from passed_through(later)
             self.carry_over(later)
-            requests = requests.merge(later)
+            if later is not NO_REQUESTS:  # usual: nothing was filed during the log
+                requests = requests.merge(later)
         if requests.abort:
             yield abort(requests)
             return
