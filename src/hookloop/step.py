@@ -21,7 +21,7 @@ A bare scalar tensor is accepted as pattern 1 with empty meta.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -80,7 +80,7 @@ def batch_size_of(batch: Any) -> int:
     while True:
         if isinstance(batch, torch.Tensor):
             return int(batch.shape[0]) if batch.dim() else 1
-        if isinstance(batch, dict) and batch:
+        if isinstance(batch, Mapping) and batch:  # a dict, or a BatchEncoding
             batch = next(iter(batch.values()))
         elif isinstance(batch, (list, tuple)) and batch:
             batch = batch[0]

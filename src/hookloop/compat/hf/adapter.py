@@ -132,6 +132,8 @@ class HFSession:
         self.train_start = 0.0
         self.first_step = 0
         self.first_samples = 0
+        #: HF's count of the run's samples (its throughput's numerator), from the budget
+        self.train_samples: float | None = None
         self._eval_start = 0.0
         # HF's compute_metrics(EvalPrediction): predictions and labels of one evaluation
         self.compute_metrics: Callable[[Any], dict[str, Any]] | None = None

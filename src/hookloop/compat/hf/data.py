@@ -34,7 +34,15 @@ SAMPLING = ("random", "sequential")
 
 class HFSampler(EpochSampler):
     """HF's training order (or the sequential one), resumable mid-epoch. With
-    several ranks each takes every ``world_size``-th sample of that order."""
+    several ranks each takes every ``world_size``-th sample of that order.
+
+    ``follows_torch_seed``: without ``data_seed`` accelerate seeds the order with
+    ``torch.initial_seed()`` as it is when ``train()`` prepares the loader (``seed``,
+    unless a ``model_init`` or the user's code seeded torch since); the dialect's
+    ``train()`` sets ``seed`` from it then.
+    """
+
+    follows_torch_seed = False
 
     def order(self) -> list[int]:
         if not self.shuffle:
@@ -191,6 +199,7 @@ def make_loader(
         rank=rank,
         world_size=world_size,
     )
+    sampler.follows_torch_seed = data_seed is None
     return DataLoader(
         data, sampler=sampler, drop_last=bool(arg(args, "dataloader_drop_last", False)), **common
     )

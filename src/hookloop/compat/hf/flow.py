@@ -67,7 +67,7 @@ def eval_speed(metrics: dict[str, Any], seconds: float, samples: int, batches: i
 
 
 def train_summary(
-    seconds: float, samples: int, steps: int, total_flos: float, train_loss: float
+    seconds: float, samples: float, steps: int, total_flos: float, train_loss: float
 ) -> dict[str, float]:
     """The end-of-training log of ``transformers.Trainer``."""
     return {
@@ -77,7 +77,7 @@ def train_summary(
     }
 
 
-def _speed(prefix: str, seconds: float, samples: int, steps: int) -> dict[str, float]:
+def _speed(prefix: str, seconds: float, samples: float, steps: int) -> dict[str, float]:
     seconds = max(seconds, 1e-9)
     return {
         f"{prefix}_runtime": round(seconds, 4),

@@ -40,15 +40,16 @@ class DefaultFlowCallback(TrainerCallback):
 
 
 class PrinterCallback(TrainerCallback):
-    """Prints each log (without ``total_flos``) on the main process; HF's default
-    when ``disable_tqdm`` is set."""
+    """Prints each log on the main process after taking ``total_flos`` out of it (so the
+    summary ``train()`` returns has none, as in transformers); HF's default with
+    ``disable_tqdm``."""
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
         if logs is None:
             return
-        shown = {k: v for k, v in logs.items() if k != "total_flos"}
+        logs.pop("total_flos", None)  # from the dict itself, as transformers' does
         if state.is_local_process_zero:
-            print(shown)
+            print(logs)
 
 
 class ExportableState:

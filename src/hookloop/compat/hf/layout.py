@@ -50,6 +50,17 @@ def _prune(output_dir: Path) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def last_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
+    """The ``checkpoint-N`` folder of ``output_dir`` with the highest N (None: none), as
+    transformers' ``get_last_checkpoint`` finds it."""
+    found = []
+    for folder in Path(output_dir).glob("checkpoint-*"):
+        number = folder.name.removeprefix("checkpoint-")
+        if number.isdigit() and folder.is_dir():
+            found.append((int(number), folder))
+    return max(found)[1] if found else None
+
+
 def native_checkpoint(path: str | os.PathLike[str]) -> str:
     """The hookloop checkpoint behind an HF folder (any other path as given)."""
     link = Path(path) / LINK

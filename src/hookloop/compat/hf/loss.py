@@ -13,7 +13,7 @@ scaled micro-batch losses.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -42,12 +42,21 @@ class HFLoss:
     """The loss of one micro-batch as ``transformers.Trainer`` computes it."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.accepts_kwargs = accepts_loss_kwargs(model)
+        self.accepts_kwargs = accepts_loss_kwargs(model)  # Trainer.model_accepts_loss_kwargs
         self.shifts = shifts_labels(model)
+        #: The Trainer's ``compute_loss`` when a subclass overrides it or a
+        #: ``compute_loss_func`` is given (None: the model's own loss, computed here).
+        self.compute_loss: Callable[..., Any] | None = None
+        self.has_loss_func = False  # a compute_loss_func: its loss is the group's already
+        self.scaled_for_ga: bool | None = None  # Trainer.loss_is_scaled_for_ga
+        #: The Trainer's ``floating_point_ops(inputs)``, counted for each micro-batch
+        self.floating_point_ops: Callable[[Any], float] | None = None
 
     def items_in_batch(self, group: list[Any]) -> torch.Tensor | None:
-        """The label tokens of a group (-100 excluded), when the model is given them."""
-        if not (self.accepts_kwargs and group and _has_labels(group[0])):
+        """The label tokens of a group (-100 excluded), when the model or a
+        ``compute_loss_func`` is given them."""
+        counted_for = self.accepts_kwargs or self.has_loss_func
+        if not (counted_for and group and _has_labels(group[0])):
             return None
         try:
             counted = [
@@ -68,33 +77,59 @@ class HFLoss:
     def __call__(
         self, model: Any, batch: Mapping[str, Any], num_items: torch.Tensor | None
     ) -> tuple[torch.Tensor, Any]:
-        """``(loss, outputs)`` for one batch."""
+        """``(loss, outputs)`` for one batch (outputs are None when a subclass's
+        ``compute_loss`` computed the loss: HF's ``training_step`` asks it for the loss alone)."""
+        if self.compute_loss is not None:
+            return self.compute_loss(model, dict(batch), num_items_in_batch=num_items), None
         inputs = dict(batch)
         if self.accepts_kwargs and num_items is not None:
             inputs["num_items_in_batch"] = num_items
         outputs = model(**inputs)
-        if isinstance(outputs, Mapping):
-            if "loss" not in outputs:
-                raise ValueError(
-                    "the model returned no loss, only the keys "
-                    f"{', '.join(outputs)}; it received {', '.join(inputs)} (give it labels)"
-                )
-            return outputs["loss"], outputs
-        if isinstance(outputs, (tuple, list)) and outputs:
-            return outputs[0], outputs
-        if isinstance(outputs, torch.Tensor):
-            return outputs, outputs
-        raise TypeError(
-            "the model must return a dict or ModelOutput with 'loss', or a tuple with the "
-            f"loss first; got {type(outputs).__name__}"
-        )
+        return loss_of(outputs, inputs), outputs
+
+    def with_outputs(
+        self, model: Any, batch: Mapping[str, Any], num_items: torch.Tensor | None
+    ) -> tuple[torch.Tensor, Any]:
+        """``(loss, outputs)`` for one evaluation batch, as HF's ``prediction_step`` asks."""
+        if self.compute_loss is not None:
+            return self.compute_loss(
+                model, dict(batch), return_outputs=True, num_items_in_batch=num_items
+            )
+        inputs = dict(batch)
+        if self.accepts_kwargs and num_items is not None:
+            inputs["num_items_in_batch"] = num_items
+        outputs = model(**inputs)
+        return loss_of(outputs, inputs), outputs
 
     def scaled(self, loss: torch.Tensor, num_items: Any, group_size: int) -> torch.Tensor:
-        """The loss to back-propagate: divided by the group's size unless the
-        model already normalised it by the group's tokens."""
-        if self.accepts_kwargs and num_items is not None:
-            return loss
-        return loss / group_size
+        """The loss to back-propagate: divided by the group's size unless it is the
+        group's already (the model normalised it by the group's tokens, a
+        ``compute_loss_func`` computed it, or ``loss_is_scaled_for_ga`` says so)."""
+        if self.scaled_for_ga is not None:
+            already = self.scaled_for_ga
+        else:
+            already = (self.accepts_kwargs and num_items is not None) or self.has_loss_func
+        return loss if already else loss / group_size
+
+
+def loss_of(outputs: Any, inputs: Mapping[str, Any]) -> torch.Tensor:
+    """The loss a model returned: ``outputs["loss"]`` (a dict or ``ModelOutput``), the
+    first of a tuple, or the tensor itself."""
+    if isinstance(outputs, Mapping):
+        if "loss" not in outputs:
+            raise ValueError(
+                "the model returned no loss, only the keys "
+                f"{', '.join(outputs)}; it received {', '.join(inputs)} (give it labels)"
+            )
+        return outputs["loss"]
+    if isinstance(outputs, (tuple, list)) and outputs:
+        return outputs[0]
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    raise TypeError(
+        "the model must return a dict or ModelOutput with 'loss', or a tuple with the "
+        f"loss first; got {type(outputs).__name__}"
+    )
 
 
 def _has_labels(batch: Any) -> bool:

@@ -54,10 +54,14 @@ def decay_parameter_names(model: torch.nn.Module) -> list[str]:
     return names
 
 
-def create_optimizer(model: torch.nn.Module, args: Any) -> torch.optim.Optimizer:
-    """HF's default optimizer for ``model`` under ``args``."""
+def create_optimizer(
+    model: torch.nn.Module, args: Any, *, cls_and_kwargs: tuple[type, dict[str, Any]] | None = None
+) -> torch.optim.Optimizer:
+    """HF's default optimizer for ``model`` under ``args``; with ``cls_and_kwargs``
+    (the Trainer's ``optimizer_cls_and_kwargs``) that class and keywords over HF's
+    weight-decay groups instead."""
     optim = str(arg(args, "optim", "adamw_torch_fused"))
-    if optim not in OPTIMIZERS:
+    if cls_and_kwargs is None and optim not in OPTIMIZERS:
         raise ValueError(
             f"TrainingArguments.optim={optim!r} is not built by hookloop.compat.hf; "
             f"allowed: {', '.join(OPTIMIZERS)} (or pass optimizers=(optimizer, scheduler))"
@@ -73,6 +77,9 @@ def create_optimizer(model: torch.nn.Module, args: Any) -> torch.optim.Optimizer
         },
         {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
     ]
+    if cls_and_kwargs is not None:
+        cls, kwargs = cls_and_kwargs
+        return cls(groups, **kwargs)
     extra = {"fused": True} if optim == "adamw_torch_fused" else {}
     return torch.optim.AdamW(
         groups,

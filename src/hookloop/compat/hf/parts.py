@@ -122,6 +122,21 @@ def plan_budget(p: Parts, *, session: Any) -> None:
         plan.num_epochs,
     )
     session.state.count_epochs_in_batches(plan.batches, k)
+    session.train_samples = samples_of(session.args, p.loaders.train, plan, k * st.world_size)
+
+
+def samples_of(args: Any, loader: Any, plan: Plan, groups: int) -> float:
+    """HF's ``num_train_samples``: ``max_steps`` x the total batch when ``max_steps`` is
+    set, else the dataset's length x ``num_train_epochs``."""
+    per_device = hf_optim.arg(args, "per_device_train_batch_size", 8)
+    if hf_optim.arg(args, "max_steps", -1) > 0:
+        return plan.max_steps * per_device * groups
+    dataset = getattr(loader, "dataset", None)
+    try:
+        examples = len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        examples = len(loader) * per_device
+    return examples * hf_optim.arg(args, "num_train_epochs", 3.0)
 
 
 # -- the micro-step and the gradients ------------------------------------------------------
@@ -132,9 +147,18 @@ class HFMicroStep(MicroStep):
     accumulation scaling); the step's loss is the sum of the scaled losses. Batches of
     another shape run the native micro-step."""
 
-    def __init__(self, forward: Any, state: Any, precision: Any, *, hf_loss: HFLoss, device: Any):
+    def __init__(
+        self,
+        forward: Any,
+        state: Any,
+        precision: Any,
+        *,
+        hf_loss: HFLoss,
+        device: Any,
+        progress: Any,
+    ) -> None:
         super().__init__(forward, state, precision)
-        self.hf_loss, self.device = hf_loss, device
+        self.hf_loss, self.device, self.progress = hf_loss, device, progress
         self.native = True
         self.num_items: Any = None
         self.step_loss: torch.Tensor | None = None
@@ -150,7 +174,10 @@ class HFMicroStep(MicroStep):
         if self.native:
             return super().run(batch, data, model, k)
         hf_loss = self.hf_loss
-        loss, outputs = hf_loss(model, move_to(batch, self.device), self.num_items)
+        inputs = move_to(batch, self.device)
+        if hf_loss.floating_point_ops is not None:  # total_flos, as HF counts it
+            self.progress.flops += float(hf_loss.floating_point_ops(inputs))
+        loss, outputs = hf_loss(model, inputs, self.num_items)
         scaled = hf_loss.scaled(loss, self.num_items, k)
         self.precision.backward(scaled)
         part = scaled.detach()
@@ -165,7 +192,9 @@ class HFMicroStep(MicroStep):
 def _micro_step(p: Parts, *, hf_loss: HFLoss | None) -> MicroStep:
     if hf_loss is None:
         return MicroStep(p.forward, p.state, p.precision)
-    return HFMicroStep(p.forward, p.state, p.precision, hf_loss=hf_loss, device=p.device)
+    return HFMicroStep(
+        p.forward, p.state, p.precision, hf_loss=hf_loss, device=p.device, progress=p.progress
+    )
 
 
 def _clipping(p: Parts, *, session: Any) -> Clipping:
@@ -218,9 +247,13 @@ class HFLogBook(LogBook):
             loss = dict(zip(keys, means.tolist(), strict=True)).get("loss", 0.0)
             session.total_loss += loss * (st.step - session.last_logged_step)
         steps = st.step - session.first_step
+        if session.train_samples is not None:  # HF's count: the plan's share run this time
+            samples = session.train_samples * steps / max(st.max_steps or 1, 1)
+        else:
+            samples = st.samples - session.first_samples
         summary = flow.train_summary(
             time.monotonic() - session.train_start,
-            samples=st.samples - session.first_samples,
+            samples=samples,
             steps=steps,
             total_flos=float(st.flops),
             train_loss=session.total_loss / max(steps, 0.001),
@@ -284,7 +317,7 @@ class HFEvaluation(Evaluation):
                 with self.precision.autocast():
                     if collected.has_labels(inputs):
                         num_items = hf_loss.items_in_batch([inputs])
-                        loss, outputs = hf_loss(model, inputs, num_items)
+                        loss, outputs = hf_loss.with_outputs(model, inputs, num_items)
                         loss = loss.detach().mean()
                     else:
                         outputs = model(**inputs)

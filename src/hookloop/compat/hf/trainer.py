@@ -12,9 +12,10 @@ budget, ``compute_loss``, log keys and evaluation), and checkpoints get HF's
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +24,12 @@ import torch
 
 from hookloop.callback import Callback
 from hookloop.compat.hf import data as hf_data
-from hookloop.compat.hf import layout, reporting
+from hookloop.compat.hf import layout, reporting, results
 from hookloop.compat.hf import optim as hf_optim
 from hookloop.compat.hf import parts as hf_parts
 from hookloop.compat.hf.adapter import HFSession
 from hookloop.compat.hf.handler import CallbackHandler, DefaultFlowCallback, PrinterCallback
-from hookloop.compat.hf.loss import HFLoss
+from hookloop.compat.hf.loss import HFLoss, loss_of
 from hookloop.compat.hf.types import CONTROL_FLAGS, TrainingArguments
 from hookloop.config import Config, TrainConfig
 from hookloop.loop import Trainer as Loop
@@ -54,22 +55,71 @@ class Trainer:
     ``ProgressCallback``).
     """
 
+    #: HF's switch for a ``compute_loss`` override: whether its loss is already the
+    #: accumulation group's (None: decided as transformers decides it).
+    loss_is_scaled_for_ga: bool | None = None
+
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: torch.nn.Module | None = None,
         args: Any = None,
-        *,
+        data_collator: Any = None,
         train_dataset: Iterable[Any] | None = None,
         eval_dataset: Iterable[Any] | None = None,
-        test_dataset: Iterable[Any] | None = None,
+        processing_class: Any = None,
+        model_init: Callable[..., torch.nn.Module] | None = None,
+        compute_loss_func: Callable[..., Any] | None = None,
+        compute_metrics: Any = None,
         callbacks: Any = None,
         optimizers: tuple[Any, Any] = (None, None),
-        processing_class: Any = None,
-        compute_metrics: Any = None,
-        data_collator: Any = None,
+        optimizer_cls_and_kwargs: tuple[type, dict[str, Any]] | None = None,
+        preprocess_logits_for_metrics: Any = None,
+        *,
+        test_dataset: Iterable[Any] | None = None,
         config: Config | TrainConfig | None = None,
         **native: Any,
     ) -> None:
+        refuse_unhonoured_overrides(type(self))
+        if preprocess_logits_for_metrics is not None:
+            raise ValueError(
+                "preprocess_logits_for_metrics is not supported by hookloop.compat.hf.Trainer "
+                "yet; reduce the logits in compute_metrics instead"
+            )
+        self.model_init = model_init
+        if model is None:
+            if model_init is None:  # the exception types are transformers'
+                raise RuntimeError(
+                    "Trainer needs a model or a model_init (a function returning one)"
+                )
+            model = self.call_model_init()
+        elif model_init is not None:
+            raise ValueError("give Trainer a model or a model_init, not both")
+        if compute_loss_func is not None and not callable(compute_loss_func):
+            raise TypeError(
+                "compute_loss_func must be a function (outputs, labels, num_items_in_batch=) "
+                f"returning the loss, got {type(compute_loss_func).__name__}"
+            )
+        if optimizer_cls_and_kwargs is not None:
+            if optimizers[0] is not None:
+                raise ValueError(
+                    "give optimizers=(optimizer, ...) or optimizer_cls_and_kwargs, not both"
+                )
+            if not (
+                isinstance(optimizer_cls_and_kwargs, (tuple, list))
+                and len(optimizer_cls_and_kwargs) == 2
+                and isinstance(optimizer_cls_and_kwargs[0], type)
+                and isinstance(optimizer_cls_and_kwargs[1], dict)
+            ):
+                raise TypeError(
+                    "optimizer_cls_and_kwargs must be (an optimizer class, a dict of its "
+                    f"keyword arguments), got {optimizer_cls_and_kwargs!r}"
+                )
+        self.compute_loss_func = compute_loss_func
+        self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.processing_class = processing_class
+        self.compute_metrics = compute_metrics
+        self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         _check(optimizers, native, compute_metrics)
         self.hf = session = HFSession(args, processing_class=processing_class)
         # Arguments decide the run: HF's parts decide each boundary (hookloop.compat.hf.parts).
@@ -78,12 +128,27 @@ class Trainer:
         # run when the model computes its own loss; a loss_fn or forward_step is native.
         hf_step = session.drives_loop and native.get("loss_fn") is None
         hf_loss = HFLoss(model) if hf_step and native.get("forward_step") is None else None
+        self._hf_loss = hf_loss
+        if hf_loss is not None:
+            own = type(self).compute_loss is not Trainer.compute_loss
+            if own or compute_loss_func is not None:  # HF's training_step calls compute_loss
+                hf_loss.compute_loss = self.compute_loss
+            hf_loss.has_loss_func = compute_loss_func is not None
+            hf_loss.floating_point_ops = self.floating_point_ops
+            hf_loss.scaled_for_ga = self.loss_is_scaled_for_ga
+        elif compute_loss_func is not None or type(self).compute_loss is not Trainer.compute_loss:
+            raise ValueError(
+                "compute_loss and compute_loss_func apply when TrainingArguments decide the "
+                "run and the model computes the loss (no config=, loss_fn= or forward_step=)"
+            )
         session.compute_metrics = None if hf_loss is not None else compute_metrics
         self._hf_data: dict[str, Any] | None = None  # how HF builds a loader from a dataset
+        self.data_collator = data_collator
         run = _Run(config, [train_dataset, eval_dataset, test_dataset], *optimizers)
         if session.drives_loop:
             collator = hf_data.collator_for(data_collator, processing_class)
             self._hf_data = {"args": args, "model": model, "collator": collator}
+            self.data_collator = collator
             run = self._decided_by_args(args, model, run)
             run.dialect = hf_parts.dialect(session, hf_loss, compute_metrics)
         elif data_collator is not None:
@@ -134,7 +199,9 @@ class Trainer:
         config.checkpoint.async_save = False
         _seed_everything(int(hf_optim.arg(args, "seed", 42)))  # as HF's Trainer does
         datasets = [self._loader(d, train=i == 0) for i, d in enumerate(run.datasets)]
-        optimizer = run.optimizer or hf_optim.create_optimizer(model, args)
+        optimizer = run.optimizer or hf_optim.create_optimizer(
+            model, args, cls_and_kwargs=self.optimizer_cls_and_kwargs
+        )
         scheduler = run.scheduler
         if scheduler is None and datasets[0] is not None:
             plan = hf_parts.plan_of(args, datasets[0], config.train.grad_accum)
@@ -241,11 +308,23 @@ class Trainer:
                     "resume_from_checkpoint must be a checkpoint path, True (the newest in "
                     f"output_dir) or None; got {type(resume_from_checkpoint).__name__}"
                 )
-            self.loop.resume_from(
-                "auto"
-                if resume_from_checkpoint is True
-                else layout.native_checkpoint(resume_from_checkpoint)
-            )
+            if resume_from_checkpoint is True:
+                output_dir = self._output_dir(None)
+                if layout.last_checkpoint(output_dir) is None:  # as transformers: no fresh start
+                    raise ValueError(
+                        f"No valid checkpoint found in output directory ({output_dir})"
+                    )
+                self.loop.resume_from("auto")
+            else:
+                self.loop.resume_from(layout.native_checkpoint(resume_from_checkpoint))
+        if self.model_init is not None and self.hf.drives_loop:
+            # As transformers: seeded again, the model built anew (its weights copied into
+            # the model the optimizer holds), so the data order follows the same RNG.
+            _seed_everything(int(hf_optim.arg(self.args, "seed", 42)))
+            self.model.load_state_dict(self.call_model_init().state_dict())
+        sampler = getattr(self.loop.train_loader, "sampler", None)
+        if isinstance(sampler, hf_data.HFSampler) and sampler.follows_torch_seed:
+            sampler.seed = torch.initial_seed()  # what accelerate's sampler reads then
         self.hf.summary = {}
         result = self.loop.train()
         fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
@@ -293,6 +372,112 @@ class Trainer:
     def load_checkpoint(self, target: str) -> Path | None:
         return self.loop.load_checkpoint(target)
 
+    # -- HF's override points -------------------------------------------------------------
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: Mapping[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> Any:
+        """HF's ``compute_loss``: the model's own loss (``compute_loss_func(outputs, labels,
+        num_items_in_batch=)`` when given). A subclass may override it; the loop calls
+        it for every training micro-batch and every evaluation batch with labels."""
+        inputs = dict(inputs)
+        labels = None
+        if self.compute_loss_func is not None and "labels" in inputs:
+            labels = inputs.pop("labels")
+        if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
+            inputs["num_items_in_batch"] = num_items_in_batch
+        outputs = model(**inputs)
+        if self.compute_loss_func is not None:
+            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+        else:
+            loss = loss_of(outputs, inputs)
+        return (loss, outputs) if return_outputs else loss
+
+    def floating_point_ops(self, inputs: Mapping[str, Any]) -> float:
+        """A micro-batch's forward and backward FLOPs for ``total_flos``: 6 x the main
+        input's elements x the parameters outside the embeddings, for a model with
+        ``num_parameters`` (a ``PreTrainedModel``); 0 otherwise. A subclass may override it."""
+        model = self.model
+        main = getattr(model, "main_input_name", "input_ids")
+        if main in inputs and hasattr(model, "num_parameters"):
+            return 6 * inputs[main].numel() * model.num_parameters(exclude_embeddings=True)
+        return 0
+
+    @property
+    def model_accepts_loss_kwargs(self) -> bool:
+        """Whether ``num_items_in_batch`` reaches the model's ``forward`` (and its loss is
+        then the accumulation group's); set it to False to have the loss divided."""
+        if self._hf_loss is None:
+            return False
+        return self._hf_loss.accepts_kwargs
+
+    @model_accepts_loss_kwargs.setter
+    def model_accepts_loss_kwargs(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"model_accepts_loss_kwargs must be True or False, got {value!r}")
+        if self._hf_loss is not None:
+            self._hf_loss.accepts_kwargs = value
+
+    def call_model_init(self, trial: Any = None) -> torch.nn.Module:
+        """``model_init()`` (or ``model_init(trial)`` when it takes one argument)."""
+        init = self.model_init
+        if init is None:
+            raise ValueError("call_model_init needs model_init= (a function returning a model)")
+        takes = len(inspect.signature(init).parameters)
+        if takes == 0:
+            model = init()
+        elif takes == 1:
+            model = init(trial)
+        else:
+            raise ValueError("model_init must take no argument or one (the trial)")
+        if model is None:
+            raise ValueError("model_init returned None; it must return the model to train")
+        return model
+
+    # -- after train(): what transformers' example scripts call -------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The model for ``from_pretrained`` (``config.json`` and ``model.safetensors``, or
+        the state dict alone for a plain module), the processing class and
+        ``training_args.bin`` in ``output_dir`` (default ``args.output_dir``)."""
+        results.save_model(
+            self.model,
+            self._output_dir(output_dir),
+            args=self.args,
+            processing_class=self.processing_class,
+            data_collator=self.data_collator,
+        )
+
+    def save_state(self) -> None:
+        """``trainer_state.json`` in ``args.output_dir``."""
+        results.save_state(self.state, self._output_dir(None))
+
+    def log_metrics(self, split: str, metrics: Mapping[str, Any]) -> None:
+        """Print the metrics under ``***** {split} metrics *****``, as HF does."""
+        results.log_metrics(split, metrics)
+
+    def save_metrics(self, split: str, metrics: Mapping[str, Any], combined: bool = True) -> None:
+        """``{split}_results.json`` (and ``all_results.json``) in ``args.output_dir``."""
+        results.save_metrics(self._output_dir(None), split, metrics, combined=combined)
+
+    def metrics_format(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        """The metrics as ``log_metrics`` prints them."""
+        return results.metrics_format(metrics)
+
+    def is_world_process_zero(self) -> bool:
+        return results.world_rank() == 0
+
+    def is_local_process_zero(self) -> bool:
+        return results.local_rank() == 0
+
+    def _output_dir(self, given: str | os.PathLike[str] | None) -> str | os.PathLike[str]:
+        out = given if given is not None else getattr(self.args, "output_dir", None)
+        if out is None:
+            raise ValueError("no output_dir: set TrainingArguments.output_dir or pass one")
+        return out
+
     # -- HF's callback list and loaders ---------------------------------------------------
     def add_callback(self, callback: Any) -> None:
         """Add an HF-style or native callback (instance or HF class), as HF's Trainer does."""
@@ -310,9 +495,22 @@ class Trainer:
         """HF's name for the training loader."""
         return self.loop.train_loader
 
-    def get_eval_dataloader(self) -> Any:
-        """HF's name for the evaluation loader."""
+    def get_eval_dataloader(self, eval_dataset: Iterable[Any] | None = None) -> Any:
+        """HF's name for the evaluation loader (of ``eval_dataset`` when given)."""
+        if eval_dataset is not None:
+            return self._loader(eval_dataset, train=False)
         return self.loop.eval_loader
+
+    def get_test_dataloader(self, test_dataset: Iterable[Any]) -> Any:
+        """HF's loader for ``test_dataset`` (as an evaluation loader)."""
+        if test_dataset is None:
+            raise ValueError("get_test_dataloader needs a test_dataset")
+        return self._loader(test_dataset, train=False)
+
+    @property
+    def model_wrapped(self) -> torch.nn.Module:
+        """The module the steps run (DDP's or FSDP's wrapper; the model itself alone)."""
+        return self.loop.parts.train_model
 
     def _load_callback_state(self) -> None:
         """HF's name: restore the callbacks' saved state from ``trainer.state`` (only
@@ -403,6 +601,48 @@ def _refuse_unsupported(args: Any) -> None:
             + "; leave them at "
             + ", ".join(f"{k}={_UNSUPPORTED[k]!r}" for k in odd)
         )
+
+
+#: transformers' Trainer methods a subclass overrides to change training or evaluation
+#: that this Trainer does not call: a subclass defining one is refused at construction
+#: (its override would be skipped silently). ``compute_loss`` and
+#: ``floating_point_ops`` are honoured.
+UNHONOURED_OVERRIDES = (
+    "autocast_smart_context_manager",
+    "compute_loss_context_manager",
+    "create_optimizer",
+    "create_optimizer_and_scheduler",
+    "create_scheduler",
+    "evaluate",
+    "evaluation_loop",
+    "get_batch_samples",
+    "get_decay_parameter_names",
+    "get_eval_dataloader",
+    "get_optimizer_cls_and_kwargs",
+    "get_test_dataloader",
+    "get_train_dataloader",
+    "log",
+    "num_examples",
+    "prediction_step",
+    "save_model",
+    "set_initial_training_values",
+    "store_flos",
+    "training_step",
+)
+
+
+def refuse_unhonoured_overrides(cls: type) -> None:
+    """Refuse a subclass of :class:`Trainer` that overrides a method the loop never calls."""
+    for klass in cls.__mro__:
+        if klass is Trainer or not issubclass(klass, Trainer):
+            continue
+        for name in UNHONOURED_OVERRIDES:
+            if name in vars(klass):
+                raise TypeError(
+                    f"{klass.__name__}.{name} overrides a method hookloop.compat.hf.Trainer "
+                    "does not call, so it would be skipped; of transformers' override points "
+                    "this Trainer honours compute_loss and floating_point_ops"
+                )
 
 
 @dataclasses.dataclass

@@ -1,0 +1,315 @@
+"""transformers' Trainer surface on the HF dialect, each case run beside the real
+``transformers.Trainer`` with the same arguments, data and starting weights:
+what example scripts call after ``train()`` (``save_model``, ``save_state``,
+``log_metrics``, ``save_metrics``), the ``compute_loss`` override point and
+``compute_loss_func``, ``model_accepts_loss_kwargs``, ``model_init``,
+``optimizer_cls_and_kwargs``, HF's positional arguments, and what is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from hookloop.compat import hf  # noqa: E402
+from test_hf_training_differential import (  # noqa: E402
+    BASE,
+    RegressionDataset,
+    RegressionModel,
+    gpt2,
+    token_rows,
+    tokenizer,
+)
+
+FACTORIES = {"hf": transformers.Trainer, "hookloop": hf.Trainer}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Any:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _args(out: Path, **overrides: Any) -> Any:
+    values = {**BASE, "per_device_train_batch_size": 4, "per_device_eval_batch_size": 8}
+    return transformers.TrainingArguments(output_dir=str(out), **{**values, **overrides})
+
+
+def _quiet(fn: Any) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn()
+
+
+def _losses(trainer: Any) -> list[float]:
+    return [e["loss"] for e in trainer.state.log_history if "loss" in e]
+
+
+def _assert_same_run(hf_trainer: Any, ours: Any) -> None:
+    """The same logged losses and the same final weights."""
+    assert _losses(ours) == pytest.approx(_losses(hf_trainer), rel=1e-5)
+    theirs = hf_trainer.model.state_dict()
+    for name, value in ours.model.state_dict().items():
+        torch.testing.assert_close(value, theirs[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+# -- after train(): what an example script calls -----------------------------------------
+
+
+def _example_script(kind: str, out: Path) -> dict[str, Any]:
+    """The tail of transformers' run_clm.py: train, then log, save and keep the results."""
+    args = _args(out, max_steps=3, per_device_train_batch_size=2)
+    collator = transformers.DataCollatorForLanguageModeling(tokenizer(), mlm=False)
+    trainer = _quiet(
+        lambda: FACTORIES[kind](
+            gpt2(),
+            args,
+            train_dataset=[{"input_ids": r} for r in token_rows(12, seed=1)],
+            data_collator=collator,
+            processing_class=tokenizer(),
+        )
+    )
+    result = _quiet(trainer.train)
+    metrics = dict(result.metrics)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        trainer.save_model()
+        trainer.log_metrics("train", metrics)
+    trainer.save_metrics("train", metrics)
+    trainer.save_metrics("eval", {"eval_loss": 1.5})
+    trainer.save_state()
+    return {
+        "trainer": trainer,
+        "metrics": metrics,
+        "printed": printed.getvalue().splitlines(),
+        "files": {p.name for p in out.iterdir()},
+        "zero": (trainer.is_world_process_zero(), trainer.is_local_process_zero()),
+    }
+
+
+@pytest.fixture(scope="module")
+def scripts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    root = tmp_path_factory.mktemp("scripts")
+    return {kind: _example_script(kind, root / kind) for kind in FACTORIES}
+
+
+def test_save_model_writes_a_folder_from_pretrained_loads_with_the_trained_weights(scripts):
+    hf_run, ours = scripts["hf"], scripts["hookloop"]
+    written_by_hf = {"config.json", "model.safetensors", "training_args.bin", "tokenizer.json"}
+    assert written_by_hf <= hf_run["files"]
+    assert hf_run["files"] - {"runs"} <= ours["files"]  # every file transformers writes
+    out = Path(ours["trainer"].args.output_dir)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    for name, value in ours["trainer"].model.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], value, msg=name)
+    assert transformers.AutoTokenizer.from_pretrained(out).get_vocab() == tokenizer().get_vocab()
+    saved_args = torch.load(out / "training_args.bin", weights_only=False)
+    assert saved_args.output_dir == str(out) and saved_args.max_steps == 3
+
+
+def test_save_metrics_and_log_metrics_match_transformers(scripts):
+    hf_run, ours = scripts["hf"], scripts["hookloop"]
+    hf_out, out = (Path(r["trainer"].args.output_dir) for r in (hf_run, ours))
+    for name in ("train_results.json", "eval_results.json", "all_results.json"):
+        theirs, mine = (json.loads((d / name).read_text()) for d in (hf_out, out))
+        assert sorted(mine) == sorted(theirs), name
+        assert (out / name).read_text().startswith("{\n    ")  # HF's indent of 4
+    merged = json.loads((out / "all_results.json").read_text())
+    assert merged["eval_loss"] == 1.5 and merged["train_loss"] == ours["metrics"]["train_loss"]
+    # The printout: a header, then one aligned line per metric, sorted by key.
+    assert ours["printed"][0] == hf_run["printed"][0] == "***** train metrics *****"
+    keys = [line.split("=")[0].strip() for line in ours["printed"][1:]]
+    assert keys == [line.split("=")[0].strip() for line in hf_run["printed"][1:]]
+    assert keys == sorted(ours["metrics"])
+    assert len({line.index("=") for line in ours["printed"][1:]}) == 1  # aligned
+    runtime = next(line for line in ours["printed"] if "train_runtime" in line)
+    assert runtime.split("=")[1].strip().startswith("0:00:")  # H:MM:SS.cc
+    assert ours["zero"] == hf_run["zero"] == (True, True)
+
+
+def test_save_state_writes_trainer_state_json_with_transformers_keys(scripts):
+    hf_run, ours = scripts["hf"], scripts["hookloop"]
+    theirs, mine = (
+        json.loads((Path(r["trainer"].args.output_dir) / "trainer_state.json").read_text())
+        for r in (hf_run, ours)
+    )
+    assert mine["global_step"] == theirs["global_step"] == 3
+    assert set(theirs) - {"train_batch_size"} <= set(mine)
+    losses = [[e["loss"] for e in s["log_history"] if "loss" in e] for s in (theirs, mine)]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+
+
+def test_save_metrics_refuses_a_damaged_all_results_json_by_name(tmp_path: Path):
+    trainer = _quiet(lambda: hf.Trainer(RegressionModel(), _args(tmp_path, max_steps=1)))
+    (tmp_path / "all_results.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"all_results\.json is not JSON"):
+        trainer.save_metrics("train", {"train_loss": 1.0})
+    assert (tmp_path / "all_results.json").read_text() == "{not json"  # left as it was
+    with pytest.raises(ValueError, match="split must be"):
+        trainer.save_metrics("", {})
+
+
+# -- the loss ----------------------------------------------------------------------------
+
+
+def _penalised(loss: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
+    return 2 * loss + 0.01 * sum(p.abs().sum() for p in model.parameters())
+
+
+class HFPenalised(transformers.Trainer):
+    calls = 0
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        type(self).calls += 1
+        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        loss = _penalised(loss, model)
+        return (loss, outputs) if return_outputs else loss
+
+
+class OursPenalised(hf.Trainer):
+    calls = 0
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        type(self).calls += 1
+        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        loss = _penalised(loss, model)
+        return (loss, outputs) if return_outputs else loss
+
+
+def _regression_run(factory: Any, out: Path, **kwargs: Any) -> Any:
+    args = kwargs.pop("args", None) or _args(out, max_steps=6, gradient_accumulation_steps=2)
+    trainer = _quiet(
+        lambda: factory(
+            None if "model_init" in kwargs else RegressionModel(),
+            args,
+            train_dataset=RegressionDataset(40),
+            eval_dataset=RegressionDataset(16, seed=7),
+            **kwargs,
+        )
+    )
+    _quiet(trainer.train)
+    trainer.eval_metrics = _quiet(trainer.evaluate)
+    return trainer
+
+
+def test_a_compute_loss_override_is_called_as_transformers_calls_it(tmp_path: Path):
+    theirs = _regression_run(HFPenalised, tmp_path / "hf")
+    ours = _regression_run(OursPenalised, tmp_path / "hookloop")
+    _assert_same_run(theirs, ours)
+    assert ours.eval_metrics["eval_loss"] == pytest.approx(theirs.eval_metrics["eval_loss"])
+    # 6 steps x 2 micro-batches, then 2 evaluation batches
+    assert OursPenalised.calls == HFPenalised.calls == 14
+
+
+def test_compute_loss_func_replaces_the_models_loss_without_dividing_it(tmp_path: Path):
+    seen: dict[str, list[Any]] = {"hf": [], "hookloop": []}
+
+    def loss_func(kind: str) -> Any:
+        def mse_sum(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None) -> Any:
+            seen[kind].append(num_items_in_batch)
+            return ((outputs[0] - labels) ** 2).sum() / 8  # the group's 8 samples
+
+        return mse_sum
+
+    runs = {
+        kind: _regression_run(FACTORIES[kind], tmp_path / kind, compute_loss_func=loss_func(kind))
+        for kind in FACTORIES
+    }
+    _assert_same_run(runs["hf"], runs["hookloop"])
+    assert [int(n) for n in seen["hookloop"]] == [int(n) for n in seen["hf"]]
+
+
+def test_setting_model_accepts_loss_kwargs_false_divides_the_loss_as_transformers(
+    tmp_path: Path,
+):
+    def run(kind: str) -> Any:
+        args = _args(tmp_path / kind, max_steps=3, gradient_accumulation_steps=2,
+                     per_device_train_batch_size=2)  # fmt: skip
+        trainer = _quiet(
+            lambda: FACTORIES[kind](
+                gpt2(),
+                args,
+                train_dataset=[{"input_ids": r} for r in token_rows(12, seed=1)],
+                data_collator=transformers.DataCollatorForLanguageModeling(tokenizer(), mlm=False),
+            )
+        )
+        assert trainer.model_accepts_loss_kwargs is True  # GPT-2 takes them
+        trainer.model_accepts_loss_kwargs = False
+        _quiet(trainer.train)
+        return trainer
+
+    theirs, ours = run("hf"), run("hookloop")
+    _assert_same_run(theirs, ours)
+
+
+# -- construction --------------------------------------------------------------------------
+
+
+def test_model_init_and_optimizer_cls_and_kwargs_build_what_transformers_builds(
+    tmp_path: Path,
+):
+    runs = {
+        kind: _regression_run(
+            FACTORIES[kind],
+            tmp_path / kind,
+            model_init=RegressionModel,
+            optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+        )
+        for kind in FACTORIES
+    }
+    _assert_same_run(runs["hf"], runs["hookloop"])
+    assert isinstance(runs["hookloop"].optimizer, torch.optim.SGD)
+    assert runs["hookloop"].model_init is RegressionModel
+
+
+def test_transformers_positional_arguments_land_where_they_land_in_transformers(
+    tmp_path: Path,
+):
+    train, evaluation = RegressionDataset(8), RegressionDataset(8, seed=3)
+    args = _args(tmp_path, max_steps=1)
+    trainer = _quiet(lambda: hf.Trainer(RegressionModel(), args, None, train, evaluation))
+    assert trainer.train_dataset is train and trainer.eval_dataset is evaluation
+    assert trainer.model_wrapped is trainer.model  # one process: nothing wraps it
+
+
+@pytest.mark.parametrize("method", ["training_step", "prediction_step", "log", "create_optimizer"])
+def test_an_override_the_loop_would_skip_is_refused_by_name(tmp_path: Path, method: str):
+    subclass = type("Custom", (hf.Trainer,), {method: lambda self, *a, **k: None})
+    with pytest.raises(TypeError, match=rf"Custom\.{method} overrides a method"):
+        subclass(RegressionModel(), _args(tmp_path, max_steps=1))
+
+
+def test_resume_from_checkpoint_true_without_one_fails_as_in_transformers(tmp_path: Path):
+    messages = []
+    for kind, factory in FACTORIES.items():
+        out = tmp_path / kind
+        trainer = _quiet(
+            lambda f=factory, o=out: f(
+                RegressionModel(), _args(o, max_steps=1), train_dataset=RegressionDataset(8)
+            )
+        )
+        with pytest.raises(ValueError) as caught:
+            trainer.train(resume_from_checkpoint=True)
+        messages.append(str(caught.value).replace(str(out), "OUT"))
+    assert messages[0] == messages[1] == "No valid checkpoint found in output directory (OUT)"
+
+
+def test_a_trainer_needs_a_model_or_a_model_init(tmp_path: Path):
+    with pytest.raises(RuntimeError, match="needs a model or a model_init"):
+        hf.Trainer(None, _args(tmp_path))
+    with pytest.raises(ValueError, match="a model or a model_init, not both"):
+        hf.Trainer(RegressionModel(), _args(tmp_path), model_init=RegressionModel)
+    with pytest.raises(ValueError, match="preprocess_logits_for_metrics is not supported"):
+        hf.Trainer(RegressionModel(), _args(tmp_path), preprocess_logits_for_metrics=len)
