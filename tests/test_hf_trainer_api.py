@@ -313,3 +313,69 @@ def test_a_trainer_needs_a_model_or_a_model_init(tmp_path: Path):
         hf.Trainer(RegressionModel(), _args(tmp_path), model_init=RegressionModel)
     with pytest.raises(ValueError, match="preprocess_logits_for_metrics is not supported"):
         hf.Trainer(RegressionModel(), _args(tmp_path), preprocess_logits_for_metrics=len)
+
+
+# -- TrainingArguments: honoured, without effect, or refused ---------------------------------
+
+
+def test_transformers_arguments_the_dialect_would_not_carry_out_are_refused_by_name(
+    tmp_path: Path,
+):
+    args = _args(
+        tmp_path,
+        max_steps=1,
+        prediction_loss_only=True,
+        ignore_data_skip=True,
+        save_only_model=True,
+        skip_memory_metrics=False,
+    )
+    with pytest.raises(ValueError) as caught:
+        hf.Trainer(RegressionModel(), args, train_dataset=RegressionDataset(8))
+    message = str(caught.value)
+    for name in (
+        "prediction_loss_only",
+        "ignore_data_skip",
+        "save_only_model",
+        "skip_memory_metrics",
+    ):
+        assert f"{name}=" in message
+    assert "\n" not in message
+
+
+def test_arguments_without_effect_are_accepted_and_train_as_transformers(tmp_path: Path):
+    settings = {
+        "do_train": True,
+        "do_eval": True,
+        "log_level": "info",
+        "dataloader_pin_memory": False,
+        "eval_accumulation_steps": 2,
+        "torch_empty_cache_steps": 2,
+        "ddp_timeout": 60,
+        "max_steps": 4,
+    }
+    runs = {
+        kind: _regression_run(
+            FACTORIES[kind], tmp_path / kind, args=_args(tmp_path / kind, **settings)
+        )
+        for kind in FACTORIES
+    }
+    _assert_same_run(runs["hf"], runs["hookloop"])
+
+
+def test_every_transformers_argument_is_classified_and_no_name_is_stale():
+    import dataclasses
+
+    from hookloop.compat.hf import arguments
+    from hookloop.compat.hf.types import TrainingArguments
+
+    theirs = {f.name for f in dataclasses.fields(transformers.TrainingArguments) if f.init}
+    ours = {f.name for f in dataclasses.fields(TrainingArguments)}
+    # our dataclass speaks transformers' names only (5.x's, and two 4.x ones)
+    assert ours - set(arguments.TRANSFORMERS_4_FIELDS) <= theirs
+    assert set(arguments.NO_EFFECT) <= theirs and set(arguments.LOADER_FIELDS) <= theirs
+    # HfArgumentParser reads a script's command line into ours as into transformers'
+    parser = transformers.HfArgumentParser(TrainingArguments)
+    (parsed,) = parser.parse_args_into_dataclasses(
+        ["--output_dir", "o", "--do_train", "--do_eval", "--max_steps", "3"]
+    )
+    assert (parsed.do_train, parsed.do_eval, parsed.max_steps) == (True, True, 3)

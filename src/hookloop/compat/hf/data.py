@@ -179,7 +179,13 @@ def make_loader(
         "batch_size": batch_size,
         "collate_fn": collator,
         "num_workers": arg(args, "dataloader_num_workers", 0),
+        # pinned host memory speeds copies to a GPU; on a CPU-only run torch would warn
+        "pin_memory": bool(arg(args, "dataloader_pin_memory", True)) and torch.cuda.is_available(),
     }
+    if common["num_workers"] > 0:  # torch refuses these without workers, as HF leaves them
+        common["persistent_workers"] = bool(arg(args, "dataloader_persistent_workers", False))
+        common["prefetch_factor"] = arg(args, "dataloader_prefetch_factor", None)
+        common["multiprocessing_context"] = arg(args, "dataloader_multiprocessing_context", None)
     if isinstance(data, IterableDataset):
         return DataLoader(data, **common)
     sampling = str(arg(args, "train_sampling_strategy", "random")) if train else "sequential"

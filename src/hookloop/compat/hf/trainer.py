@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from hookloop.callback import Callback
+from hookloop.compat.hf import arguments, layout, reporting, results
 from hookloop.compat.hf import data as hf_data
-from hookloop.compat.hf import layout, reporting, results
 from hookloop.compat.hf import optim as hf_optim
 from hookloop.compat.hf import parts as hf_parts
 from hookloop.compat.hf.adapter import HFSession
@@ -190,6 +190,7 @@ class Trainer:
         """What ``TrainingArguments`` decide before the loop is built, as HF's Trainer:
         the Config, the seed, HF's loaders, optimizer and LR schedule."""
         _refuse_unsupported(args)
+        arguments.refuse_ignored(args, {f.name for f in dataclasses.fields(TrainingArguments)})
         config = _args_config(args)
         if not config.train.log_every:
             # HF's logged loss (and train_loss) average every step since the last

@@ -86,6 +86,18 @@ class TrainingArguments:
     logging_nan_inf_filter: bool = True
     include_for_metrics: list[str] = field(default_factory=list)
     use_cache: bool = False
+    # Passed to the DataLoader (hookloop.compat.hf.data).
+    dataloader_pin_memory: bool = True
+    dataloader_persistent_workers: bool = False
+    dataloader_prefetch_factor: int | None = None
+    # Read by example scripts (HfArgumentParser command lines), not by the Trainer; the
+    # others change nothing here (hookloop.compat.hf.arguments.NO_EFFECT says why).
+    do_train: bool = False
+    do_eval: bool = False
+    do_predict: bool = False
+    resume_from_checkpoint: str | None = None
+    log_level: str = "passive"
+    eval_accumulation_steps: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("logging_strategy", "eval_strategy", "save_strategy"):

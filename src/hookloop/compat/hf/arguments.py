@@ -1,0 +1,121 @@
+"""Which of transformers' ``TrainingArguments`` the HF dialect honours, and the refusal
+of the rest: no setting is accepted and then silently ignored.
+
+A field of transformers' ``TrainingArguments`` is, here, one of:
+
+- **honoured**: a field of :class:`hookloop.compat.hf.types.TrainingArguments` (the
+  dialect reads it), or one of :data:`LOADER_FIELDS` (passed to the ``DataLoader``);
+- **without effect** on what the dialect runs, for the reason :data:`NO_EFFECT` gives
+  (transformers' Trainer does not read ``do_train`` either; hub settings matter only
+  with ``push_to_hub``, which is refused; ...): accepted at any value;
+- **refused** when set to anything but transformers' default, naming every such field
+  and its default: whatever transformers would do with it, the dialect does not.
+
+A field transformers adds in a later release falls in the last group until this
+module says otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+#: Passed to the training and evaluation ``DataLoader`` (worker and memory mechanics).
+LOADER_FIELDS = (
+    "dataloader_pin_memory",
+    "dataloader_persistent_workers",
+    "dataloader_prefetch_factor",
+    "dataloader_multiprocessing_context",
+)
+
+#: Fields of transformers 4.x that 5.x dropped, still read when an object carries them.
+TRANSFORMERS_4_FIELDS = ("logging_dir", "warmup_ratio")
+
+#: transformers' fields that change nothing the dialect runs, with the reason.
+NO_EFFECT: dict[str, str] = {
+    "do_train": "read by example scripts, not by transformers' Trainer",
+    "do_eval": "read by example scripts, not by transformers' Trainer",
+    "do_predict": "read by example scripts, not by transformers' Trainer",
+    "resume_from_checkpoint": "read by example scripts; train(resume_from_checkpoint=) resumes",
+    "local_rank": "set by the launcher; the rank is torch.distributed's",
+    "log_level": "transformers' own logger's verbosity (the dialect logs to hookloop's)",
+    "log_level_replica": "transformers' own logger's verbosity on other ranks",
+    "log_on_each_node": "transformers' own logger on other nodes",
+    "optim_args": "read only by optimizers other than AdamW, which are refused",
+    "optim_target_modules": "read only by GaLore/APOLLO optimizers, which are refused",
+    "average_tokens_across_devices": "one process: nothing to average across",
+    "torch_empty_cache_steps": "frees cached device memory; the numbers stay the same",
+    "eval_accumulation_steps": "moves predictions to the host sooner; the metrics stay the same",
+    "eval_use_gather_object": "how predictions are gathered across ranks; every rank evaluates all",
+    "save_on_each_node": "several nodes only",
+    "dataloader_in_order": "accelerate's batch order across processes",
+    "length_column_name": "read only with group_by_length",
+    "project": "a trackio setting; report_to='trackio' is refused",
+    "trackio_space_id": "a trackio setting; report_to='trackio' is refused",
+    "trackio_bucket_id": "a trackio setting; report_to='trackio' is refused",
+    "trackio_static_space_id": "a trackio setting; report_to='trackio' is refused",
+    "hub_token": "read only with push_to_hub, which is refused",
+    "hub_private_repo": "read only with push_to_hub, which is refused",
+    "hub_model_id": "read only with push_to_hub, which is refused",
+    "hub_strategy": "read only with push_to_hub, which is refused",
+    "hub_always_push": "read only with push_to_hub, which is refused",
+    "hub_revision": "read only with push_to_hub, which is refused",
+    "ddp_find_unused_parameters": "DDP's tuning; the numbers stay the same",
+    "ddp_bucket_cap_mb": "DDP's tuning; the numbers stay the same",
+    "ddp_broadcast_buffers": "DDP's tuning; the numbers stay the same",
+    "ddp_static_graph": "DDP's tuning; the numbers stay the same",
+    "ddp_backend": "the process group is the launcher's (hookloop picks gloo or nccl)",
+    "ddp_timeout": "the process group is the launcher's",
+}
+
+
+def _default(field: dataclasses.Field[Any]) -> Any:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return dataclasses.MISSING
+
+
+_OFF = ("", None, False, [], {})  # "not set": transformers' __post_init__ turns one into another
+
+
+def _same(value: Any, default: Any) -> bool:
+    value = getattr(value, "value", value)  # an enum reads as its value, as transformers'
+    default = getattr(default, "value", default)
+    if value is default or (value in _OFF and default in _OFF):
+        return True
+    if default is None and dataclasses.is_dataclass(value) and not isinstance(value, type):
+        # transformers builds a config object with its defaults from None
+        return not ignored_fields(value, set())
+    return bool(value == default)
+
+
+def ignored_fields(args: Any, honoured: set[str]) -> dict[str, tuple[Any, Any]]:
+    """``{field: (value, transformers' default)}`` for each field of a dataclass
+    ``args`` set to what the dialect would not carry out."""
+    if not dataclasses.is_dataclass(args):
+        return {}
+    odd = {}
+    for field in dataclasses.fields(args):
+        name = field.name
+        if not field.init or name in honoured or name in LOADER_FIELDS or name in NO_EFFECT:
+            continue
+        default = _default(field)
+        value = getattr(args, name, default)
+        if default is dataclasses.MISSING or not _same(value, default):
+            odd[name] = (value, default)
+    return odd
+
+
+def refuse_ignored(args: Any, honoured: set[str]) -> None:
+    """Refuse ``args`` when a field is set to what the dialect does not carry out."""
+    odd = ignored_fields(args, honoured)
+    if odd:
+        raise ValueError(
+            "hookloop.compat.hf.Trainer does not carry out "
+            + ", ".join(f"{k}={v!r}" for k, (v, _) in odd.items())
+            + "; leave them at transformers' defaults ("
+            + ", ".join(f"{k}={d!r}" for k, (_, d) in odd.items())
+            + ")"
+        )
