@@ -379,3 +379,83 @@ def test_every_transformers_argument_is_classified_and_no_name_is_stale():
         ["--output_dir", "o", "--do_train", "--do_eval", "--max_steps", "3"]
     )
     assert (parsed.do_train, parsed.do_eval, parsed.max_steps) == (True, True, 3)
+
+
+# -- checkpoint-N folders -----------------------------------------------------------------
+
+
+def _lm_trainer(kind: str, out: Path, **overrides: Any) -> Any:
+    settings = {"max_steps": 4, "save_strategy": "steps", "save_steps": 2,
+                "per_device_train_batch_size": 2, **overrides}  # fmt: skip
+    return _quiet(
+        lambda: FACTORIES[kind](
+            gpt2(),
+            _args(out, **settings),
+            train_dataset=[{"input_ids": r} for r in token_rows(12, seed=1)],
+            data_collator=transformers.DataCollatorForLanguageModeling(tokenizer(), mlm=False),
+            processing_class=tokenizer(),
+        )
+    )
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("saved")
+    runs = {}
+    for kind in FACTORIES:
+        trainer = _lm_trainer(kind, root / kind)
+        _quiet(trainer.train)
+        runs[kind] = trainer
+    return {"root": root, **runs}
+
+
+def _step_losses(trainer: Any) -> dict[int, float]:
+    return {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
+
+
+def test_a_checkpoint_folder_holds_transformers_files_and_from_pretrained_loads_it(saved):
+    root = saved["root"]
+    for step in (2, 4):
+        theirs = {p.name for p in (root / "hf" / f"checkpoint-{step}").iterdir()}
+        ours = {p.name for p in (root / "hookloop" / f"checkpoint-{step}").iterdir()}
+        assert theirs <= ours, theirs - ours
+    folder = root / "hookloop" / "checkpoint-2"
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(root / "hf" / "checkpoint-2")
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], value, rtol=1e-5, atol=1e-6)
+    state = json.loads((folder / "trainer_state.json").read_text())
+    assert state["global_step"] == 2
+    transformers.TrainerState.load_from_json(str(folder / "trainer_state.json"))
+
+
+def test_transformers_trainer_resumes_from_a_dialect_checkpoint(saved, tmp_path: Path):
+    resumed = _lm_trainer("hf", tmp_path)
+    _quiet(
+        lambda: resumed.train(
+            resume_from_checkpoint=str(saved["root"] / "hookloop" / "checkpoint-2")
+        )
+    )
+    whole = _step_losses(saved["hf"])
+    after = _step_losses(resumed)
+    assert {s: after[s] for s in (3, 4)} == pytest.approx({s: whole[s] for s in (3, 4)}, rel=1e-5)
+    for name, value in saved["hf"].model.state_dict().items():
+        torch.testing.assert_close(resumed.model.state_dict()[name], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("copy", [["cp", "-r"], ["cp", "-rL"]], ids=["cp -r", "cp -rL"])
+def test_a_copied_checkpoint_folder_resumes_exactly(saved, tmp_path: Path, copy: list[str]):
+    import subprocess
+
+    copied = tmp_path / "elsewhere" / "checkpoint-2"
+    copied.parent.mkdir()
+    subprocess.run(
+        [*copy, str(saved["root"] / "hookloop" / "checkpoint-2"), str(copied)], check=True
+    )
+    resumed = _lm_trainer("hookloop", tmp_path / "out")
+    _quiet(lambda: resumed.train(resume_from_checkpoint=str(copied)))
+    whole = _step_losses(saved["hookloop"])
+    after = _step_losses(resumed)
+    assert {s: after[s] for s in (3, 4)} == {s: whole[s] for s in (3, 4)}  # bitwise
+    for name, value in saved["hookloop"].model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[name], value), name

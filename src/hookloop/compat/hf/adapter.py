@@ -18,6 +18,7 @@ it names some of them elsewhere (seed 004's ``on_log_step(self, state, logs,
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import time
@@ -35,7 +36,7 @@ from hookloop.compat._toolkit import (
     scan_hooks,
     stray_message,
 )
-from hookloop.compat.hf import flow, layout
+from hookloop.compat.hf import flow, layout, results
 from hookloop.compat.hf.callback import TrainerCallback
 from hookloop.compat.hf.handler import instance, is_exportable
 from hookloop.compat.hf.types import (
@@ -115,6 +116,7 @@ class HFSession:
         self.state = TrainerState()
         self.control = TrainerControl()
         self.processing_class = processing_class
+        self.data_collator: Any = None  # the Trainer's, whose tokenizer a checkpoint may save
         self.kwargs: dict[str, Any] | None = None  # the common kwargs, once bound
         self._bookkeeping: list[Callback] | None = None
         self._warned_epoch_stop = False
@@ -468,7 +470,19 @@ class _SessionFirst(_SessionPart):
         if hf_style:
             session.refresh(ctx, "on_checkpoint_save")
             state.stateful_callbacks = session.export_callbacks()
-            layout.write(output_dir, ctx.state.step, ctx.checkpoint_path, state)
+            layout.write(output_dir, ctx.state.step, ctx.checkpoint_path, state, self._extras(ctx))
+
+    def _extras(self, ctx: CallbackContext) -> Any:
+        """What writes transformers' own files into a ``checkpoint-N`` folder."""
+        session = self.session
+        return functools.partial(
+            results.write_checkpoint_extras,
+            model=ctx.model,
+            scheduler=ctx.scheduler,
+            args=session.args,
+            processing_class=session.processing_class,
+            data_collator=session.data_collator,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         session = self.session

@@ -1,24 +1,37 @@
-"""HF's checkpoint layout for the dialect: ``output_dir/checkpoint-N/trainer_state.json``.
+"""HF's checkpoint layout for the dialect: ``output_dir/checkpoint-N/``.
 
 hookloop's checkpoints stay where and as the engine writes them (atomic,
-checksummed, under ``output_dir/checkpoints/``); beside them each save gets
-HF's folder ``checkpoint-N`` holding ``trainer_state.json`` (HF's
-``TrainerState``, stateful callbacks included), a relative link to each file of
-the hookloop checkpoint (``model.safetensors``, ...) and one, ``.hookloop``, to
-the checkpoint itself. HF code that resumes from ``output_dir/checkpoint-N`` or
-reads its files finds them.
-A folder whose checkpoint was rotated away is removed with it.
+checksummed, under ``output_dir/checkpoints/``); beside them each save gets HF's
+folder ``checkpoint-N``, a complete checkpoint both ways:
+
+- every file of the hookloop checkpoint (``manifest.json``, ``model.safetensors``,
+  ``optimizer.pt``, ``trainer_state.pt``, ``config.yaml``), hard-linked (copied where
+  the file system cannot link), so a copy of the folder (``cp -r``, ``cp -rL``)
+  resumes on its own, exactly;
+- what transformers writes beside them (``config.json``, ``generation_config.json``,
+  the tokenizer's files, ``scheduler.pt``, ``rng_state.pth``, ``training_args.bin``,
+  ``trainer_state.json``): ``from_pretrained`` loads the folder and
+  ``transformers.Trainer`` resumes from it (``model.safetensors`` and
+  ``optimizer.pt`` are in both formats at once);
+- ``.hookloop``, a relative link to the hookloop checkpoint: a folder whose
+  checkpoint was rotated away is removed with it.
+
+The folder is built under a temporary name and renamed into place.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hookloop.checkpoint import SavePolicy
+from hookloop.checkpoint import MANIFEST, SavePolicy
+from hookloop.checkpoint.storage import write_synced
 
 TRAINER_STATE_NAME = "trainer_state.json"
 LINK = ".hookloop"
@@ -28,18 +41,54 @@ def hf_folder(output_dir: str | os.PathLike[str], step: int) -> Path:
     return Path(output_dir) / f"checkpoint-{step}"
 
 
-def write(output_dir: str | os.PathLike[str], step: int, native: Path, state: Any) -> Path:
-    """HF's folder for the checkpoint ``native`` of ``step``; returns it."""
+def write(
+    output_dir: str | os.PathLike[str],
+    step: int,
+    native: Path,
+    state: Any,
+    extras: Callable[[Path], None] | None = None,
+) -> Path:
+    """HF's folder for the checkpoint ``native`` of ``step`` (see the module doc);
+    ``extras(folder)`` writes transformers' own files into it. Returns the folder."""
     folder = hf_folder(output_dir, step)
-    folder.mkdir(parents=True, exist_ok=True)
-    for entry in [LINK, *(p.name for p in Path(native).iterdir())]:
-        link, target = folder / entry, Path(native) if entry == LINK else Path(native) / entry
-        if link.is_symlink() or link.is_file():
-            link.unlink()
-        link.symlink_to(os.path.relpath(target, folder), target_is_directory=target.is_dir())
-    state.save_to_json(folder / TRAINER_STATE_NAME)
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    for entry in Path(native).iterdir():
+        if entry.is_file() and entry.name != MANIFEST:
+            _link_or_copy(entry, partial / entry.name)
+    if extras is not None:
+        extras(partial)
+    state.save_to_json(partial / TRAINER_STATE_NAME)
+    # The folder's own manifest lists transformers' files too, so the folder (or a copy)
+    # passes hookloop's check of a checkpoint: nothing unlisted, every file intact.
+    manifest = json.loads((Path(native) / MANIFEST).read_text(encoding="utf-8"))
+    for entry in sorted(partial.iterdir()):
+        if entry.is_file() and entry.name not in manifest["files"]:
+            manifest["files"][entry.name] = {"size": entry.stat().st_size, "sha256": _sha256(entry)}
+    write_synced(partial / MANIFEST, json.dumps(manifest, indent=1).encode())
+    (partial / LINK).symlink_to(os.path.relpath(native, folder), target_is_directory=True)
+    if folder.exists() or folder.is_symlink():
+        shutil.rmtree(folder)
+    os.replace(partial, folder)
     _prune(Path(output_dir))
     return folder
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    """A hard link (no second copy on disk), or a copy across file systems."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
 
 
 def _prune(output_dir: Path) -> None:
@@ -62,9 +111,15 @@ def last_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
 
 
 def native_checkpoint(path: str | os.PathLike[str]) -> str:
-    """The hookloop checkpoint behind an HF folder (any other path as given)."""
+    """The hookloop checkpoint behind an HF folder: the one its link names while that
+    exists (or the copy of it a ``cp -rL`` made), else the folder itself (a copy holds
+    every file of it, listed in its own manifest); any other path as given."""
     link = Path(path) / LINK
-    return str(link.resolve()) if link.is_symlink() else str(path)
+    if link.is_symlink() and link.exists():
+        return str(link.resolve())
+    if link.is_dir() and (link / MANIFEST).is_file():  # copied with its link followed (cp -rL)
+        return str(link)
+    return str(path)
 
 
 @dataclasses.dataclass

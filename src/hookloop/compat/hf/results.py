@@ -164,3 +164,56 @@ def _write_json(path: Path, value: dict[str, Any]) -> None:
 def _check_split(split: Any) -> None:
     if not isinstance(split, str) or not split:
         raise ValueError(f"split must be a non-empty name such as 'train' or 'eval', got {split!r}")
+
+
+def write_checkpoint_extras(
+    folder: Path,
+    *,
+    model: torch.nn.Module,
+    scheduler: Any,
+    args: Any,
+    processing_class: Any = None,
+    data_collator: Any = None,
+) -> None:
+    """transformers' files of a ``checkpoint-N`` that hookloop's checkpoint lacks: the
+    model's ``config.json`` (and ``generation_config.json``), the tokenizer,
+    ``scheduler.pt``, ``rng_state.pth`` and ``training_args.bin``."""
+    config = getattr(model, "config", None)
+    if callable(getattr(config, "save_pretrained", None)):
+        config.save_pretrained(str(folder))
+    generation = getattr(model, "generation_config", None)
+    can_generate = getattr(model, "can_generate", None)
+    if generation is not None and callable(can_generate) and can_generate():
+        generation.save_pretrained(str(folder))
+    tokenizer = getattr(data_collator, "tokenizer", None)
+    saver = processing_class if processing_class is not None else tokenizer
+    if saver is not None:
+        saver.save_pretrained(str(folder))
+    if scheduler is not None:
+        torch.save(scheduler.state_dict(), folder / "scheduler.pt")
+    torch.save(rng_states(), folder / _rng_file())
+    torch.save(args, folder / TRAINING_ARGS_NAME)
+
+
+def rng_states() -> dict[str, Any]:
+    """The generators' states as transformers keeps them in ``rng_state.pth``."""
+    import random
+
+    import numpy as np
+
+    states: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "cpu": torch.random.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.random.get_rng_state_all()
+    return states
+
+
+def _rng_file() -> str:
+    """``rng_state.pth`` for one process, ``rng_state_{rank}.pth`` for several."""
+    initialised = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if initialised and torch.distributed.get_world_size() > 1:
+        return f"rng_state_{torch.distributed.get_rank()}.pth"
+    return "rng_state.pth"

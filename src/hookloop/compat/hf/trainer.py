@@ -148,7 +148,7 @@ class Trainer:
         if session.drives_loop:
             collator = hf_data.collator_for(data_collator, processing_class)
             self._hf_data = {"args": args, "model": model, "collator": collator}
-            self.data_collator = collator
+            self.data_collator = session.data_collator = collator
             run = self._decided_by_args(args, model, run)
             run.dialect = hf_parts.dialect(session, hf_loss, compute_metrics)
         elif data_collator is not None:
