@@ -459,3 +459,40 @@ def test_a_copied_checkpoint_folder_resumes_exactly(saved, tmp_path: Path, copy:
     assert {s: after[s] for s in (3, 4)} == {s: whole[s] for s in (3, 4)}  # bitwise
     for name, value in saved["hookloop"].model.state_dict().items():
         assert torch.equal(resumed.model.state_dict()[name], value), name
+
+
+# -- predict() and trainers that only evaluate ------------------------------------------------
+
+
+def _predicted(kind: str, out: Path, model: Any, data: Any, collator: Any = None) -> Any:
+    # no train_dataset: a trainer built to evaluate and predict only
+    trainer = _quiet(
+        lambda: FACTORIES[kind](model, _args(out, per_device_eval_batch_size=4), collator)
+    )
+    return trainer.predict(data), _quiet(lambda: trainer.evaluate(data))
+
+
+@pytest.mark.parametrize("model_kind", ["tuple outputs", "dict outputs, padded tokens"])
+def test_predict_returns_transformers_prediction_output(tmp_path: Path, model_kind: str):
+    if model_kind == "tuple outputs":
+        make = lambda: (RegressionModel(), RegressionDataset(10, seed=3), None)  # noqa: E731
+    else:
+        make = lambda: (  # noqa: E731
+            gpt2(),
+            [{"input_ids": r} for r in token_rows(10, seed=2)],
+            transformers.DataCollatorForLanguageModeling(tokenizer(), mlm=False),
+        )
+    (theirs, their_eval), (ours, our_eval) = (
+        _predicted(kind, tmp_path / kind, *make()) for kind in FACTORIES
+    )
+    assert type(ours).__name__ == "PredictionOutput"
+    assert ours.predictions.shape == theirs.predictions.shape
+    assert ours.predictions == pytest.approx(theirs.predictions, rel=1e-5, abs=1e-6)
+    assert (ours.label_ids == theirs.label_ids).all()  # padded with -100 alike
+    assert sorted(ours.metrics) == sorted(theirs.metrics)
+    assert ours.metrics["test_loss"] == pytest.approx(theirs.metrics["test_loss"], rel=1e-5)
+    assert our_eval["eval_loss"] == pytest.approx(their_eval["eval_loss"], rel=1e-5)
+    assert sorted(our_eval) == sorted(their_eval)
+    predictions, label_ids, metrics = ours  # unpacks as a triple
+    assert (predictions is ours.predictions, label_ids is ours.label_ids) == (True, True)
+    assert metrics is ours.metrics

@@ -31,7 +31,7 @@ from hookloop.callback import Stateful
 from hookloop.compat.hf.adapter import HFSession
 from hookloop.compat.hf.callback import TrainerCallback
 from hookloop.compat.hf.data import default_data_collator
-from hookloop.compat.hf.evaluation import EvalPrediction
+from hookloop.compat.hf.evaluation import EvalLoopOutput, EvalPrediction, PredictionOutput
 from hookloop.compat.hf.handler import (
     CallbackHandler,
     DefaultFlowCallback,
@@ -80,6 +80,7 @@ __all__ = [
     "DefaultMetrics",
     "DiLoCoCallback",
     "DivergenceDetector",
+    "EvalLoopOutput",
     "EvalPrediction",
     "ExportableState",
     "GradNormLogger",
@@ -88,6 +89,7 @@ __all__ = [
     "JsonLogger",
     "ParameterNormLogger",
     "PeakMemory",
+    "PredictionOutput",
     "PrinterCallback",
     "ProfilerCallback",
     "ProgressCallback",

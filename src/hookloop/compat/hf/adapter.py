@@ -137,6 +137,10 @@ class HFSession:
         #: HF's count of the run's samples (its throughput's numerator), from the budget
         self.train_samples: float | None = None
         self._eval_start = 0.0
+        #: transformers' ``model_preparation_time``: set by an evaluation before any
+        #: training (the model is prepared then), and reported by every one after it
+        self.model_preparation_time: float | None = None
+        self.trained = False
         # HF's compute_metrics(EvalPrediction): predictions and labels of one evaluation
         self.compute_metrics: Callable[[Any], dict[str, Any]] | None = None
         self._predictions: list[Any] = []
@@ -407,6 +411,7 @@ class _SessionFirst(_SessionPart):
         self.session.bind(ctx)
 
     def on_train_start(self, ctx: CallbackContext) -> None:
+        self.session.trained = True
         session = self.session
         session.refresh(ctx, "on_train_start")
         session.state.set_budget(ctx.state, session.args)
@@ -447,10 +452,12 @@ class _SessionFirst(_SessionPart):
         session.refresh(ctx, "on_eval_end")
         if session.compute_metrics is not None and session._predictions:
             _add_computed_metrics(session, ctx.metrics)
-        if session.drives_loop:  # HF's metrics: the loss and the evaluation's speed
+        runtime = any(k.endswith("_runtime") for k in ctx.metrics)
+        if session.drives_loop and not runtime:  # a native evaluation's: HF's speed keys
             batches = ctx.run.eval_batches or 0
             samples = batches * getattr(session.args, "per_device_eval_batch_size", 1)
             flow.eval_speed(ctx.metrics, time.monotonic() - session._eval_start, samples, batches)
+        if session.drives_loop:
             session.control.should_log = False
         session.control.should_evaluate = False
         state = session.state

@@ -12,10 +12,27 @@ key gets the ``metric_key_prefix``.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+
+
+class PredictionOutput(NamedTuple):
+    """What ``Trainer.predict`` returns, as transformers' ``PredictionOutput``."""
+
+    predictions: Any
+    label_ids: Any
+    metrics: dict[str, float] | None
+
+
+class EvalLoopOutput(NamedTuple):
+    """transformers' ``EvalLoopOutput``: a prediction pass and how many samples it saw."""
+
+    predictions: Any
+    label_ids: Any
+    metrics: dict[str, float] | None
+    num_samples: int | None
 
 
 class EvalPrediction:
@@ -59,10 +76,13 @@ class Evaluation:
         compute_metrics: Callable[[EvalPrediction], dict[str, Any]] | None,
         include_for_metrics: list[str],
         nan_filter: bool,
+        keep_predictions: bool = False,
     ) -> None:
         self.label_names, self.ignore = label_names, ignore_keys
         self.compute_metrics, self.include = compute_metrics, set(include_for_metrics or ())
         self.nan_filter = nan_filter
+        self.keep = keep_predictions or compute_metrics is not None
+        self.samples = self.batches = 0
         self.losses: list[np.ndarray] = []
         self.preds: Any = None
         self.labels: Any = None
@@ -73,10 +93,12 @@ class Evaluation:
 
     def add(self, batch: Mapping[str, Any], loss: torch.Tensor | None, outputs: Any) -> None:
         """One batch: its mean loss, and, with ``compute_metrics``, its predictions."""
+        size = _batch_size(batch)
+        self.samples += size
+        self.batches += 1
         if loss is not None:
-            size = _batch_size(batch)
             self.losses.append(loss.detach().reshape(1).repeat(size).float().cpu().numpy())
-        if self.compute_metrics is None:
+        if not self.keep:
             return
         logits = _predictions(outputs, self.ignore)
         if logits is not None:
@@ -87,6 +109,11 @@ class Evaluation:
         if "inputs" in self.include:
             main = batch.get("input_ids", next(iter(batch.values())))
             self.inputs = _concat(self.inputs, main.detach())
+
+    def predictions(self) -> tuple[Any, Any]:
+        """``(predictions, label_ids)`` as numpy arrays (or tuples of them; None where
+        there were none), as ``predict()`` returns them."""
+        return _numpy(self.preds), _numpy(self.labels)
 
     def metrics(self, prefix: str) -> dict[str, Any]:
         """The evaluation's metrics, every key starting with ``prefix_``."""

@@ -66,6 +66,13 @@ def eval_speed(metrics: dict[str, Any], seconds: float, samples: int, batches: i
     metrics.update(_speed("eval", seconds, samples, batches))
 
 
+def speed_into(
+    metrics: dict[str, Any], prefix: str, seconds: float, samples: int, batches: int
+) -> None:
+    """``{prefix}_runtime`` / ``_samples_per_second`` / ``_steps_per_second``."""
+    metrics.update(_speed(prefix, seconds, samples, batches))
+
+
 def train_summary(
     seconds: float, samples: float, steps: int, total_flos: float, train_loss: float
 ) -> dict[str, float]:

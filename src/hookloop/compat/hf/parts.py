@@ -291,17 +291,21 @@ class HFEvaluation(Evaluation):
         self.session, self.hf_loss, self.compute_metrics = session, hf_loss, compute_metrics
         self.prefix: str | None = None
         self.ignore_keys: list[str] | None = None
+        self.keep_predictions = False  # predict(): predictions also without compute_metrics
+        self.last: Collected | None = None  # the latest pass's predictions and labels
 
     def run(self, loader: Any, kind: str) -> dict[str, float]:
         ctx, hooks, fire, model, hf_loss = self.ctx, self.hooks, self.fire, self.model, self.hf_loss
         args = self.session.args
-        prefix = kind if kind != "eval" or self.prefix is None else self.prefix
+        prefix = self.prefix if self.prefix is not None else kind
+        started = time.monotonic()
         collected = Collected(
             hf_data.label_names(model, args),
             self.ignore_keys if self.ignore_keys is not None else ignored_keys(model),
             self.compute_metrics,
             list(hf_optim.arg(args, "include_for_metrics", []) or []),
             nan_filter=bool(hf_optim.arg(args, "logging_nan_inf_filter", True)),
+            keep_predictions=self.keep_predictions,
         )
         was_training = model.training
         model.eval()
@@ -327,6 +331,16 @@ class HFEvaluation(Evaluation):
                     fire(f"on_{kind}_step_end", ctx)
                 ctx.batch = ctx.outputs = ctx.loss = None
         metrics = collected.metrics(prefix)
+        session = self.session
+        if session.model_preparation_time is None and not session.trained:
+            session.model_preparation_time = 0.0  # the loop placed the model when built
+        if session.model_preparation_time is not None:
+            metrics[f"{prefix}_model_preparation_time"] = session.model_preparation_time
+        # HF's speed keys (with the prefix), before on_evaluate / on_predict see the metrics
+        per_batch = max(int(hf_optim.arg(args, "per_device_eval_batch_size", 8)), 1)
+        steps = math.ceil(collected.samples / per_batch)
+        flow.speed_into(metrics, prefix, time.monotonic() - started, collected.samples, steps)
+        self.last = collected
         self.finish(kind, metrics)
         model.train(was_training)
         return metrics

@@ -28,6 +28,7 @@ from hookloop.compat.hf import data as hf_data
 from hookloop.compat.hf import optim as hf_optim
 from hookloop.compat.hf import parts as hf_parts
 from hookloop.compat.hf.adapter import HFSession
+from hookloop.compat.hf.evaluation import PredictionOutput
 from hookloop.compat.hf.handler import CallbackHandler, DefaultFlowCallback, PrinterCallback
 from hookloop.compat.hf.loss import HFLoss, loss_of
 from hookloop.compat.hf.types import CONTROL_FLAGS, TrainingArguments
@@ -363,9 +364,37 @@ class Trainer:
         """The native ``test()`` (``on_test_*`` events; keys ``test_*``)."""
         return self.loop.test(self._loader(data, train=False))
 
-    def predict(self, data: Iterable[Any]) -> list[Any]:
-        """The native ``predict()``: whatever ``loss_func`` returns, batch by batch."""
-        return self.loop.predict(self._loader(data, train=False))  # type: ignore[arg-type]
+    def predict(
+        self,
+        test_dataset: Iterable[Any],
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "test",
+    ) -> Any:
+        """HF's ``predict``: a :class:`PredictionOutput` of the predictions (the model's
+        outputs but the loss), the ``label_ids`` (None without labels) and the metrics
+        (``test_loss``, the speed, ``compute_metrics``'s, all prefixed), firing
+        ``on_predict``. With a native step (``loss_fn``/``forward_step``) it is the native
+        ``predict()``: what ``loss_func`` returns, batch by batch."""
+        if not isinstance(metric_key_prefix, str) or not metric_key_prefix:
+            raise ValueError(
+                f"metric_key_prefix must be a non-empty string, got {metric_key_prefix!r}"
+            )
+        if test_dataset is None:
+            raise ValueError("predict() needs a test_dataset")
+        evaluation = self.loop.evaluation
+        loader = self._loader(test_dataset, train=False)
+        if not isinstance(evaluation, hf_parts.HFEvaluation):
+            return self.loop.predict(loader)  # type: ignore[arg-type]
+        evaluation.prefix, evaluation.ignore_keys = metric_key_prefix, ignore_keys
+        evaluation.keep_predictions = True
+        try:
+            metrics = self.loop.test(loader)
+        finally:
+            evaluation.prefix = evaluation.ignore_keys = None
+            evaluation.keep_predictions = False
+        collected, evaluation.last = evaluation.last, None
+        predictions, label_ids = collected.predictions() if collected else (None, None)
+        return PredictionOutput(predictions, label_ids, metrics)
 
     def save_checkpoint(self) -> Path | None:
         return self.loop.save_checkpoint()
