@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -190,9 +191,10 @@ class OursPenalised(hf.Trainer):
 
 def _regression_run(factory: Any, out: Path, **kwargs: Any) -> Any:
     args = kwargs.pop("args", None) or _args(out, max_steps=6, gradient_accumulation_steps=2)
+    model = None if "model_init" in kwargs else kwargs.pop("model", None) or RegressionModel()
     trainer = _quiet(
         lambda: factory(
-            None if "model_init" in kwargs else RegressionModel(),
+            model,
             args,
             train_dataset=RegressionDataset(40),
             eval_dataset=RegressionDataset(16, seed=7),
@@ -496,3 +498,45 @@ def test_predict_returns_transformers_prediction_output(tmp_path: Path, model_ki
     predictions, label_ids, metrics = ours  # unpacks as a triple
     assert (predictions is ours.predictions, label_ids is ours.label_ids) == (True, True)
     assert metrics is ours.metrics
+
+
+# -- numbers: NaN/Inf steps ------------------------------------------------------------------
+
+
+class SpikyRegression(RegressionModel):
+    """An Inf loss on batches holding a label above 4 (no gradient through it): the
+    update still happens, the logged loss must be filtered as transformers filters it."""
+
+    def forward(self, input_x: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+        out = super().forward(input_x, labels)
+        if labels is None:
+            return out
+        spike = torch.where(labels.max() > 4, torch.tensor(float("inf")), torch.tensor(0.0))
+        return (out[0] + spike, *out[1:])
+
+
+@pytest.mark.parametrize("nan_filter", [True, False])
+def test_a_non_finite_loss_is_applied_and_filtered_from_the_log_as_in_transformers(
+    tmp_path: Path, nan_filter: bool
+):
+    runs = {
+        kind: _regression_run(
+            FACTORIES[kind],
+            tmp_path / kind,
+            model=SpikyRegression(),
+            args=_args(
+                tmp_path / kind,
+                max_steps=8,
+                gradient_accumulation_steps=2,
+                logging_steps=3,
+                max_grad_norm=0.0,
+                logging_nan_inf_filter=nan_filter,
+            ),
+        )
+        for kind in FACTORIES
+    }
+    theirs, ours = (_losses(runs[k]) for k in FACTORIES)
+    assert any(not np.isfinite(x) for x in theirs) != nan_filter  # the data has spikes
+    assert ours == pytest.approx(theirs, rel=1e-5, nan_ok=True)
+    for name, value in runs["hf"].model.state_dict().items():  # every update was applied
+        torch.testing.assert_close(runs["hookloop"].model.state_dict()[name], value)

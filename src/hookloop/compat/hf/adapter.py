@@ -141,6 +141,7 @@ class HFSession:
         #: training (the model is prepared then), and reported by every one after it
         self.model_preparation_time: float | None = None
         self.trained = False
+        self.loss_poisoned = False  # a logged loss was NaN/Inf (see HFLogBook.log)
         # HF's compute_metrics(EvalPrediction): predictions and labels of one evaluation
         self.compute_metrics: Callable[[Any], dict[str, Any]] | None = None
         self._predictions: list[Any] = []
@@ -412,6 +413,7 @@ class _SessionFirst(_SessionPart):
 
     def on_train_start(self, ctx: CallbackContext) -> None:
         self.session.trained = True
+        self.session.loss_poisoned = False
         session = self.session
         session.refresh(ctx, "on_train_start")
         session.state.set_budget(ctx.state, session.args)

@@ -58,7 +58,7 @@ def dialect(session: Any, hf_loss: HFLoss | None, compute_metrics: Any) -> Diale
     micro-step and evaluation then run."""
     return Dialect(
         plan_budget=functools.partial(plan_budget, session=session),
-        micro_step=functools.partial(_micro_step, hf_loss=hf_loss),
+        micro_step=functools.partial(_micro_step, hf_loss=hf_loss, session=session),
         clipping=functools.partial(_clipping, session=session),
         logbook=functools.partial(_logbook, session=session),
         evaluation=functools.partial(
@@ -145,7 +145,12 @@ def samples_of(args: Any, loader: Any, plan: Plan, groups: int) -> float:
 class HFMicroStep(MicroStep):
     """``training_step`` for each micro-batch of dict batches (``compute_loss`` and its
     accumulation scaling); the step's loss is the sum of the scaled losses. Batches of
-    another shape run the native micro-step."""
+    another shape run the native micro-step.
+
+    With ``logging_nan_inf_filter`` (HF's default) a NaN or Inf micro-batch loss counts,
+    in the logged loss, as the mean of the window so far, as HF's loop adds it; the
+    update itself is applied, as HF applies it. (On the device: no host read.)
+    """
 
     def __init__(
         self,
@@ -156,9 +161,14 @@ class HFMicroStep(MicroStep):
         hf_loss: HFLoss,
         device: Any,
         progress: Any,
+        session: Any,
     ) -> None:
         super().__init__(forward, state, precision)
         self.hf_loss, self.device, self.progress = hf_loss, device, progress
+        self.session = session
+        self.nan_filter = bool(hf_optim.arg(session.args, "logging_nan_inf_filter", True))
+        self.window_total: torch.Tensor | None = None  # the losses logged since the last log
+        self.window_of: int | None = None  # the step that log was at
         self.native = True
         self.num_items: Any = None
         self.step_loss: torch.Tensor | None = None
@@ -181,19 +191,41 @@ class HFMicroStep(MicroStep):
         scaled = hf_loss.scaled(loss, self.num_items, k)
         self.precision.backward(scaled)
         part = scaled.detach()
+        if self.nan_filter:
+            part = self.filtered(part)
         self.step_loss = part if self.step_loss is None else self.step_loss + part
         return outputs, loss
 
+    def filtered(self, part: torch.Tensor) -> torch.Tensor:
+        """``part``, or where it is NaN/Inf the mean of the window so far (HF's rule)."""
+        logged_at = self.session.last_logged_step
+        if self.window_of != logged_at:  # a log emptied the window
+            self.window_total, self.window_of = None, logged_at
+        total = part.new_zeros(()) if self.window_total is None else self.window_total
+        if self.step_loss is not None:
+            total = total + self.step_loss
+        steps_done = self.progress.step - 1 - logged_at  # HF's global_step - last logged
+        return torch.where(torch.isfinite(part), part, total / (1 + steps_done))
+
     def end(self) -> None:
         if not self.native:
+            if self.nan_filter and self.step_loss is not None:
+                kept = self.window_total
+                self.window_total = self.step_loss if kept is None else kept + self.step_loss
             self.reducer.add((self.step_loss, {}))
 
 
-def _micro_step(p: Parts, *, hf_loss: HFLoss | None) -> MicroStep:
+def _micro_step(p: Parts, *, hf_loss: HFLoss | None, session: Any) -> MicroStep:
     if hf_loss is None:
         return MicroStep(p.forward, p.state, p.precision)
     return HFMicroStep(
-        p.forward, p.state, p.precision, hf_loss=hf_loss, device=p.device, progress=p.progress
+        p.forward,
+        p.state,
+        p.precision,
+        hf_loss=hf_loss,
+        device=p.device,
+        progress=p.progress,
+        session=session,
     )
 
 
@@ -225,6 +257,11 @@ class HFLogBook(LogBook):
         logs: dict[str, Any] = {}
         if means is not None:
             loss = dict(zip(keys, means.tolist(), strict=True)).get("loss", 0.0)
+            if session.loss_poisoned:
+                loss = math.nan
+            # HF resets its running loss by subtracting it from itself: once a logged loss
+            # is NaN or Inf, every later one in this train() is NaN, as transformers logs.
+            session.loss_poisoned = not math.isfinite(loss)
             logs["loss"] = loss
             session.total_loss += loss * steps
         if window.grad_norm is not None:

@@ -199,6 +199,9 @@ class Trainer:
             config.train.log_every = _NO_NATIVE_LOG
         # HF saves where the flags say and on_save clears should_save: at the save step.
         config.checkpoint.async_save = False
+        # HF applies a step whose loss or gradients are NaN/Inf (it only keeps such a loss
+        # out of the logged mean, with logging_nan_inf_filter): no step is skipped.
+        config.train.skip_nonfinite = False
         _seed_everything(int(hf_optim.arg(args, "seed", 42)))  # as HF's Trainer does
         datasets = [self._loader(d, train=i == 0) for i, d in enumerate(run.datasets)]
         optimizer = run.optimizer or hf_optim.create_optimizer(
