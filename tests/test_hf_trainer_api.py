@@ -540,3 +540,46 @@ def test_a_non_finite_loss_is_applied_and_filtered_from_the_log_as_in_transforme
     assert ours == pytest.approx(theirs, rel=1e-5, nan_ok=True)
     for name, value in runs["hf"].model.state_dict().items():  # every update was applied
         torch.testing.assert_close(runs["hookloop"].model.state_dict()[name], value)
+
+
+def test_reduce_lr_on_plateau_steps_after_each_evaluation_as_in_transformers(tmp_path: Path):
+    settings = {
+        "max_steps": 12,
+        "eval_strategy": "steps",
+        "eval_steps": 2,
+        "logging_steps": 1,
+        "learning_rate": 0.05,
+        "lr_scheduler_type": "reduce_lr_on_plateau",
+        "lr_scheduler_kwargs": {"patience": 0, "factor": 0.5},
+    }
+    runs = {
+        kind: _regression_run(
+            FACTORIES[kind], tmp_path / kind, args=_args(tmp_path / kind, **settings)
+        )
+        for kind in FACTORIES
+    }
+    _assert_same_run(runs["hf"], runs["hookloop"])
+    rates = {
+        kind: [e["learning_rate"] for e in runs[kind].state.log_history if "learning_rate" in e]
+        for kind in FACTORIES
+    }
+    assert rates["hookloop"] == pytest.approx(rates["hf"])
+    assert min(rates["hf"]) < 0.05  # the plateau cut the rate at least once
+
+
+def test_the_native_loop_refuses_a_plateau_scheduler_it_cannot_step(tmp_path: Path):
+    from hookloop import TrainConfig
+    from hookloop import Trainer as NativeTrainer
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+    with pytest.raises(ValueError, match="ReduceLROnPlateau scheduler steps on a metric"):
+        NativeTrainer(
+            model,
+            opt,
+            train_data=[(torch.randn(4, 2), torch.randn(4, 1))],
+            loss_fn=torch.nn.functional.mse_loss,
+            scheduler=plateau,
+            config=TrainConfig(max_steps=1, device="cpu"),
+        )

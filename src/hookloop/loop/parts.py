@@ -77,6 +77,9 @@ class Dialect:
     schedule: Callable[[Parts], Schedule] | None = None
     #: A save asked for at a step already saved announces that checkpoint again.
     announce_repeated_saves: bool = False
+    #: The dialect steps a metric-driven LR scheduler (``ReduceLROnPlateau``) after its
+    #: evaluations itself; the native loop refuses one (it has no metric per step).
+    steps_metric_scheduler: bool = False
 
 
 @dataclass
@@ -383,6 +386,13 @@ def _stepper(p: Parts) -> Stepper:
         else MicroStep(p.forward, p.state, p.precision)
     )
     clipping = dialect.clipping(p) if dialect.clipping is not None else Clipping(cfg.clip_grad_norm)
+    on_metric = isinstance(p.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    if on_metric and not dialect.steps_metric_scheduler:
+        raise ValueError(
+            "a ReduceLROnPlateau scheduler steps on a metric, not once a step: pass "
+            "scheduler=None and step it in a callback's on_eval_end "
+            "(ctx.scheduler is None then; keep your own reference)"
+        )
     return Stepper(
         model=p.model,
         train_model=p.train_model,
@@ -401,6 +411,7 @@ def _stepper(p: Parts) -> Stepper:
         device=p.device,
         timers=(p.timers["forward-backward"], p.timers["optimizer"]),
         clock=p.clock,
+        steps_scheduler=not on_metric,
     )
 
 

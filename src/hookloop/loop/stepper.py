@@ -113,6 +113,7 @@ class Stepper:
         device: torch.device,
         timers: tuple[Any, Any],
         clock: Callable[[], float],
+        steps_scheduler: bool = True,
     ) -> None:
         self.model, self.train_model = model, train_model
         self.optimizer, self.scheduler, self.precision = optimizer, scheduler, precision
@@ -127,6 +128,7 @@ class Stepper:
         self.rewinder, self.config, self.device = rewinder, config, device
         self.fb_timer, self.opt_timer = timers
         self.clock = clock
+        self.steps_scheduler = steps_scheduler  # False: a metric-driven one, stepped elsewhere
         self.finite = FiniteCheck(device)
         self.tokens: torch.Tensor | None = None
         self.zeros: torch.Tensor | None = None
@@ -238,7 +240,7 @@ class Stepper:
             else:
                 with self.rewinder.lr_scaled(self.optimizer, st.step):
                     self._apply_update()
-            if self.scheduler is not None and not precision.skipped_update:
+            if self.steps_scheduler and self.scheduler is not None and not precision.skipped_update:
                 self.scheduler.step()  # not after an update fp16's scaler skipped (as HF)
         self._clear()
         # Two intervals, as the optimizer timer has always counted them.

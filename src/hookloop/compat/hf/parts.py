@@ -43,6 +43,7 @@ from hookloop.compat.hf import optim as hf_optim
 from hookloop.compat.hf.evaluation import Evaluation as Collected
 from hookloop.compat.hf.evaluation import ignored_keys
 from hookloop.compat.hf.loss import HFLoss
+from hookloop.compat.hf.types import eval_key
 from hookloop.loop.evaluation import Evaluation
 from hookloop.loop.logbook import LogBook
 from hookloop.loop.parts import Dialect, Parts
@@ -67,6 +68,7 @@ def dialect(session: Any, hf_loss: HFLoss | None, compute_metrics: Any) -> Diale
         checkpoints=_checkpoints,
         schedule=functools.partial(_schedule, session=session),
         announce_repeated_saves=True,  # a step save and an epoch save: on_save fires twice
+        steps_metric_scheduler=True,  # ReduceLROnPlateau after evaluations, as HF
     )
 
 
@@ -329,6 +331,7 @@ class HFEvaluation(Evaluation):
         self.prefix: str | None = None
         self.ignore_keys: list[str] | None = None
         self.keep_predictions = False  # predict(): predictions also without compute_metrics
+        self.scheduler: Any = None  # a ReduceLROnPlateau is stepped after evaluations
         self.last: Collected | None = None  # the latest pass's predictions and labels
 
     def run(self, loader: Any, kind: str) -> dict[str, float]:
@@ -380,7 +383,24 @@ class HFEvaluation(Evaluation):
         self.last = collected
         self.finish(kind, metrics)
         model.train(was_training)
+        if kind == "eval" and self.progress.in_training:
+            self.step_metric_scheduler(metrics)
         return metrics
+
+    def step_metric_scheduler(self, metrics: dict[str, Any]) -> None:
+        """HF steps a ``ReduceLROnPlateau`` after each evaluation in training, on
+        ``metric_for_best_model`` (``eval_``-prefixed), once ``on_evaluate`` has run."""
+        scheduler = self.scheduler
+        if not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            return
+        key = eval_key(hf_optim.arg(self.session.args, "metric_for_best_model", None) or "loss")
+        if key not in metrics:
+            raise KeyError(
+                f"metric_for_best_model names {key!r}, which the evaluation did not report "
+                f"(it reported {', '.join(sorted(metrics))}); the ReduceLROnPlateau "
+                "scheduler steps on it"
+            )
+        scheduler.step(metrics[key])
 
 
 def _evaluation(
@@ -400,7 +420,11 @@ def _evaluation(
     )
     if hf_loss is None:
         return Evaluation(**common)
-    return HFEvaluation(session=session, hf_loss=hf_loss, compute_metrics=compute_metrics, **common)
+    evaluation = HFEvaluation(
+        session=session, hf_loss=hf_loss, compute_metrics=compute_metrics, **common
+    )
+    evaluation.scheduler = p.scheduler
+    return evaluation
 
 
 # -- checkpoints ----------------------------------------------------------------------------

@@ -114,6 +114,14 @@ class TrainingArguments:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TrainingArguments.{name} must be an int >= 1, got {value!r}")
         self._check_training_fields()
+        if self.lr_scheduler_type == "reduce_lr_on_plateau":  # as transformers' own rule
+            if self.eval_strategy == "no":
+                raise ValueError(
+                    "lr_scheduler_type='reduce_lr_on_plateau' steps after evaluations: set "
+                    "eval_strategy to 'steps' or 'epoch'"
+                )
+            if self.metric_for_best_model is None:
+                self.metric_for_best_model = "loss"
         if self.eval_steps is None and self.eval_strategy == "steps":
             self.eval_steps = self.logging_steps  # HF's rule
         if self.load_best_model_at_end and self.metric_for_best_model is None:
