@@ -583,3 +583,32 @@ def test_the_native_loop_refuses_a_plateau_scheduler_it_cannot_step(tmp_path: Pa
             scheduler=plateau,
             config=TrainConfig(max_steps=1, device="cpu"),
         )
+
+
+# -- the best checkpoint ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("limit", [None, 1], ids=["no limit", "save_total_limit=1"])
+def test_the_best_checkpoint_and_the_folders_kept_match_transformers(tmp_path: Path, limit):
+    # 40 samples / 4 = 10 steps an epoch; evaluations at epoch ends, saves every 5 steps:
+    # the epoch's save comes before its evaluation, so the best is noted at a later save
+    settings = {
+        "num_train_epochs": 3,
+        "eval_strategy": "epoch",
+        "save_strategy": "steps",
+        "save_steps": 5,
+        "metric_for_best_model": "loss",
+        "save_total_limit": limit,
+        "learning_rate": 0.05,
+    }
+    runs = {}
+    for kind in FACTORIES:
+        out = tmp_path / kind
+        runs[kind] = _regression_run(FACTORIES[kind], out, args=_args(out, **settings))
+    names = {}
+    for kind, trainer in runs.items():
+        best = trainer.state.best_model_checkpoint
+        folders = sorted(p.name for p in (tmp_path / kind).glob("checkpoint-*"))
+        names[kind] = (Path(best).name if best else None, trainer.state.best_global_step, folders)
+    assert names["hookloop"] == names["hf"]
+    assert names["hf"][0] is not None

@@ -21,9 +21,12 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
+import shutil
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from hookloop.callback import Callback
@@ -321,6 +324,22 @@ class HFSession:
 
         load_weights(ctx.model, layout.native_checkpoint(state.best_model_checkpoint))
 
+    def prune_after_training(self) -> None:
+        """HF's end of training with ``save_total_limit=1``: of the ``checkpoint-N``
+        folders only the best is kept (hookloop's own checkpoints keep their retention)."""
+        args, state = self.args, self.state
+        output_dir = getattr(args, "output_dir", None)
+        if getattr(args, "save_total_limit", None) != 1 or output_dir is None:
+            return
+        if state.best_model_checkpoint is None or results.world_rank() != 0:
+            return
+        best = Path(state.best_model_checkpoint)
+        if not best.is_dir():
+            return
+        for folder in Path(output_dir).glob("checkpoint-*"):
+            if folder.is_dir() and not os.path.samefile(folder, best):
+                shutil.rmtree(folder, ignore_errors=True)
+
     def adopt(self, result: Any, who: str, event: str) -> None:
         """A handler may return an updated control: its flags become the session's."""
         if result is None or result is self.control:
@@ -476,6 +495,12 @@ class _SessionFirst(_SessionPart):
         where = layout.hf_folder(output_dir, ctx.state.step) if hf_style else ctx.checkpoint_path
         if state.best_global_step is not None and state.best_global_step == ctx.state.step:
             state.best_model_checkpoint = str(where)
+        elif hf_style and state.best_global_step:
+            # as HF: the best step's folder, saved earlier than its evaluation (an epoch's
+            # evaluation after that step's save), is noted at the next save
+            best = layout.hf_folder(output_dir, state.best_global_step)
+            if best.is_dir():
+                state.best_model_checkpoint = str(best)
         if hf_style:
             session.refresh(ctx, "on_checkpoint_save")
             state.stateful_callbacks = session.export_callbacks()

@@ -125,18 +125,20 @@ def native_checkpoint(path: str | os.PathLike[str]) -> str:
 @dataclasses.dataclass
 class HFRetention(SavePolicy):
     """HF's ``save_total_limit``: the newest ``keep_last`` checkpoints, the best one
-    counted among them (moved to second newest), and two when the limit is one and
-    the best is not the newest."""
+    counted among them (moved to second newest), and two when the limit is one and the
+    best is not the newest. The best is HF's ``best_model_checkpoint`` at the time:
+    the checkpoint of ``best_step()`` (the best evaluation's step) when one was saved."""
+
+    best_step: Callable[[], int | None] = lambda: None
 
     def to_keep(self, manifests: list[dict[str, Any]], latest: str | None) -> set[str]:
         if self.keep_last is None:
             return {m["name"] for m in manifests}
         names = [m["name"] for m in sorted(manifests, key=lambda m: m.get("step", -1))]
-        scored = [m for m in manifests if isinstance(m.get("metric"), (int, float))]
+        step = self.best_step()
+        best = next((m["name"] for m in manifests if step and m.get("step") == step), None)
         limit = self.keep_last
-        if self.monitor and scored:
-            scored.sort(key=lambda m: (m["metric"], m.get("step", -1)), reverse=self.mode == "max")
-            best = scored[0]["name"] if self.mode == "min" else _earliest_best(scored)
+        if best is not None:
             names.remove(best)
             names.insert(max(len(names) - 1, 0), best)
             if limit == 1 and names[-1] != best:
@@ -145,9 +147,3 @@ class HFRetention(SavePolicy):
         if latest:
             keep.add(latest)
         return keep
-
-
-def _earliest_best(scored: list[dict[str, Any]]) -> str:
-    """Among equal best (max) metrics, the earliest step: HF keeps the first best."""
-    top = scored[0]["metric"]
-    return min((m for m in scored if m["metric"] == top), key=lambda m: m.get("step", -1))["name"]

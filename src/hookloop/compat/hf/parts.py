@@ -65,7 +65,7 @@ def dialect(session: Any, hf_loss: HFLoss | None, compute_metrics: Any) -> Diale
         evaluation=functools.partial(
             _evaluation, session=session, hf_loss=hf_loss, compute_metrics=compute_metrics
         ),
-        checkpoints=_checkpoints,
+        checkpoints=functools.partial(_checkpoints, session=session),
         schedule=functools.partial(_schedule, session=session),
         announce_repeated_saves=True,  # a step save and an epoch save: on_save fires twice
         steps_metric_scheduler=True,  # ReduceLROnPlateau after evaluations, as HF
@@ -437,10 +437,12 @@ class HFSaves(CheckpointManager):
         return (stop_reason or "").startswith("signal")
 
 
-def _checkpoints(p: Parts, root: Path, resuming: bool) -> CheckpointManager:
+def _checkpoints(p: Parts, root: Path, resuming: bool, *, session: Any) -> CheckpointManager:
     """As HF: an output_dir that already holds checkpoints is trained into again."""
     manager = HFSaves.from_config(p.config.checkpoint, root, resuming=True)
-    manager.policy = layout.HFRetention(**dataclasses.asdict(manager.policy))
+    manager.policy = layout.HFRetention(
+        **dataclasses.asdict(manager.policy), best_step=lambda: session.state.best_global_step
+    )
     return manager
 
 
@@ -530,10 +532,11 @@ class HFSchedule(Schedule):
         return bool(self.session.control.should_epoch_stop)
 
     def finish(self) -> None:
-        """HF's end of training: the summary log, then the best checkpoint's weights when
-        ``load_best_model_at_end``."""
+        """HF's end of training: the summary log, the best checkpoint's weights when
+        ``load_best_model_at_end``, and with ``save_total_limit=1`` the best folder alone."""
         self.logbook.summary()
         self.session.load_best_model(self.ctx)
+        self.session.prune_after_training()
 
 
 def _schedule(p: Parts, *, session: Any) -> Schedule:

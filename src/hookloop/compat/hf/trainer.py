@@ -315,11 +315,12 @@ class Trainer:
                 )
             if resume_from_checkpoint is True:
                 output_dir = self._output_dir(None)
-                if layout.last_checkpoint(output_dir) is None:  # as transformers: no fresh start
+                last = layout.last_checkpoint(output_dir)  # as transformers finds it
+                if last is None:  # as transformers: no fresh start
                     raise ValueError(
                         f"No valid checkpoint found in output directory ({output_dir})"
                     )
-                self.loop.resume_from("auto")
+                self.loop.resume_from(layout.native_checkpoint(last))
             else:
                 self.loop.resume_from(layout.native_checkpoint(resume_from_checkpoint))
         if self.model_init is not None and self.hf.drives_loop:
