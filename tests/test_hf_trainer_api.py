@@ -612,3 +612,66 @@ def test_the_best_checkpoint_and_the_folders_kept_match_transformers(tmp_path: P
         names[kind] = (Path(best).name if best else None, trainer.state.best_global_step, folders)
     assert names["hookloop"] == names["hf"]
     assert names["hf"][0] is not None
+
+
+# -- hyperparameter_search ------------------------------------------------------------------
+
+
+def test_hyperparameter_search_with_optuna_finds_what_transformers_finds(tmp_path: Path):
+    optuna = pytest.importorskip("optuna")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+    def space(trial: Any) -> dict[str, Any]:
+        return {
+            "learning_rate": trial.suggest_float("learning_rate", 1e-3, 1e-1, log=True),
+            "per_device_train_batch_size": trial.suggest_categorical(
+                "per_device_train_batch_size", [2, 4]
+            ),
+        }
+
+    found = {}
+    for kind in FACTORIES:
+        out = tmp_path / kind
+        trainer = _quiet(
+            lambda f=FACTORIES[kind], o=out: f(
+                None,
+                _args(o, max_steps=4, eval_strategy="steps", eval_steps=2),
+                train_dataset=RegressionDataset(24),
+                eval_dataset=RegressionDataset(8, seed=7),
+                model_init=RegressionModel,
+            )
+        )
+        storage = f"sqlite:///{tmp_path / (kind + '.db')}"
+        best = _quiet(
+            lambda t=trainer, s=storage: t.hyperparameter_search(
+                hp_space=space,
+                n_trials=3,
+                direction="minimize",
+                backend="optuna",
+                sampler=optuna.samplers.TPESampler(seed=0),
+                storage=s,
+                study_name="search",
+            )
+        )
+        study = optuna.load_study(study_name="search", storage=storage)
+        found[kind] = (
+            best,
+            [(t.params, t.value, dict(t.intermediate_values)) for t in study.trials],
+        )
+    (hf_best, hf_trials), (best, trials) = found["hf"], found["hookloop"]
+    assert type(best).__name__ == "BestRun"
+    assert (best.run_id, best.hyperparameters) == (hf_best.run_id, hf_best.hyperparameters)
+    assert best.objective == pytest.approx(hf_best.objective, rel=1e-5)
+    for (params, value, steps), (hf_params, hf_value, hf_steps) in zip(
+        trials, hf_trials, strict=True
+    ):
+        assert params == hf_params and value == pytest.approx(hf_value, rel=1e-5)
+        assert steps == pytest.approx(hf_steps, rel=1e-5)  # reported at each evaluation's step
+
+
+def test_hyperparameter_search_needs_model_init_and_optuna(tmp_path: Path):
+    trainer = _quiet(lambda: hf.Trainer(RegressionModel(), _args(tmp_path, max_steps=1)))
+    with pytest.raises(RuntimeError, match="needs the model through model_init"):
+        trainer.hyperparameter_search(n_trials=1)
+    with pytest.raises(ValueError, match="backend 'ray' is not supported"):
+        trainer.hyperparameter_search(n_trials=1, backend="ray")

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from hookloop.callback import Callback
-from hookloop.compat.hf import arguments, layout, reporting, results
+from hookloop.compat.hf import arguments, layout, reporting, results, search
 from hookloop.compat.hf import data as hf_data
 from hookloop.compat.hf import optim as hf_optim
 from hookloop.compat.hf import parts as hf_parts
@@ -81,6 +81,23 @@ class Trainer:
         **native: Any,
     ) -> None:
         refuse_unhonoured_overrides(type(self))
+        # What hyperparameter_search builds each trial's trainer from.
+        self.given = dict(
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            model_init=model_init,
+            compute_loss_func=compute_loss_func,
+            compute_metrics=compute_metrics,
+            callbacks=callbacks,
+            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+            test_dataset=test_dataset,
+            config=config,
+            **native,
+        )
+        self.objective: float | None = None  # the latest objective of a search's trial
         if preprocess_logits_for_metrics is not None:
             raise ValueError(
                 "preprocess_logits_for_metrics is not supported by hookloop.compat.hf.Trainer "
@@ -304,9 +321,19 @@ class Trainer:
         return self.loop.flops_per_sample
 
     # -- training and evaluation --------------------------------------------------------
-    def train(self, resume_from_checkpoint: str | bool | None = None) -> Any:
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+    ) -> Any:
         """Train; ``resume_from_checkpoint`` is HF's: a checkpoint path, or True for the
-        newest one in ``output_dir``."""
+        newest one in ``output_dir``; ``trial`` is what ``model_init(trial)`` gets."""
+        if ignore_keys_for_eval is not None:
+            raise ValueError(
+                "ignore_keys_for_eval is not supported by hookloop.compat.hf.Trainer yet; "
+                "leave the keys out of compute_metrics instead"
+            )
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             if not isinstance(resume_from_checkpoint, (str, os.PathLike, bool)):
                 raise TypeError(
@@ -327,7 +354,7 @@ class Trainer:
             # As transformers: seeded again, the model built anew (its weights copied into
             # the model the optimizer holds), so the data order follows the same RNG.
             _seed_everything(int(hf_optim.arg(self.args, "seed", 42)))
-            self.model.load_state_dict(self.call_model_init().state_dict())
+            self.model.load_state_dict(self.call_model_init(trial).state_dict())
         sampler = getattr(self.loop.train_loader, "sampler", None)
         if isinstance(sampler, hf_data.HFSampler) and sampler.follows_torch_seed:
             sampler.seed = torch.initial_seed()  # what accelerate's sampler reads then
@@ -470,6 +497,48 @@ class Trainer:
         if model is None:
             raise ValueError("model_init returned None; it must return the model to train")
         return model
+
+    def hyperparameter_search(
+        self,
+        hp_space: Callable[[Any], dict[str, Any]] | None = None,
+        compute_objective: Callable[[dict[str, float]], float] | None = None,
+        n_trials: int = 20,
+        direction: str | list[str] = "minimize",
+        backend: str | None = None,
+        hp_name: Callable[[Any], str] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """transformers' ``hyperparameter_search`` with the Optuna backend
+        (:mod:`hookloop.compat.hf.search`): each trial sets ``hp_space(trial)`` on the
+        arguments, builds the model with ``model_init`` and trains; returns the
+        ``BestRun`` (a list of them for several directions)."""
+        backend = getattr(backend, "value", backend)
+        if backend not in (None, "optuna"):
+            raise ValueError(
+                f"hyperparameter_search backend {backend!r} is not supported by "
+                "hookloop.compat.hf.Trainer; allowed: 'optuna'"
+            )
+        if self.model_init is None:
+            raise RuntimeError(
+                "hyperparameter_search needs the model through model_init (a function "
+                "returning a fresh one for each trial)"
+            )
+        if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
+            raise ValueError(f"n_trials must be an int >= 1, got {n_trials!r}")
+
+        def build() -> Trainer:
+            return type(self)(None, **self.given)
+
+        return search.run_optuna(
+            build,
+            self.args,
+            hp_space=hp_space or search.default_hp_space_optuna,
+            compute_objective=compute_objective or search.default_compute_objective,
+            hp_name=hp_name,
+            n_trials=n_trials,
+            direction=direction,
+            kwargs=kwargs,
+        )
 
     # -- after train(): what transformers' example scripts call -------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
