@@ -675,3 +675,31 @@ def test_hyperparameter_search_needs_model_init_and_optuna(tmp_path: Path):
         trainer.hyperparameter_search(n_trials=1)
     with pytest.raises(ValueError, match="backend 'ray' is not supported"):
         trainer.hyperparameter_search(n_trials=1, backend="ray")
+
+
+@pytest.mark.parametrize(
+    ("optim", "optim_args", "expected"),
+    [
+        ("sgd", "momentum=0.9,nesterov=True", torch.optim.SGD),
+        ("adagrad", "lr_decay=0.01", torch.optim.Adagrad),
+        ("rmsprop", "alpha=0.9,centered=yes", torch.optim.RMSprop),
+        ("adafactor", None, None),
+    ],
+)
+def test_optim_builds_transformers_optimizer_and_trains_alike(
+    tmp_path: Path, optim, optim_args, expected
+):
+    settings = {"max_steps": 5, "optim": optim, "optim_args": optim_args, "learning_rate": 0.01,
+                "weight_decay": 0.1}  # fmt: skip
+    runs = {
+        kind: _regression_run(
+            FACTORIES[kind], tmp_path / kind, args=_args(tmp_path / kind, **settings)
+        )
+        for kind in FACTORIES
+    }
+    _assert_same_run(runs["hf"], runs["hookloop"])
+    ours, theirs = runs["hookloop"].optimizer, runs["hf"].optimizer
+    assert type(ours).__name__ == type(getattr(theirs, "optimizer", theirs)).__name__
+    if expected is not None:
+        assert isinstance(ours, expected)
+    assert [g["weight_decay"] for g in ours.param_groups] == [0.1, 0.0]

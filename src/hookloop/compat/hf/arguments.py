@@ -41,7 +41,6 @@ NO_EFFECT: dict[str, str] = {
     "log_level": "transformers' own logger's verbosity (the dialect logs to hookloop's)",
     "log_level_replica": "transformers' own logger's verbosity on other ranks",
     "log_on_each_node": "transformers' own logger on other nodes",
-    "optim_args": "read only by optimizers other than AdamW, which are refused",
     "optim_target_modules": "read only by GaLore/APOLLO optimizers, which are refused",
     "average_tokens_across_devices": "one process: nothing to average across",
     "torch_empty_cache_steps": "frees cached device memory; the numbers stay the same",

@@ -22,8 +22,17 @@ import torch
 
 #: ``lr_scheduler_type`` values built without transformers.
 SCHEDULES = ("linear", "cosine", "constant", "constant_with_warmup")
-#: ``optim`` values the dialect builds (both are ``torch.optim.AdamW``).
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
+#: ``optim`` values the dialect builds: ``torch.optim.AdamW`` (two), ``SGD``, ``Adagrad``,
+#: ``RMSprop`` (with the keys of ``optim_args`` transformers reads for each) and
+#: transformers' ``Adafactor`` (transformers installed).
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adagrad", "rmsprop", "adafactor")
+
+#: ``optim_args`` keys transformers passes to each optimizer (floats; the bools named).
+_OPTIM_ARGS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "sgd": (("momentum", "dampening", "weight_decay"), ("nesterov",)),
+    "adagrad": (("lr_decay", "weight_decay", "eps"), ()),
+    "rmsprop": (("momentum", "alpha", "eps", "weight_decay"), ("centered",)),
+}
 
 # Parameter names HF never decays (matched on the lower-cased dotted name).
 _NO_DECAY_NAMES = [
@@ -80,6 +89,28 @@ def create_optimizer(
     if cls_and_kwargs is not None:
         cls, kwargs = cls_and_kwargs
         return cls(groups, **kwargs)
+    lr = arg(args, "learning_rate", 5e-5)
+    if optim in _OPTIM_ARGS:
+        floats, bools = _OPTIM_ARGS[optim]
+        given = parse_optim_args(arg(args, "optim_args", None))
+        kwargs: dict[str, Any] = {"lr": lr}
+        kwargs.update({k: float(v) for k, v in given.items() if k in floats})
+        kwargs.update(
+            {k: v.lower() in ("true", "1", "yes") for k, v in given.items() if k in bools}
+        )
+        cls = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}.get(
+            optim, torch.optim.RMSprop
+        )
+        return cls(groups, **kwargs)
+    if optim == "adafactor":
+        try:
+            from transformers.optimization import Adafactor
+        except ImportError:
+            raise ValueError(
+                "TrainingArguments.optim='adafactor' is transformers' Adafactor: install "
+                "transformers, or pick one of " + ", ".join(o for o in OPTIMIZERS if o != optim)
+            ) from None
+        return Adafactor(groups, lr=lr, scale_parameter=False, relative_step=False)
     extra = {"fused": True} if optim == "adamw_torch_fused" else {}
     return torch.optim.AdamW(
         groups,
@@ -88,6 +119,21 @@ def create_optimizer(
         eps=arg(args, "adam_epsilon", 1e-8),
         **extra,
     )
+
+
+def parse_optim_args(text: Any) -> dict[str, str]:
+    """``"momentum=0.9,nesterov=True"`` as ``{"momentum": "0.9", "nesterov": "True"}``."""
+    if not text:
+        return {}
+    parsed = {}
+    for item in str(text).replace(" ", "").split(","):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(
+                f"TrainingArguments.optim_args must read 'key=value,key=value', got {text!r}"
+            )
+        parsed[key] = value
+    return parsed
 
 
 def warmup_steps(args: Any, total_steps: int) -> int:

@@ -74,6 +74,7 @@ class TrainingArguments:
     warmup_steps: float = 0
     warmup_ratio: float = 0.0
     optim: str = "adamw_torch_fused"
+    optim_args: str | None = None
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
