@@ -823,7 +823,7 @@ def test_report_to_maps_names_onto_hookloop_loggers():
     ("fields", "named"),
     [
         ({"report_to": "comet_ml"}, "report_to names 'comet_ml'"),
-        ({"optim": "adafactor"}, "optim must be one of adamw_torch"),
+        ({"optim": "lion_32bit"}, "optim must be one of adamw_torch"),
         ({"warmup_ratio": 1.5}, "warmup_ratio must lie in [0, 1)"),
         ({"warmup_steps": -1}, "warmup_steps must be a number >= 0"),
         ({"train_sampling_strategy": "group_by_length"}, "train_sampling_strategy must be one"),
