@@ -703,3 +703,29 @@ def test_optim_builds_transformers_optimizer_and_trains_alike(
     if expected is not None:
         assert isinstance(ours, expected)
     assert [g["weight_decay"] for g in ours.param_groups] == [0.1, 0.0]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"logging_steps": 0.25, "max_steps": 8},
+        {"learning_rate": 0.0, "max_steps": 3},
+        {"eval_strategy": "steps", "eval_steps": 0.5, "save_strategy": "steps",
+         "save_steps": 0.5, "max_steps": 8},
+    ],
+    ids=["fractional logging_steps", "learning_rate=0", "fractional eval and save steps"],
+)  # fmt: skip
+def test_fractional_intervals_and_a_zero_learning_rate_run_as_in_transformers(
+    tmp_path: Path, settings
+):
+    runs = {
+        kind: _regression_run(
+            FACTORIES[kind], tmp_path / kind, args=_args(tmp_path / kind, **settings)
+        )
+        for kind in FACTORIES
+    }
+    _assert_same_run(runs["hf"], runs["hookloop"])
+    steps = {k: [(e["step"], sorted(e)) for e in t.state.log_history] for k, t in runs.items()}
+    assert steps["hookloop"] == steps["hf"]
+    folders = {k: sorted(p.name for p in (tmp_path / k).glob("checkpoint-*")) for k in FACTORIES}
+    assert folders["hookloop"] == folders["hf"]

@@ -62,8 +62,8 @@ class OptimizerConfig:
     momentum: float = opt(0.0, "SGD momentum.")
 
     def validate(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"optimizer.lr must be > 0, got {self.lr!r}")
+        if not 0 <= self.lr < float("inf"):  # 0 is allowed: a run that measures, not learns
+            raise ValueError(f"optimizer.lr must be a finite number >= 0, got {self.lr!r}")
         if self.weight_decay < 0:
             raise ValueError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay!r}")
         if not all(0 <= b < 1 for b in self.betas):

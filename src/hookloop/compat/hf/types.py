@@ -212,6 +212,14 @@ class TrainingArguments:
             bf16=t.precision == "bf16",
         )
 
+    def _steps(self, steps: float) -> int:
+        """An interval in steps: below 1, a fraction of ``max_steps`` (HF's rule); with an
+        epoch budget the fraction's steps are known only from the data, so 1 stands in
+        here and the dialect's flow, which knows the budget, decides."""
+        if 0 < steps < 1:
+            return _fraction_of(steps, self.max_steps) if self.max_steps > 0 else 1
+        return int(steps)
+
     def to_config(self, base: Config | None = None) -> Config:
         """A hookloop ``Config`` (a copy of ``base``, or the defaults) that runs these args."""
         from hookloop.config import Config
@@ -228,10 +236,10 @@ class TrainingArguments:
             t.max_steps, t.max_epochs = self.max_steps, None
         else:
             t.max_steps, t.max_epochs = None, max(1, round(self.num_train_epochs))
-        t.log_every = self.logging_steps if self.logging_strategy == "steps" else 0
-        t.eval_every = self.eval_steps if self.eval_strategy == "steps" else None
+        t.log_every = self._steps(self.logging_steps) if self.logging_strategy == "steps" else 0
+        t.eval_every = self._steps(self.eval_steps) if self.eval_strategy == "steps" else None
         t.eval_at_epoch_end = self.eval_strategy == "epoch"
-        c.every = self.save_steps if self.save_strategy == "steps" else None
+        c.every = self._steps(self.save_steps) if self.save_strategy == "steps" else None
         c.keep_last = self.save_total_limit
         if self.metric_for_best_model is not None:
             c.monitor = eval_key(self.metric_for_best_model)
@@ -241,6 +249,14 @@ class TrainingArguments:
         if self.use_cpu:
             t.device = "cpu"
         return config.validate()
+
+
+def _fraction_of(steps: float, max_steps: int) -> Any:
+    """An interval below 1 is that fraction of the run, rounded up (HF's rule); while the
+    run's length is unknown (0) the fraction stays as given."""
+    if steps < 1:
+        return math.ceil(max_steps * steps) if max_steps > 0 else steps
+    return int(steps)
 
 
 def eval_key(metric: str) -> str:
@@ -311,6 +327,10 @@ class TrainerState:
         self.logging_steps = getattr(args, "logging_steps", None) or 500
         self.eval_steps = getattr(args, "eval_steps", None) or self.logging_steps
         self.save_steps = getattr(args, "save_steps", None) or 500
+        for kind in ("logging", "eval", "save"):  # below 1: a fraction of the run (HF's rule)
+            setattr(
+                self, f"{kind}_steps", _fraction_of(getattr(self, f"{kind}_steps"), self.max_steps)
+            )
         self.train_batch_size = getattr(args, "per_device_train_batch_size", None)
 
     def resumable(self) -> dict[str, Any]:
