@@ -729,3 +729,48 @@ def test_fractional_intervals_and_a_zero_learning_rate_run_as_in_transformers(
     assert steps["hookloop"] == steps["hf"]
     folders = {k: sorted(p.name for p in (tmp_path / k).glob("checkpoint-*")) for k in FACTORIES}
     assert folders["hookloop"] == folders["hf"]
+
+
+# -- an ordinary script, crashed and resumed in a second process --------------------------------
+
+
+def test_a_causal_lm_script_crashed_and_resumed_ends_as_with_transformers(tmp_path: Path):
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    script = Path(__file__).with_name("_hf_clm_script.py")
+    env = {**__import__("os").environ, "PYTHONWARNINGS": "ignore"}
+    ends = {}
+    for kind in FACTORIES:
+        out = tmp_path / kind
+        crashed = subprocess.run([sys.executable, str(script), kind, str(out), "crash"],
+                                 capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+        assert crashed.returncode == 3, crashed.stderr[-2000:]
+        assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+        resumed = subprocess.run([sys.executable, str(script), kind, str(out), "resume"],
+                                 capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        result = json.loads((out / "result.json").read_text())
+        ends[kind] = {
+            "steps": [(e["step"], e.get("loss")) for e in result["log_history"]],
+            "keys": [sorted(e) for e in result["log_history"]],
+            "metrics": sorted(result["metrics"]),
+            "folders": sorted(p.name for p in out.glob("checkpoint-*")),
+            "files": sorted(p.name for p in (out / "checkpoint-8").iterdir()),
+            "state": json.loads((out / "checkpoint-8" / "trainer_state.json").read_text()),
+            "weights": load_file(out / "model.safetensors"),
+        }
+    theirs, ours = ends["hf"], ends["hookloop"]
+    assert [s for s, _ in ours["steps"]] == [s for s, _ in theirs["steps"]]
+    losses = [[x for _, x in run["steps"] if x is not None] for run in (ours, theirs)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5) and len(losses[1]) == 8
+    assert ours["keys"] == theirs["keys"]
+    assert ours["metrics"] == theirs["metrics"]
+    assert ours["folders"] == theirs["folders"]
+    assert set(theirs["files"]) <= set(ours["files"])
+    assert set(theirs["state"]) - {"train_batch_size"} <= set(ours["state"])
+    assert ours["state"]["global_step"] == theirs["state"]["global_step"] == 8
+    for name, value in theirs["weights"].items():
+        torch.testing.assert_close(ours["weights"][name], value, rtol=1e-5, atol=1e-6, msg=name)
