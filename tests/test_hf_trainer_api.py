@@ -774,3 +774,60 @@ def test_a_causal_lm_script_crashed_and_resumed_ends_as_with_transformers(tmp_pa
     assert ours["state"]["global_step"] == theirs["state"]["global_step"] == 8
     for name, value in theirs["weights"].items():
         torch.testing.assert_close(ours["weights"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# -- the loaders a subclass builds ----------------------------------------------------------
+
+
+class Reversed(torch.utils.data.Sampler):
+    def __init__(self, data: Any) -> None:
+        self.n = len(data)
+
+    def __iter__(self) -> Any:
+        return iter(range(self.n - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def _reversed_loaders(base: type) -> type:
+    """A subclass whose loaders walk the data in reverse, 4 samples a batch."""
+
+    def loader(self: Any, data: Any) -> Any:
+        return torch.utils.data.DataLoader(
+            data,
+            batch_size=4,
+            sampler=Reversed(data),
+            collate_fn=transformers.default_data_collator,
+        )
+
+    return type(
+        f"Reversed{base.__name__}",
+        (base,),
+        {
+            "get_train_dataloader": lambda self: loader(self, self.train_dataset),
+            "get_eval_dataloader": lambda self, ds=None: loader(self, ds or self.eval_dataset),
+            "get_test_dataloader": lambda self, ds: loader(self, ds),
+        },
+    )
+
+
+def test_a_subclass_s_loaders_are_the_ones_training_evaluation_and_predict_use(tmp_path: Path):
+    runs = {
+        kind: _regression_run(
+            _reversed_loaders(FACTORIES[kind]),
+            tmp_path / kind,
+            args=_args(tmp_path / kind, max_steps=6, eval_strategy="steps", eval_steps=3),
+        )
+        for kind in FACTORIES
+    }
+    _assert_same_run(runs["hf"], runs["hookloop"])
+    evals = {
+        k: [e["eval_loss"] for e in t.state.log_history if "eval_loss" in e]
+        for k, t in runs.items()
+    }
+    assert evals["hookloop"] == pytest.approx(evals["hf"], rel=1e-5)
+    data = RegressionDataset(7, seed=5)
+    predicted = {k: _quiet(lambda t=t: t.predict(data)) for k, t in runs.items()}
+    assert predicted["hookloop"].predictions == pytest.approx(predicted["hf"].predictions, rel=1e-5)
+    assert predicted["hookloop"].label_ids.tolist() == predicted["hf"].label_ids.tolist()

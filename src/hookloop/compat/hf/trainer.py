@@ -221,6 +221,12 @@ class Trainer:
         config.train.skip_nonfinite = False
         _seed_everything(int(hf_optim.arg(args, "seed", 42)))  # as HF's Trainer does
         datasets = [self._loader(d, train=i == 0) for i, d in enumerate(run.datasets)]
+        # A subclass's loaders, as transformers asks for them (here once, when the loop is
+        # built; an evaluate() or predict() call asks again).
+        if self._overrides("get_train_dataloader") and self.train_dataset is not None:
+            datasets[0] = self.get_train_dataloader()
+        if self._overrides("get_eval_dataloader") and self.eval_dataset is not None:
+            datasets[1] = self.get_eval_dataloader()
         optimizer = run.optimizer or hf_optim.create_optimizer(
             model, args, cls_and_kwargs=self.optimizer_cls_and_kwargs
         )
@@ -383,7 +389,11 @@ class Trainer:
         if hf_evaluation:
             evaluation.prefix, evaluation.ignore_keys = metric_key_prefix, ignore_keys
         try:
-            metrics = self.loop.evaluate(self._loader(eval_dataset, train=False))
+            if self._overrides("get_eval_dataloader"):
+                loader = self.get_eval_dataloader(eval_dataset)
+            else:
+                loader = self._loader(eval_dataset, train=False)
+            metrics = self.loop.evaluate(loader)
         finally:
             if hf_evaluation:
                 evaluation.prefix = evaluation.ignore_keys = None
@@ -413,7 +423,10 @@ class Trainer:
         if test_dataset is None:
             raise ValueError("predict() needs a test_dataset")
         evaluation = self.loop.evaluation
-        loader = self._loader(test_dataset, train=False)
+        if self._overrides("get_test_dataloader"):
+            loader = self.get_test_dataloader(test_dataset)
+        else:
+            loader = self._loader(test_dataset, train=False)
         if not isinstance(evaluation, hf_parts.HFEvaluation):
             return self.loop.predict(loader)  # type: ignore[arg-type]
         evaluation.prefix, evaluation.ignore_keys = metric_key_prefix, ignore_keys
@@ -595,14 +608,28 @@ class Trainer:
         self.callback_handler.remove_callback(callback)
 
     def get_train_dataloader(self) -> Any:
-        """HF's name for the training loader."""
-        return self.loop.train_loader
+        """HF's training loader for ``train_dataset`` (a subclass may override it)."""
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            return loop.train_loader
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset")
+        return self._loader(self.train_dataset, train=True)
+
+    def _overrides(self, name: str) -> bool:
+        """Whether this Trainer's class replaces the method ``name`` of this one."""
+        return getattr(type(self), name) is not getattr(Trainer, name)
 
     def get_eval_dataloader(self, eval_dataset: Iterable[Any] | None = None) -> Any:
-        """HF's name for the evaluation loader (of ``eval_dataset`` when given)."""
+        """HF's evaluation loader of ``eval_dataset`` (default: the trainer's)."""
         if eval_dataset is not None:
             return self._loader(eval_dataset, train=False)
-        return self.loop.eval_loader
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            return loop.eval_loader
+        if self.eval_dataset is None:
+            raise ValueError("Trainer: evaluation requires an eval_dataset")
+        return self._loader(self.eval_dataset, train=False)
 
     def get_test_dataloader(self, test_dataset: Iterable[Any]) -> Any:
         """HF's loader for ``test_dataset`` (as an evaluation loader)."""
@@ -708,8 +735,8 @@ def _refuse_unsupported(args: Any) -> None:
 
 #: transformers' Trainer methods a subclass overrides to change training or evaluation
 #: that this Trainer does not call: a subclass defining one is refused at construction
-#: (its override would be skipped silently). ``compute_loss`` and
-#: ``floating_point_ops`` are honoured.
+#: (its override would be skipped silently). ``compute_loss``, ``floating_point_ops`` and
+#: ``get_train/eval/test_dataloader`` are honoured.
 UNHONOURED_OVERRIDES = (
     "autocast_smart_context_manager",
     "compute_loss_context_manager",
@@ -720,10 +747,7 @@ UNHONOURED_OVERRIDES = (
     "evaluation_loop",
     "get_batch_samples",
     "get_decay_parameter_names",
-    "get_eval_dataloader",
     "get_optimizer_cls_and_kwargs",
-    "get_test_dataloader",
-    "get_train_dataloader",
     "log",
     "num_examples",
     "prediction_step",
@@ -744,7 +768,8 @@ def refuse_unhonoured_overrides(cls: type) -> None:
                 raise TypeError(
                     f"{klass.__name__}.{name} overrides a method hookloop.compat.hf.Trainer "
                     "does not call, so it would be skipped; of transformers' override points "
-                    "this Trainer honours compute_loss and floating_point_ops"
+                    "this Trainer honours compute_loss, floating_point_ops and "
+                    "get_train/eval/test_dataloader"
                 )
 
 
