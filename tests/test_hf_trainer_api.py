@@ -831,3 +831,20 @@ def test_a_subclass_s_loaders_are_the_ones_training_evaluation_and_predict_use(t
     predicted = {k: _quiet(lambda t=t: t.predict(data)) for k, t in runs.items()}
     assert predicted["hookloop"].predictions == pytest.approx(predicted["hf"].predictions, rel=1e-5)
     assert predicted["hookloop"].label_ids.tolist() == predicted["hf"].label_ids.tolist()
+
+
+def test_save_strategy_best_saves_at_each_new_best_as_transformers(tmp_path: Path):
+    settings = {"max_steps": 12, "eval_strategy": "steps", "eval_steps": 2, "save_strategy": "best",
+                "metric_for_best_model": "loss", "learning_rate": 0.2}  # fmt: skip
+    runs = {
+        kind: _regression_run(
+            FACTORIES[kind], tmp_path / kind, args=_args(tmp_path / kind, **settings)
+        )
+        for kind in FACTORIES
+    }
+    _assert_same_run(runs["hf"], runs["hookloop"])
+    folders = {k: sorted(p.name for p in (tmp_path / k).glob("checkpoint-*")) for k in FACTORIES}
+    assert folders["hookloop"] == folders["hf"]
+    assert 0 < len(folders["hf"]) < 6  # only the evaluations that set a new best
+    with pytest.raises(ValueError, match="save_strategy='best' needs metric_for_best_model"):
+        hf.TrainingArguments(output_dir=str(tmp_path), save_strategy="best")

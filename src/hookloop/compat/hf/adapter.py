@@ -547,9 +547,12 @@ class _SessionLast(_SessionPart):
         if value is None:
             return
         best = state.best_metric
-        if best is None or (value > best if args.greater_is_better else value < best):
+        is_new_best = best is None or (value > best if args.greater_is_better else value < best)
+        if is_new_best:
             state.best_metric = value
             state.best_global_step = ctx.state.step
+        if ctx.state.in_training and flow.strategy(args, "save_strategy") == "best":
+            self.session.control.should_save = is_new_best  # as HF: a save at each new best
 
 
 # -- compute_metrics ---------------------------------------------------------------

@@ -104,12 +104,18 @@ class TrainingArguments:
         for name in ("logging_strategy", "eval_strategy", "save_strategy"):
             value = str(getattr(self, name, "")).lower()
             value = value.rsplit(".", 1)[-1]  # an IntervalStrategy enum prints as its name
-            if value not in _STRATEGIES:
+            allowed = (*_STRATEGIES, "best") if name == "save_strategy" else _STRATEGIES
+            if value not in allowed:
                 raise ValueError(
-                    f"TrainingArguments.{name} must be one of {', '.join(_STRATEGIES)}, "
+                    f"TrainingArguments.{name} must be one of {', '.join(allowed)}, "
                     f"got {getattr(self, name)!r}"
                 )
             setattr(self, name, value)
+        if self.save_strategy == "best" and self.metric_for_best_model is None:
+            raise ValueError(
+                "TrainingArguments.save_strategy='best' needs metric_for_best_model (the "
+                "evaluation metric whose new best is saved)"
+            )
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
