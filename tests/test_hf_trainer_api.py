@@ -848,3 +848,27 @@ def test_save_strategy_best_saves_at_each_new_best_as_transformers(tmp_path: Pat
     assert 0 < len(folders["hf"]) < 6  # only the evaluations that set a new best
     with pytest.raises(ValueError, match="save_strategy='best' needs metric_for_best_model"):
         hf.TrainingArguments(output_dir=str(tmp_path), save_strategy="best")
+
+
+def test_transformers_early_stopping_and_load_best_model_at_end_end_alike(tmp_path: Path):
+    settings = {"max_steps": 40, "eval_strategy": "steps", "eval_steps": 2,
+                "save_strategy": "steps", "save_steps": 2, "metric_for_best_model": "loss",
+                "load_best_model_at_end": True, "learning_rate": 0.3,
+                "save_total_limit": 2}  # fmt: skip
+    runs = {
+        kind: _regression_run(
+            FACTORIES[kind],
+            tmp_path / kind,
+            args=_args(tmp_path / kind, **settings),
+            callbacks=[transformers.EarlyStoppingCallback(early_stopping_patience=2)],
+        )
+        for kind in FACTORIES
+    }
+    theirs, ours = runs["hf"], runs["hookloop"]
+    assert ours.state.global_step == theirs.state.global_step < 40  # stopped early
+    assert (
+        Path(ours.state.best_model_checkpoint).name == Path(theirs.state.best_model_checkpoint).name
+    )
+    folders = {k: sorted(p.name for p in (tmp_path / k).glob("checkpoint-*")) for k in FACTORIES}
+    assert folders["hookloop"] == folders["hf"]
+    _assert_same_run(theirs, ours)  # the best checkpoint's weights, loaded at the end
