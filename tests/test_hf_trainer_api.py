@@ -872,3 +872,54 @@ def test_transformers_early_stopping_and_load_best_model_at_end_end_alike(tmp_pa
     folders = {k: sorted(p.name for p in (tmp_path / k).glob("checkpoint-*")) for k in FACTORIES}
     assert folders["hookloop"] == folders["hf"]
     _assert_same_run(theirs, ours)  # the best checkpoint's weights, loaded at the end
+
+
+def test_a_sequence_classifier_script_ends_as_with_transformers(tmp_path: Path):
+    pytest.importorskip("optuna").logging.set_verbosity(30)
+    import _hf_classifier_script as script
+
+    theirs = _quiet(lambda: script.run(transformers.Trainer, tmp_path / "hf"))
+    ours = _quiet(lambda: script.run(hf.Trainer, tmp_path / "hookloop"))
+    history = [[(e["step"], sorted(e)) for e in run["log_history"]] for run in (ours, theirs)]
+    assert history[0] == history[1]
+    for mine, real in zip(ours["log_history"], theirs["log_history"], strict=True):
+        for key in ("loss", "eval_loss", "eval_accuracy"):
+            if key in real:
+                assert mine[key] == pytest.approx(real[key], rel=1e-5), (real["step"], key)
+    # the README's table: hookloop's TrainOutput.metrics keeps the last evaluation's too
+    extra = set(ours["train_metrics"]) - set(theirs["train_metrics"])
+    assert set(theirs["train_metrics"]) <= set(ours["train_metrics"])
+    assert extra and all(k.startswith("eval_") for k in extra)
+    assert ours["trial_dirs"] == theirs["trial_dirs"] == ["run-0", "run-1"]
+    for key in ("best_model_checkpoint", "folders", "label_ids"):
+        assert (
+            np.array_equal(ours[key], theirs[key])
+            if key == "label_ids"
+            else ours[key] == theirs[key]
+        )
+    assert ours["predictions"] == pytest.approx(theirs["predictions"], rel=1e-4, abs=1e-6)
+    assert sorted(ours["predict_metrics"]) == sorted(theirs["predict_metrics"])
+    assert ours["best_run"][0] == theirs["best_run"][0]
+    assert ours["best_run"][1] == pytest.approx(theirs["best_run"][1], rel=1e-5)
+    assert ours["best_run"][2] == theirs["best_run"][2]
+
+
+def test_arguments_changed_after_construction_are_the_ones_train_uses(tmp_path: Path):
+    runs = {}
+    for kind in FACTORIES:
+        trainer = _quiet(
+            lambda f=FACTORIES[kind], k=kind: f(
+                RegressionModel(), _args(tmp_path / k, max_steps=4),
+                train_dataset=RegressionDataset(40),
+            )
+        )  # fmt: skip
+        trainer.args.learning_rate = 0.07  # as a script sets the best run's values, then trains
+        trainer.args.per_device_train_batch_size = 2
+        _quiet(trainer.train)
+        runs[kind] = trainer
+    _assert_same_run(runs["hf"], runs["hookloop"])
+    rates = [
+        [e["learning_rate"] for e in t.state.log_history if "loss" in e] for t in runs.values()
+    ]
+    assert rates[0][0] == rates[1][0] == pytest.approx(0.07)  # the new rate, not the built one
+    assert len(rates[0]) == len(rates[1]) == 4  # batch size: transformers keeps the built one

@@ -87,7 +87,7 @@ class ReportObjective(Callback):
 
 
 def run_optuna(
-    build: Callable[[], Any],
+    build: Callable[[Any], Any],
     args: Any,
     *,
     hp_space: Callable[[Any], dict[str, Any]],
@@ -96,14 +96,18 @@ def run_optuna(
     n_trials: int,
     direction: str | list[str],
     kwargs: dict[str, Any],
-) -> BestRun | list[BestRun]:
-    """The study (see the module doc). ``build()`` makes a trial's trainer from ``args``
-    as the trial has set them."""
+) -> tuple[BestRun | list[BestRun], Any]:
+    """The study (see the module doc). ``build(trial)`` makes a trial's trainer from
+    ``args`` as the trial has set them (its checkpoints in ``output_dir/run-N``).
+    Returns the best run(s) and the last trial's trainer."""
     import optuna
+
+    trainers: list[Any] = []
 
     def objective(trial: Any) -> float:
         apply_params(args, hp_space(trial))
-        trainer = build()
+        trainer = build(trial)
+        trainers[:] = [trainer]
         trainer.objective = None
         trainer.state.is_hyper_param_search = True
         trainer.state.trial_params = dict(trial.params)
@@ -124,7 +128,8 @@ def run_optuna(
         **options,
     )
     study.optimize(objective, n_trials=n_trials, **run)
+    last = trainers[0] if trainers else None
     if len(study.directions) == 1:
         best = study.best_trial
-        return BestRun(str(best.number), best.value, best.params)
-    return [BestRun(str(t.number), t.values, t.params) for t in study.best_trials]
+        return BestRun(str(best.number), best.value, best.params), last
+    return [BestRun(str(t.number), t.values, t.params) for t in study.best_trials], last

@@ -11,8 +11,11 @@ budget, ``compute_loss``, log keys and evaluation), and checkpoints get HF's
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import inspect
+import logging
 import os
 import random
 from collections.abc import Callable, Iterable, Mapping
@@ -36,6 +39,8 @@ from hookloop.config import Config, TrainConfig
 from hookloop.loop import Trainer as Loop
 from hookloop.manager import CallbackManager
 from hookloop.result import TrainResult
+
+log = logging.getLogger(__name__)
 
 
 class Trainer:
@@ -95,9 +100,11 @@ class Trainer:
             optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
             test_dataset=test_dataset,
             config=config,
+            optimizers=optimizers,
             **native,
         )
         self.objective: float | None = None  # the latest objective of a search's trial
+        self.args_built = _snapshot(args)  # the arguments the loop was built from
         if preprocess_logits_for_metrics is not None:
             raise ValueError(
                 "preprocess_logits_for_metrics is not supported by hookloop.compat.hf.Trainer "
@@ -356,6 +363,17 @@ class Trainer:
                 self.loop.resume_from(layout.native_checkpoint(last))
             else:
                 self.loop.resume_from(layout.native_checkpoint(resume_from_checkpoint))
+        changed = _changed(self.args_built, self.args)
+        if changed:
+            # transformers builds the optimizer, schedule and loaders at each train() from
+            # the arguments as they are then; the loop here was built from them once, so
+            # it is built again (same model and callbacks, a fresh optimizer unless one
+            # was given, a fresh TrainerState as transformers' train() starts with).
+            log.info("TrainingArguments changed since the Trainer was built (%s)", changed)
+            model = None if self.model_init is not None else self.model
+            with _batch_size_as_built(self.args, self.args_built):
+                Trainer.__init__(self, model, **self.given)
+            self.args_built = _snapshot(self.args)
         if self.model_init is not None and self.hf.drives_loop:
             # As transformers: seeded again, the model built anew (its weights copied into
             # the model the optimizer holds), so the data order follows the same RNG.
@@ -539,10 +557,14 @@ class Trainer:
         if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
             raise ValueError(f"n_trials must be an int >= 1, got {n_trials!r}")
 
-        def build() -> Trainer:
-            return type(self)(None, **self.given)
+        def build(trial: Any) -> Trainer:  # as transformers: a fresh optimizer for each trial
+            args = copy.copy(self.args)  # the trial's values (batch size too) are on self.args
+            run = hp_name(trial) if hp_name is not None else f"run-{trial.number}"
+            args.output_dir = os.path.join(self.args.output_dir, run)  # transformers' run dir
+            given = {**self.given, "args": args, "optimizers": (None, None)}
+            return type(self)(None, **given)
 
-        return search.run_optuna(
+        best, last = search.run_optuna(
             build,
             self.args,
             hp_space=hp_space or search.default_hp_space_optuna,
@@ -552,6 +574,13 @@ class Trainer:
             direction=direction,
             kwargs=kwargs,
         )
+        if last is not None:  # as transformers: the trainer holds the last trial's run
+            self.model.load_state_dict(last.model.state_dict())
+            self.hf.state = last.state
+            if self.args_built is not None:  # and trains on with the last trial's batch size
+                batch = self.args.per_device_train_batch_size
+                self.args_built["per_device_train_batch_size"] = batch
+        return best
 
     # -- after train(): what transformers' example scripts call -------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -811,6 +840,51 @@ def _check(optimizers: Any, native: dict[str, Any], compute_metrics: Any) -> Non
             "compute_metrics must be a function of an EvalPrediction returning a dict, "
             f"got {type(compute_metrics).__name__}"
         )
+
+
+def _snapshot(args: Any) -> dict[str, Any] | None:
+    """The arguments' fields as they are now (None: not a dataclass, nothing compared)."""
+    if args is None or not dataclasses.is_dataclass(args):
+        return None
+    values = {}
+    for field in dataclasses.fields(args):
+        try:
+            values[field.name] = copy.deepcopy(getattr(args, field.name))
+        except Exception:
+            continue
+    return values
+
+
+def _changed(before: dict[str, Any] | None, args: Any) -> list[str]:
+    """The fields of ``args`` that differ from ``before``."""
+    if before is None:
+        return []
+    changed = []
+    for name, value in before.items():
+        try:
+            same = bool(getattr(args, name, value) == value)
+        except Exception:
+            same = True
+        if not same:
+            changed.append(name)
+    return changed
+
+
+@contextlib.contextmanager
+def _batch_size_as_built(args: Any, built: dict[str, Any] | None) -> Any:
+    """transformers fixes the training batch size when its Trainer is built (a later
+    ``per_device_train_batch_size`` is not used by ``train()``): the loop is rebuilt
+    with the one it was built with, and ``args`` keeps the user's value."""
+    name = "per_device_train_batch_size"
+    given = getattr(args, name, None)
+    if built is None or built.get(name) is None or given is None:
+        yield
+        return
+    setattr(args, name, built[name])
+    try:
+        yield
+    finally:
+        setattr(args, name, given)
 
 
 def _seed_everything(seed: int) -> None:
