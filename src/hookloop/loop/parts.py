@@ -363,8 +363,9 @@ def _logbook(p: Parts) -> LogBook:
     )
 
 
-def _evaluation(p: Parts) -> Evaluation:
-    return Evaluation(
+def evaluation_inputs(p: Parts) -> dict[str, Any]:
+    """What an :class:`Evaluation` is built with (a dialect's subclass too)."""
+    return dict(
         model=p.model,
         forward=p.forward,
         precision=p.precision,
@@ -376,6 +377,10 @@ def _evaluation(p: Parts) -> Evaluation:
         max_batches=p.config.train.eval_max_batches,
         device=p.device,
     )
+
+
+def _evaluation(p: Parts) -> Evaluation:
+    return Evaluation(**evaluation_inputs(p))
 
 
 def _stepper(p: Parts) -> Stepper:

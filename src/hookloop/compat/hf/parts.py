@@ -46,7 +46,7 @@ from hookloop.compat.hf.loss import HFLoss
 from hookloop.compat.hf.types import eval_key
 from hookloop.loop.evaluation import Evaluation
 from hookloop.loop.logbook import LogBook
-from hookloop.loop.parts import Dialect, Parts
+from hookloop.loop.parts import Dialect, Parts, evaluation_inputs
 from hookloop.loop.parts import plan_budget as native_budget
 from hookloop.loop.schedule import Action, Schedule, abort, passed_through
 from hookloop.loop.stepper import Clipping, MicroStep
@@ -406,18 +406,7 @@ class HFEvaluation(Evaluation):
 def _evaluation(
     p: Parts, *, session: Any, hf_loss: HFLoss | None, compute_metrics: Any
 ) -> Evaluation:
-    common = dict(
-        model=p.model,
-        forward=p.forward,
-        precision=p.precision,
-        state=p.state,
-        progress=p.progress,
-        ctx=p.ctx,
-        hooks=p.callbacks.index,
-        fire=p.callbacks.fire,
-        max_batches=p.config.train.eval_max_batches,
-        device=p.device,
-    )
+    common = evaluation_inputs(p)
     if hf_loss is None:
         return Evaluation(**common)
     evaluation = HFEvaluation(
