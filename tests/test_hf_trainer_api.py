@@ -923,3 +923,10 @@ def test_arguments_changed_after_construction_are_the_ones_train_uses(tmp_path: 
     ]
     assert rates[0][0] == rates[1][0] == pytest.approx(0.07)  # the new rate, not the built one
     assert len(rates[0]) == len(rates[1]) == 4  # batch size: transformers keeps the built one
+
+
+def test_resuming_from_a_folder_transformers_wrote_is_refused_by_name(saved, tmp_path: Path):
+    trainer = _lm_trainer("hookloop", tmp_path)
+    folder = saved["root"] / "hf" / "checkpoint-2"
+    with pytest.raises(ValueError, match="written by transformers' Trainer"):
+        trainer.train(resume_from_checkpoint=str(folder))

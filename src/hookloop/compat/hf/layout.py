@@ -110,6 +110,12 @@ def last_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
     return max(found)[1] if found else None
 
 
+def written_by_transformers(path: str | os.PathLike[str]) -> bool:
+    """A folder with transformers' ``trainer_state.json`` and no hookloop manifest."""
+    folder = Path(path)
+    return (folder / TRAINER_STATE_NAME).is_file() and not (folder / MANIFEST).is_file()
+
+
 def native_checkpoint(path: str | os.PathLike[str]) -> str:
     """The hookloop checkpoint behind an HF folder: the one its link names while that
     exists (or the copy of it a ``cp -rL`` made), else the folder itself (a copy holds

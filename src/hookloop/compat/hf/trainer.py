@@ -362,7 +362,14 @@ class Trainer:
                     )
                 self.loop.resume_from(layout.native_checkpoint(last))
             else:
-                self.loop.resume_from(layout.native_checkpoint(resume_from_checkpoint))
+                target = layout.native_checkpoint(resume_from_checkpoint)
+                if layout.written_by_transformers(target):
+                    raise ValueError(
+                        f"{resume_from_checkpoint} was written by transformers' Trainer (it has "
+                        "no hookloop manifest.json); hookloop.compat.hf.Trainer resumes from "
+                        "the checkpoint-N folders it writes, not yet from transformers' own"
+                    )
+                self.loop.resume_from(target)
         changed = _changed(self.args_built, self.args)
         if changed:
             # transformers builds the optimizer, schedule and loaders at each train() from
