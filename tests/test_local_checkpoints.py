@@ -177,10 +177,12 @@ def test_local_dir_may_not_be_the_persistent_checkpoints_folder(tmp_path):
 
 @pytest.mark.slow  # a `hookloop train` process
 def test_hookloop_train_saves_and_resumes_local_checkpoints(tmp_path):
+    # Persistent saves on the loop's thread: the process then dies inside step 8's save for
+    # sure (a background save may reach its fault only after step 9 has run and saved).
     overrides = [
         "train.max_steps=9", "train.log_every=1", "data.train_samples=64", "data.batch_size=8",
-        "checkpoint.every=4", "checkpoint.local_every=1", "logging.progress=false",
-        "callbacks.info=false", *SERVICES_OFF,
+        "checkpoint.every=4", "checkpoint.local_every=1", "checkpoint.async_save=false",
+        "logging.progress=false", "callbacks.info=false", *SERVICES_OFF,
     ]  # fmt: skip
 
     whole, cut = tmp_path / "whole", tmp_path / "cut"
