@@ -28,19 +28,12 @@ from test_hf_training_differential import (  # noqa: E402
     RegressionDataset,
     RegressionModel,
     gpt2,
+    one_thread,  # noqa: F401 - the module's autouse fixture: tiny models, one thread
     token_rows,
     tokenizer,
 )
 
 FACTORIES = {"hf": transformers.Trainer, "hookloop": hf.Trainer}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _args(out: Path, **overrides: Any) -> Any:
@@ -165,28 +158,20 @@ def test_save_metrics_refuses_a_damaged_all_results_json_by_name(tmp_path: Path)
 # -- the loss ----------------------------------------------------------------------------
 
 
-def _penalised(loss: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
-    return 2 * loss + 0.01 * sum(p.abs().sum() for p in model.parameters())
+def _penalised(base: type) -> type:
+    """A subclass of ``base`` whose ``compute_loss`` doubles its parent's loss and adds an
+    L1 penalty, calling ``super()`` as a user's override does; it counts its calls."""
 
+    class Penalised(base):  # type: ignore[misc, valid-type]
+        calls = 0
 
-class HFPenalised(transformers.Trainer):
-    calls = 0
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            type(self).calls += 1
+            loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+            loss = 2 * loss + 0.01 * sum(p.abs().sum() for p in model.parameters())
+            return (loss, outputs) if return_outputs else loss
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        type(self).calls += 1
-        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
-        loss = _penalised(loss, model)
-        return (loss, outputs) if return_outputs else loss
-
-
-class OursPenalised(hf.Trainer):
-    calls = 0
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        type(self).calls += 1
-        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
-        loss = _penalised(loss, model)
-        return (loss, outputs) if return_outputs else loss
+    return Penalised
 
 
 def _regression_run(factory: Any, out: Path, **kwargs: Any) -> Any:
@@ -207,12 +192,13 @@ def _regression_run(factory: Any, out: Path, **kwargs: Any) -> Any:
 
 
 def test_a_compute_loss_override_is_called_as_transformers_calls_it(tmp_path: Path):
-    theirs = _regression_run(HFPenalised, tmp_path / "hf")
-    ours = _regression_run(OursPenalised, tmp_path / "hookloop")
+    penalised = {kind: _penalised(factory) for kind, factory in FACTORIES.items()}
+    theirs = _regression_run(penalised["hf"], tmp_path / "hf")
+    ours = _regression_run(penalised["hookloop"], tmp_path / "hookloop")
     _assert_same_run(theirs, ours)
     assert ours.eval_metrics["eval_loss"] == pytest.approx(theirs.eval_metrics["eval_loss"])
     # 6 steps x 2 micro-batches, then 2 evaluation batches
-    assert OursPenalised.calls == HFPenalised.calls == 14
+    assert penalised["hookloop"].calls == penalised["hf"].calls == 14
 
 
 def test_compute_loss_func_replaces_the_models_loss_without_dividing_it(tmp_path: Path):
