@@ -242,6 +242,111 @@ def test_setting_model_accepts_loss_kwargs_false_divides_the_loss_as_transformer
     _assert_same_run(theirs, ours)
 
 
+def _override_points(base: type, calls: list[Any]) -> type:
+    """A subclass of ``base`` overriding transformers' documented override points the way
+    users do (calling ``super()``, changing what it returns), recording each call."""
+
+    class Custom(base):  # type: ignore[misc, valid-type]
+        def create_optimizer(self, model=None):
+            calls.append("create_optimizer")
+            if self.optimizer is None:
+                self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
+            return self.optimizer
+
+        def create_scheduler(self, num_training_steps, optimizer=None):
+            calls.append(("create_scheduler", num_training_steps))
+            if self.lr_scheduler is None:
+                halve = lambda step: 0.5 if step >= num_training_steps // 2 else 1.0  # noqa: E731
+                self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, halve)
+            return self.lr_scheduler
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            calls.append("training_step")
+            if len(calls) % 3 == 0:  # every third micro-batch: its own backward, halved
+                loss = self.compute_loss(model, inputs) / self.current_gradient_accumulation_steps
+                (0.5 * loss).backward()
+                return 0.5 * loss.detach()
+            return super().training_step(model, inputs, num_items_in_batch)
+
+        def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+            calls.append(("prediction_step", prediction_loss_only))
+            loss, logits, labels = super().prediction_step(
+                model, inputs, prediction_loss_only, ignore_keys
+            )
+            return 2 * loss, (None if logits is None else logits + 1), labels
+
+        def log(self, logs, start_time=None):
+            calls.append("log")
+            logs["seen_at"] = self.state.global_step
+            super().log(logs, start_time)
+
+    return Custom
+
+
+def test_every_honoured_override_point_is_called_as_transformers_calls_it(tmp_path: Path):
+    calls: dict[str, list[Any]] = {kind: [] for kind in FACTORIES}
+    runs = {}
+    for kind, factory in FACTORIES.items():
+        args = _args(tmp_path / kind, max_steps=6, gradient_accumulation_steps=2,
+                     logging_steps=2, eval_strategy="steps", eval_steps=3)  # fmt: skip
+        trainer = _regression_run(
+            _override_points(factory, calls[kind]),
+            tmp_path / kind,
+            args=args,
+            compute_metrics=lambda p: {"mean": float(np.mean(p.predictions))},
+            preprocess_logits_for_metrics=lambda logits, labels: logits * 10,
+        )
+        trainer.predicted = _quiet(lambda t=trainer: t.predict(RegressionDataset(10, seed=5)))
+        runs[kind] = trainer
+    theirs, ours = runs["hf"], runs["hookloop"]
+    assert calls["hookloop"] == calls["hf"]  # the same calls, in the same order
+    assert isinstance(ours.optimizer, torch.optim.SGD)
+    _assert_same_run(theirs, ours)
+
+    def history(trainer: Any) -> list[dict[str, Any]]:
+        return [{k: v for k, v in e.items() if "runtime" not in k and "per_second" not in k}
+                for e in trainer.state.log_history]  # fmt: skip
+
+    assert [sorted(e) for e in history(ours)] == [sorted(e) for e in history(theirs)]
+    for mine, their in zip(history(ours), history(theirs), strict=True):
+        assert mine == pytest.approx(their, rel=1e-5)
+    assert ours.eval_metrics["eval_mean"] == pytest.approx(theirs.eval_metrics["eval_mean"])
+    assert ours.eval_metrics["seen_at"] == theirs.eval_metrics["seen_at"] == 6
+    np.testing.assert_allclose(ours.predicted.predictions, theirs.predicted.predictions, rtol=1e-5)
+    assert ours.predicted.metrics["test_loss"] == pytest.approx(
+        theirs.predicted.metrics["test_loss"], rel=1e-5
+    )
+
+
+def test_prediction_loss_only_and_ignore_keys_for_eval_as_in_transformers(tmp_path: Path):
+    outcome = {}
+    for kind, factory in FACTORIES.items():
+        args = _args(tmp_path / kind, max_steps=2, prediction_loss_only=True,
+                     eval_strategy="steps", eval_steps=2)  # fmt: skip
+        trainer = _quiet(
+            lambda f=factory, a=args: f(
+                RegressionModel(), a, train_dataset=RegressionDataset(16),
+                eval_dataset=RegressionDataset(8, seed=3),
+                compute_metrics=lambda p: {"never": 1.0},
+            )
+        )  # fmt: skip
+        _quiet(lambda t=trainer: t.train(ignore_keys_for_eval=["unused"]))
+        predicted = _quiet(lambda t=trainer: t.predict(RegressionDataset(6, seed=4)))
+        evaluated = [e for e in trainer.state.log_history if "eval_loss" in e]
+        outcome[kind] = (predicted.predictions, sorted(predicted.metrics), sorted(evaluated[0]))
+    assert outcome["hookloop"] == outcome["hf"]
+    assert outcome["hookloop"][0] is None  # the loss only: no predictions, no metrics
+
+
+def test_overrides_of_the_hf_step_are_refused_with_a_native_loss(tmp_path: Path):
+    custom = _override_points(hf.Trainer, [])
+    with pytest.raises(ValueError, match="training_step, prediction_step apply when"):
+        custom(RegressionModel(), _args(tmp_path), train_dataset=RegressionDataset(8),
+               loss_fn=lambda out, batch: out[0])  # fmt: skip
+    with pytest.raises(TypeError, match="preprocess_logits_for_metrics must be a function"):
+        hf.Trainer(RegressionModel(), _args(tmp_path), preprocess_logits_for_metrics=3)
+
+
 # -- construction --------------------------------------------------------------------------
 
 
@@ -272,7 +377,7 @@ def test_transformers_positional_arguments_land_where_they_land_in_transformers(
     assert trainer.model_wrapped is trainer.model  # one process: nothing wraps it
 
 
-@pytest.mark.parametrize("method", ["training_step", "prediction_step", "log", "create_optimizer"])
+@pytest.mark.parametrize("method", ["evaluate", "evaluation_loop", "save_model", "store_flos"])
 def test_an_override_the_loop_would_skip_is_refused_by_name(tmp_path: Path, method: str):
     subclass = type("Custom", (hf.Trainer,), {method: lambda self, *a, **k: None})
     with pytest.raises(TypeError, match=rf"Custom\.{method} overrides a method"):
@@ -299,8 +404,6 @@ def test_a_trainer_needs_a_model_or_a_model_init(tmp_path: Path):
         hf.Trainer(None, _args(tmp_path))
     with pytest.raises(ValueError, match="a model or a model_init, not both"):
         hf.Trainer(RegressionModel(), _args(tmp_path), model_init=RegressionModel)
-    with pytest.raises(ValueError, match="preprocess_logits_for_metrics is not supported"):
-        hf.Trainer(RegressionModel(), _args(tmp_path), preprocess_logits_for_metrics=len)
 
 
 # -- TrainingArguments: honoured, without effect, or refused ---------------------------------
@@ -312,7 +415,6 @@ def test_transformers_arguments_the_dialect_would_not_carry_out_are_refused_by_n
     args = _args(
         tmp_path,
         max_steps=1,
-        prediction_loss_only=True,
         ignore_data_skip=True,
         save_only_model=True,
         skip_memory_metrics=False,
@@ -321,7 +423,6 @@ def test_transformers_arguments_the_dialect_would_not_carry_out_are_refused_by_n
         hf.Trainer(RegressionModel(), args, train_dataset=RegressionDataset(8))
     message = str(caught.value)
     for name in (
-        "prediction_loss_only",
         "ignore_data_skip",
         "save_only_model",
         "skip_memory_metrics",

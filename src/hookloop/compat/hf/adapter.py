@@ -144,6 +144,7 @@ class HFSession:
         #: training (the model is prepared then), and reported by every one after it
         self.model_preparation_time: float | None = None
         self.trained = False
+        self.evaluating = False  # inside evaluate(): Trainer.log leaves the metrics to on_eval_end
         self.loss_poisoned = False  # a logged loss was NaN/Inf (see HFLogBook.log)
         # HF's compute_metrics(EvalPrediction): predictions and labels of one evaluation
         self.compute_metrics: Callable[[Any], dict[str, Any]] | None = None

@@ -11,6 +11,7 @@ key gets the ``metric_key_prefix``.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -77,10 +78,12 @@ class Evaluation:
         include_for_metrics: list[str],
         nan_filter: bool,
         keep_predictions: bool = False,
+        preprocess: Callable[[Any, Any], Any] | None = None,
     ) -> None:
         self.label_names, self.ignore = label_names, ignore_keys
         self.compute_metrics, self.include = compute_metrics, set(include_for_metrics or ())
         self.nan_filter = nan_filter
+        self.preprocess = preprocess  # preprocess_logits_for_metrics(logits, labels)
         self.keep = keep_predictions or compute_metrics is not None
         self.samples = self.batches = 0
         self.losses: list[np.ndarray] = []
@@ -91,8 +94,10 @@ class Evaluation:
     def has_labels(self, batch: Mapping[str, Any]) -> bool:
         return bool(self.label_names) and all(batch.get(k) is not None for k in self.label_names)
 
-    def add(self, batch: Mapping[str, Any], loss: torch.Tensor | None, outputs: Any) -> None:
-        """One batch: its mean loss, and, with ``compute_metrics``, its predictions."""
+    def add(self, batch: Mapping[str, Any], loss: torch.Tensor | None, logits: Any, labels: Any):
+        """One batch, as ``prediction_step`` returned it: its mean loss, and, when
+        predictions are kept, its logits (through ``preprocess_logits_for_metrics``)
+        and labels."""
         size = _batch_size(batch)
         self.samples += size
         self.batches += 1
@@ -100,12 +105,12 @@ class Evaluation:
             self.losses.append(loss.detach().reshape(1).repeat(size).float().cpu().numpy())
         if not self.keep:
             return
-        logits = _predictions(outputs, self.ignore)
         if logits is not None:
+            if self.preprocess is not None:
+                logits = self.preprocess(logits, labels)
             self.preds = _concat(self.preds, logits)
-        if self.has_labels(batch):
-            labels = tuple(batch[k].detach() for k in self.label_names)
-            self.labels = _concat(self.labels, labels[0] if len(labels) == 1 else labels)
+        if labels is not None:
+            self.labels = _concat(self.labels, labels)
         if "inputs" in self.include:
             main = batch.get("input_ids", next(iter(batch.values())))
             self.inputs = _concat(self.inputs, main.detach())
@@ -141,6 +146,70 @@ class Evaluation:
         return {k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": v for k, v in metrics.items()}
 
 
+def prediction_step(
+    compute: Callable[..., tuple[torch.Tensor, Any]],
+    model: torch.nn.Module,
+    inputs: Mapping[str, Any],
+    prediction_loss_only: bool,
+    ignore_keys: list[str],
+    label_names: list[str],
+    can_return_loss: bool = False,
+) -> tuple[torch.Tensor | None, Any, Any]:
+    """``(loss, logits, labels)`` for one batch, as transformers' ``prediction_step``:
+    with labels, ``compute(model, inputs)`` gives the loss and the outputs, and the
+    logits are the outputs but the loss; without, the model's outputs are the logits
+    (all of a tuple; a dict's but ``ignore_keys``). A model whose ``forward`` returns
+    its loss without labels (``return_loss=True``) is asked for it when there are no
+    ``label_names``."""
+    has_labels = bool(label_names) and all(inputs.get(k) is not None for k in label_names)
+    return_loss = inputs.get("return_loss")
+    loss_without_labels = not label_names and bool(
+        can_return_loss if return_loss is None else return_loss
+    )
+    with torch.no_grad():
+        if has_labels or loss_without_labels:
+            loss, outputs = compute(model, inputs)
+            loss = loss.detach().mean()
+            if isinstance(outputs, Mapping):
+                dropped = [*ignore_keys, "loss"]
+                logits: Any = tuple(v for k, v in outputs.items() if k not in dropped)
+            elif isinstance(outputs, (tuple, list)):
+                logits = tuple(outputs[1:])
+            else:
+                logits = ()
+        else:
+            loss = None
+            outputs = model(**inputs)
+            if isinstance(outputs, Mapping):
+                logits = tuple(v for k, v in outputs.items() if k not in ignore_keys)
+            elif isinstance(outputs, (tuple, list)):
+                logits = tuple(outputs)
+            else:
+                logits = (outputs,)
+    if prediction_loss_only:
+        return loss, None, None
+    logits = _detach(logits)
+    if isinstance(logits, tuple) and len(logits) == 1:
+        logits = logits[0]
+    elif isinstance(logits, tuple) and not logits:
+        logits = None
+    labels = None
+    if has_labels or loss_without_labels:
+        found = _detach(tuple(inputs.get(k) for k in label_names))
+        labels = found[0] if len(found) == 1 else found
+    return loss, logits, labels
+
+
+def can_return_loss(model: torch.nn.Module) -> bool:
+    """Whether the model's ``forward`` takes ``return_loss`` defaulting to True (as
+    transformers' ``can_return_loss`` reads it)."""
+    try:
+        param = inspect.signature(model.forward).parameters.get("return_loss")
+    except (TypeError, ValueError):
+        return False
+    return param is not None and param.default is True
+
+
 def _batch_size(batch: Any) -> int:
     """The leading size of the batch's first tensor, as HF's ``find_batch_size``."""
     values = batch.values() if isinstance(batch, Mapping) else batch
@@ -148,19 +217,6 @@ def _batch_size(batch: Any) -> int:
         if isinstance(value, torch.Tensor) and value.dim():
             return int(value.shape[0])
     return 1
-
-
-def _predictions(outputs: Any, ignore: list[str]) -> Any:
-    if isinstance(outputs, Mapping):
-        parts = tuple(v for k, v in outputs.items() if k not in [*ignore, "loss"])
-    elif isinstance(outputs, (tuple, list)):
-        parts = tuple(outputs[1:])
-    else:
-        return None
-    parts = tuple(_detach(p) for p in parts)
-    if not parts:
-        return None
-    return parts[0] if len(parts) == 1 else parts
 
 
 def _detach(x: Any) -> Any:

@@ -51,6 +51,10 @@ class HFLoss:
         self.scaled_for_ga: bool | None = None  # Trainer.loss_is_scaled_for_ga
         #: The Trainer's ``floating_point_ops(inputs)``, counted for each micro-batch
         self.floating_point_ops: Callable[[Any], float] | None = None
+        #: A subclass's ``training_step(model, inputs, num_items_in_batch)``: it computes,
+        #: scales and back-propagates the loss and returns it detached (None: done here).
+        self.training_step: Callable[..., torch.Tensor] | None = None
+        self.group_size = 1  # the micro-batches of the step being run (HF's current GA steps)
 
     def items_in_batch(self, group: list[Any]) -> torch.Tensor | None:
         """The label tokens of a group (-100 excluded), when the model or a

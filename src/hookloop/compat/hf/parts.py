@@ -38,6 +38,7 @@ import torch
 
 from hookloop.checkpoint.manager import CheckpointManager
 from hookloop.compat.hf import data as hf_data
+from hookloop.compat.hf import evaluation as hf_evaluation
 from hookloop.compat.hf import flow, layout
 from hookloop.compat.hf import optim as hf_optim
 from hookloop.compat.hf.evaluation import Evaluation as Collected
@@ -189,10 +190,15 @@ class HFMicroStep(MicroStep):
         inputs = move_to(batch, self.device)
         if hf_loss.floating_point_ops is not None:  # total_flos, as HF counts it
             self.progress.flops += float(hf_loss.floating_point_ops(inputs))
-        loss, outputs = hf_loss(model, inputs, self.num_items)
-        scaled = hf_loss.scaled(loss, self.num_items, k)
-        self.precision.backward(scaled)
-        part = scaled.detach()
+        hf_loss.group_size = k
+        if hf_loss.training_step is not None:  # a subclass's training_step: it backpropagates
+            outputs, part = None, hf_loss.training_step(model, inputs, self.num_items)
+            loss = part
+        else:
+            loss, outputs = hf_loss(model, inputs, self.num_items)
+            scaled = hf_loss.scaled(loss, self.num_items, k)
+            self.precision.backward(scaled)
+            part = scaled.detach()
         if self.nan_filter:
             part = self.filtered(part)
         self.step_loss = part if self.step_loss is None else self.step_loss + part
@@ -250,6 +256,15 @@ class HFLogBook(LogBook):
         super().__init__(**parts)
         self.session = session
         self.rate = rate  # () -> the learning rate the last update used (None before one)
+        #: A subclass's ``Trainer.log(logs)``: each log goes through it (its ``super().log``
+        #: publishes it), as transformers logs (None: published here).
+        self.log_hook: Any = None
+
+    def emit(self, logs: dict[str, Any]) -> None:
+        if self.log_hook is not None:
+            self.log_hook(logs)
+        else:
+            self.publish(logs)
 
     def log(self) -> None:
         st, window, session = self.progress, self.window, self.session
@@ -275,7 +290,7 @@ class HFLogBook(LogBook):
         logs["epoch"] = session.state.epoch
         window.clear()
         session.last_logged_step = st.step
-        self.publish(logs)
+        self.emit(logs)
 
     def summary(self) -> None:
         """HF's end of training, before ``on_train_end``: the summary log."""
@@ -300,7 +315,7 @@ class HFLogBook(LogBook):
         session.refresh(self.ctx, "on_log")
         summary["epoch"] = session.state.epoch
         session.summary = summary
-        self.publish(summary)
+        self.emit(summary)
 
 
 def _logbook(p: Parts, *, session: Any) -> LogBook:
@@ -321,55 +336,86 @@ def _logbook(p: Parts, *, session: Any) -> LogBook:
 
 
 class HFEvaluation(Evaluation):
-    """HF's ``evaluation_loop``: the loss per sample, then ``compute_metrics``. ``prefix``
-    and ``ignore_keys`` are ``evaluate()``'s ``metric_key_prefix`` and ``ignore_keys``
-    for the pass being run (None: ``"eval"`` and the model config's)."""
+    """HF's ``evaluation_loop``: ``prediction_step`` on each batch, the loss per sample,
+    then ``compute_metrics``. ``prefix`` and ``ignore_keys`` are ``evaluate()``'s
+    ``metric_key_prefix`` and ``ignore_keys`` for the pass being run (None: ``"eval"``
+    and, in training, ``train(ignore_keys_for_eval=)``, else the model config's)."""
 
     def __init__(self, *, session: Any, hf_loss: HFLoss, compute_metrics: Any, **parts: Any):
         super().__init__(**parts)
         self.session, self.hf_loss, self.compute_metrics = session, hf_loss, compute_metrics
         self.prefix: str | None = None
         self.ignore_keys: list[str] | None = None
+        self.ignore_keys_in_training: list[str] | None = None
         self.keep_predictions = False  # predict(): predictions also without compute_metrics
         self.scheduler: Any = None  # a ReduceLROnPlateau is stepped after evaluations
         self.last: Collected | None = None  # the latest pass's predictions and labels
+        #: ``(model, inputs, prediction_loss_only, ignore_keys) -> (loss, logits, labels)``:
+        #: the Trainer's ``prediction_step`` (a subclass's override included).
+        self.prediction_step: Any = self.default_prediction_step
+        self.preprocess_logits: Any = None  # preprocess_logits_for_metrics(logits, labels)
+        self.log_hook: Any = None  # a subclass's Trainer.log: it sees evaluate()'s metrics
+
+    def default_prediction_step(
+        self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None
+    ) -> tuple[Any, Any, Any]:
+        """transformers' ``prediction_step`` on HF's loss."""
+        hf_loss, args = self.hf_loss, self.session.args
+        if ignore_keys is None:
+            ignore_keys = ignored_keys(self.model)
+        inputs = move_to(inputs, self.device)
+
+        def compute(model: Any, inputs: Any) -> Any:
+            return hf_loss.with_outputs(model, inputs, hf_loss.items_in_batch([inputs]))
+
+        with self.precision.autocast():
+            return hf_evaluation.prediction_step(
+                compute,
+                model,
+                inputs,
+                prediction_loss_only,
+                list(ignore_keys),
+                hf_data.label_names(self.model, args),
+                can_return_loss=hf_evaluation.can_return_loss(self.model),
+            )
 
     def run(self, loader: Any, kind: str) -> dict[str, float]:
-        ctx, hooks, fire, model, hf_loss = self.ctx, self.hooks, self.fire, self.model, self.hf_loss
+        ctx, hooks, fire, model = self.ctx, self.hooks, self.fire, self.model
         args = self.session.args
         prefix = self.prefix if self.prefix is not None else kind
+        ignore_keys = self.ignore_keys
+        if ignore_keys is None and self.progress.in_training:
+            ignore_keys = self.ignore_keys_in_training
+        # As transformers: evaluate() without compute_metrics asks for the loss alone;
+        # otherwise args.prediction_loss_only decides.
+        loss_only = bool(hf_optim.arg(args, "prediction_loss_only", False)) or (
+            self.compute_metrics is None and not self.keep_predictions
+        )
         started = time.monotonic()
         collected = Collected(
             hf_data.label_names(model, args),
-            self.ignore_keys if self.ignore_keys is not None else ignored_keys(model),
+            ignore_keys if ignore_keys is not None else ignored_keys(model),
             self.compute_metrics,
             list(hf_optim.arg(args, "include_for_metrics", []) or []),
             nan_filter=bool(hf_optim.arg(args, "logging_nan_inf_filter", True)),
             keep_predictions=self.keep_predictions,
+            preprocess=self.preprocess_logits,
         )
         was_training = model.training
         model.eval()
         if hooks[f"on_{kind}_start"]:
             fire(f"on_{kind}_start", ctx)
-        with torch.no_grad():
-            for batch in itertools.islice(loader, self.max_batches):
-                if hooks[f"on_{kind}_step_start"]:
-                    ctx.batch = batch
-                    fire(f"on_{kind}_step_start", ctx)
-                inputs = move_to(batch, self.device)
-                loss = None
-                with self.precision.autocast():
-                    if collected.has_labels(inputs):
-                        num_items = hf_loss.items_in_batch([inputs])
-                        loss, outputs = hf_loss.with_outputs(model, inputs, num_items)
-                        loss = loss.detach().mean()
-                    else:
-                        outputs = model(**inputs)
-                collected.add(inputs, loss, outputs)
-                if hooks[f"on_{kind}_step_end"]:
-                    ctx.batch, ctx.outputs, ctx.loss = batch, outputs, loss
-                    fire(f"on_{kind}_step_end", ctx)
-                ctx.batch = ctx.outputs = ctx.loss = None
+        for batch in itertools.islice(loader, self.max_batches):
+            if hooks[f"on_{kind}_step_start"]:
+                ctx.batch = batch
+                fire(f"on_{kind}_step_start", ctx)
+            inputs = move_to(batch, self.device)
+            loss, logits, labels = self.prediction_step(model, inputs, loss_only, ignore_keys)
+            collected.add(inputs, loss, logits, labels)
+            if hooks[f"on_{kind}_step_end"]:
+                ctx.batch, ctx.outputs, ctx.loss = batch, logits, loss
+                fire(f"on_{kind}_step_end", ctx)
+            ctx.batch = ctx.outputs = ctx.loss = None
         metrics = collected.metrics(prefix)
         session = self.session
         if session.model_preparation_time is None and not session.trained:
@@ -381,6 +427,14 @@ class HFEvaluation(Evaluation):
         steps = math.ceil(collected.samples / per_batch)
         flow.speed_into(metrics, prefix, time.monotonic() - started, collected.samples, steps)
         self.last = collected
+        if kind == "eval" and self.log_hook is not None:
+            # transformers' evaluate() hands the metrics to self.log before on_evaluate;
+            # the evaluation's own log event (on_eval_end) then publishes them.
+            session.evaluating = True
+            try:
+                self.log_hook(metrics)
+            finally:
+                session.evaluating = False
         self.finish(kind, metrics)
         model.train(was_training)
         if kind == "eval" and self.progress.in_training:

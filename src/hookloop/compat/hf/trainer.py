@@ -39,6 +39,7 @@ from hookloop.config import Config, TrainConfig
 from hookloop.loop import Trainer as Loop
 from hookloop.manager import CallbackManager
 from hookloop.result import TrainResult
+from hookloop.step import move_to
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,9 @@ class Trainer:
     #: HF's switch for a ``compute_loss`` override: whether its loss is already the
     #: accumulation group's (None: decided as transformers decides it).
     loss_is_scaled_for_ga: bool | None = None
+    #: While the loop is being built: the model, optimizer and schedule create_optimizer /
+    #: create_scheduler see and set (None once the loop holds them).
+    _staged: dict[str, Any] | None = None
 
     def __init__(
         self,
@@ -105,10 +109,12 @@ class Trainer:
         )
         self.objective: float | None = None  # the latest objective of a search's trial
         self.args_built = _snapshot(args)  # the arguments the loop was built from
-        if preprocess_logits_for_metrics is not None:
-            raise ValueError(
-                "preprocess_logits_for_metrics is not supported by hookloop.compat.hf.Trainer "
-                "yet; reduce the logits in compute_metrics instead"
+        if preprocess_logits_for_metrics is not None and not callable(
+            preprocess_logits_for_metrics
+        ):
+            raise TypeError(
+                "preprocess_logits_for_metrics must be a function (logits, labels) -> logits, "
+                f"got {type(preprocess_logits_for_metrics).__name__}"
             )
         self.model_init = model_init
         if model is None:
@@ -159,13 +165,23 @@ class Trainer:
             if own or compute_loss_func is not None:  # HF's training_step calls compute_loss
                 hf_loss.compute_loss = self.compute_loss
             hf_loss.has_loss_func = compute_loss_func is not None
+            hf_loss.group_size = int(hf_optim.arg(args, "gradient_accumulation_steps", 1))
+            if self._overrides("training_step"):
+                hf_loss.training_step = self.training_step
             hf_loss.floating_point_ops = self.floating_point_ops
             hf_loss.scaled_for_ga = self.loss_is_scaled_for_ga
-        elif compute_loss_func is not None or type(self).compute_loss is not Trainer.compute_loss:
-            raise ValueError(
-                "compute_loss and compute_loss_func apply when TrainingArguments decide the "
-                "run and the model computes the loss (no config=, loss_fn= or forward_step=)"
-            )
+        else:
+            hf_only = {
+                "compute_loss_func": compute_loss_func is not None,
+                "preprocess_logits_for_metrics": preprocess_logits_for_metrics is not None,
+                **{name: self._overrides(name) for name in HF_STEP_OVERRIDES},
+            }
+            if any(hf_only.values()):
+                raise ValueError(
+                    f"{', '.join(k for k, v in hf_only.items() if v)} apply when "
+                    "TrainingArguments decide the run and the model computes the loss (no "
+                    "config=, loss_fn= or forward_step=)"
+                )
         session.compute_metrics = None if hf_loss is not None else compute_metrics
         self._hf_data: dict[str, Any] | None = None  # how HF builds a loader from a dataset
         self.data_collator = data_collator
@@ -210,6 +226,18 @@ class Trainer:
         handler.listener = self._mirror  # each edit of the list after construction reaches the loop
         if session.drives_loop and getattr(loop.model, "config", None) is not None:
             loop.model.config.use_cache = hf_optim.arg(args, "use_cache", False)  # as HF's init
+        if isinstance(loop.evaluation, hf_parts.HFEvaluation):
+            loop.evaluation.prediction_step = self.prediction_step
+            loop.evaluation.preprocess_logits = preprocess_logits_for_metrics
+        if self._overrides("log"):
+            if not isinstance(loop.logbook, hf_parts.HFLogBook):
+                raise ValueError(
+                    f"{type(self).__name__}.log applies when TrainingArguments decide the run "
+                    "(args given, no hookloop config=)"
+                )
+            loop.logbook.log_hook = self.log
+            if isinstance(loop.evaluation, hf_parts.HFEvaluation):
+                loop.evaluation.log_hook = self.log
 
     def _decided_by_args(self, args: Any, model: torch.nn.Module, run: _Run) -> _Run:
         """What ``TrainingArguments`` decide before the loop is built, as HF's Trainer:
@@ -234,13 +262,24 @@ class Trainer:
             datasets[0] = self.get_train_dataloader()
         if self._overrides("get_eval_dataloader") and self.eval_dataset is not None:
             datasets[1] = self.get_eval_dataloader()
-        optimizer = run.optimizer or hf_optim.create_optimizer(
-            model, args, cls_and_kwargs=self.optimizer_cls_and_kwargs
-        )
-        scheduler = run.scheduler
-        if scheduler is None and datasets[0] is not None:
-            plan = hf_parts.plan_of(args, datasets[0], config.train.grad_accum)
-            scheduler = hf_optim.create_scheduler(optimizer, args, plan.max_steps)
+        # HF's create_optimizer and create_scheduler (a subclass's overrides included), called
+        # before the loop exists: self.model / optimizer / lr_scheduler are the staged ones.
+        self._staged = {"model": model, "optimizer": run.optimizer, "lr_scheduler": run.scheduler}
+        try:
+            if datasets[0] is not None:
+                plan = hf_parts.plan_of(args, datasets[0], config.train.grad_accum)
+                self.create_optimizer()  # as transformers' train(): these two, in turn
+                self.create_scheduler(num_training_steps=plan.max_steps)
+            else:  # a trainer that only evaluates: no schedule
+                self.create_optimizer()
+            optimizer, scheduler = self._staged["optimizer"], self._staged["lr_scheduler"]
+        finally:
+            self._staged = None
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                "create_optimizer must leave a torch.optim.Optimizer in self.optimizer, got "
+                f"{type(optimizer).__name__}"
+            )
         return _Run(config, datasets, optimizer, scheduler)
 
     # -- HF's objects ---------------------------------------------------------------
@@ -276,17 +315,40 @@ class Trainer:
     # -- the loop's objects, under the names users reach for --------------------------
     @property
     def model(self) -> torch.nn.Module:
+        if self._staged is not None:
+            return self._staged["model"]
         return self.loop.model
 
     @property
-    def optimizer(self) -> torch.optim.Optimizer:
+    def optimizer(self) -> Any:
+        if self._staged is not None:
+            return self._staged["optimizer"]
         return self.loop.optimizer
+
+    @optimizer.setter
+    def optimizer(self, value: Any) -> None:
+        self._set_staged("optimizer", value)
 
     @property
     def lr_scheduler(self) -> Any:
+        if self._staged is not None:
+            return self._staged["lr_scheduler"]
         return self.loop.scheduler
 
+    @lr_scheduler.setter
+    def lr_scheduler(self, value: Any) -> None:
+        self._set_staged("lr_scheduler", value)
+
     scheduler = lr_scheduler
+
+    def _set_staged(self, name: str, value: Any) -> None:
+        if self._staged is None:
+            raise AttributeError(
+                f"Trainer.{name} is set by create_optimizer / create_scheduler (override "
+                "them, or pass optimizers=(optimizer, lr_scheduler)); the loop already holds "
+                f"its {name}"
+            )
+        self._staged[name] = value
 
     @property
     def callbacks(self) -> CallbackManager:
@@ -342,10 +404,12 @@ class Trainer:
     ) -> Any:
         """Train; ``resume_from_checkpoint`` is HF's: a checkpoint path, or True for the
         newest one in ``output_dir``; ``trial`` is what ``model_init(trial)`` gets."""
-        if ignore_keys_for_eval is not None:
+        if ignore_keys_for_eval is not None and not (
+            isinstance(ignore_keys_for_eval, (list, tuple))
+            and all(isinstance(k, str) for k in ignore_keys_for_eval)
+        ):
             raise ValueError(
-                "ignore_keys_for_eval is not supported by hookloop.compat.hf.Trainer yet; "
-                "leave the keys out of compute_metrics instead"
+                f"ignore_keys_for_eval must be a list of output names, got {ignore_keys_for_eval!r}"
             )
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             if not isinstance(resume_from_checkpoint, (str, os.PathLike, bool)):
@@ -390,6 +454,9 @@ class Trainer:
         if isinstance(sampler, hf_data.HFSampler) and sampler.follows_torch_seed:
             sampler.seed = torch.initial_seed()  # what accelerate's sampler reads then
         self.hf.summary = {}
+        evaluation = self.loop.evaluation
+        if isinstance(evaluation, hf_parts.HFEvaluation):
+            evaluation.ignore_keys_in_training = ignore_keys_for_eval
         result = self.loop.train()
         fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
         fields["metrics"] = {**fields["metrics"], **self.hf.summary}
@@ -495,6 +562,79 @@ class Trainer:
             loss = loss_of(outputs, inputs)
         return (loss, outputs) if return_outputs else loss
 
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        """HF's ``create_optimizer``: the optimizer ``args.optim`` names (or
+        ``optimizer_cls_and_kwargs``') for ``model`` (default: the trainer's), unless one
+        was given. A subclass may override it (it runs once, when the Trainer is built,
+        where transformers runs it in ``train()``); it sets ``self.optimizer``."""
+        if self.optimizer is None:
+            self.optimizer = hf_optim.create_optimizer(
+                self.model if model is None else model,
+                self.args,
+                cls_and_kwargs=self.optimizer_cls_and_kwargs,
+            )
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        """HF's ``create_scheduler``: ``args.lr_scheduler_type`` over ``num_training_steps``,
+        unless one was given; sets ``self.lr_scheduler``. A subclass may override it."""
+        if self.lr_scheduler is None:
+            self.lr_scheduler = hf_optim.create_scheduler(
+                self.optimizer if optimizer is None else optimizer, self.args, num_training_steps
+            )
+        return self.lr_scheduler
+
+    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        """``create_optimizer()`` then ``create_scheduler()``. As in transformers 5,
+        ``train()`` calls those two itself, not this method."""
+        self.create_optimizer()
+        self.create_scheduler(num_training_steps=num_training_steps)
+
+    def training_step(
+        self, model: torch.nn.Module, inputs: Mapping[str, Any], num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        """HF's ``training_step`` for one micro-batch: ``compute_loss``, divided by the
+        accumulation group's size unless it is the group's already, back-propagated;
+        returns the loss detached. A subclass may override it (the loop then calls it
+        for every training micro-batch, as transformers does)."""
+        hf_loss = self._hf_required("training_step")
+        model.train()
+        inputs = move_to(inputs, self.device)
+        loss, _ = hf_loss(model, inputs, num_items_in_batch)
+        scaled = hf_loss.scaled(loss, num_items_in_batch, hf_loss.group_size)
+        self.loop.precision.backward(scaled)
+        return scaled.detach()
+
+    def prediction_step(
+        self,
+        model: torch.nn.Module,
+        inputs: Mapping[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ) -> tuple[torch.Tensor | None, Any, Any]:
+        """HF's ``prediction_step``: ``(loss, logits, labels)`` of one evaluation batch
+        (``(loss, None, None)`` with ``prediction_loss_only``). A subclass may override
+        it; every evaluation and ``predict()`` batch goes through it."""
+        self._hf_required("prediction_step")
+        evaluation = self.loop.evaluation
+        assert isinstance(evaluation, hf_parts.HFEvaluation)
+        return evaluation.default_prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+
+    @property
+    def current_gradient_accumulation_steps(self) -> int:
+        """The micro-batches of the update being run (fewer for an epoch's last group)."""
+        if self._hf_loss is None:
+            return self.config.train.grad_accum
+        return self._hf_loss.group_size
+
+    def _hf_required(self, name: str) -> HFLoss:
+        if self._hf_loss is None:
+            raise RuntimeError(
+                f"{name} is HF's step: it runs when TrainingArguments decide the run and the "
+                "model computes the loss (no config=, loss_fn= or forward_step=)"
+            )
+        return self._hf_loss
+
     def floating_point_ops(self, inputs: Mapping[str, Any]) -> float:
         """A micro-batch's forward and backward FLOPs for ``total_flos``: 6 x the main
         input's elements x the parameters outside the embeddings, for a model with
@@ -590,6 +730,21 @@ class Trainer:
         return best
 
     # -- after train(): what transformers' example scripts call -------------------------
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """HF's ``log``: ``logs`` (with the epoch) to ``log_history`` and every
+        callback's ``on_log``. A subclass may override it to add or change keys; the
+        loop hands it each training log, the end-of-training summary and
+        ``evaluate()``'s metrics, as transformers does. Called from a callback or an
+        override point, it logs the dict at the current step."""
+        if not isinstance(logs, dict):
+            raise TypeError(f"log() takes a dict of values to log, got {type(logs).__name__}")
+        session = self.hf
+        if session.evaluating:  # evaluate()'s metrics: the evaluation's log event logs them
+            return
+        if session.state.epoch is not None:
+            logs["epoch"] = session.state.epoch
+        self.loop.logbook.publish(logs)
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The model for ``from_pretrained`` (``config.json`` and ``model.safetensors``, or
         the state dict alone for a plain module), the processing class and
@@ -773,24 +928,21 @@ def _refuse_unsupported(args: Any) -> None:
 #: that this Trainer does not call: a subclass defining one is refused at construction
 #: (its override would be skipped silently). ``compute_loss``, ``floating_point_ops`` and
 #: ``get_train/eval/test_dataloader`` are honoured.
+#: HF's per-batch override points: they run in the HF step and evaluation only.
+HF_STEP_OVERRIDES = ("compute_loss", "training_step", "prediction_step")
+
 UNHONOURED_OVERRIDES = (
     "autocast_smart_context_manager",
     "compute_loss_context_manager",
-    "create_optimizer",
-    "create_optimizer_and_scheduler",
-    "create_scheduler",
     "evaluate",
     "evaluation_loop",
     "get_batch_samples",
     "get_decay_parameter_names",
     "get_optimizer_cls_and_kwargs",
-    "log",
     "num_examples",
-    "prediction_step",
     "save_model",
     "set_initial_training_values",
     "store_flos",
-    "training_step",
 )
 
 
@@ -804,8 +956,9 @@ def refuse_unhonoured_overrides(cls: type) -> None:
                 raise TypeError(
                     f"{klass.__name__}.{name} overrides a method hookloop.compat.hf.Trainer "
                     "does not call, so it would be skipped; of transformers' override points "
-                    "this Trainer honours compute_loss, floating_point_ops and "
-                    "get_train/eval/test_dataloader"
+                    "this Trainer honours compute_loss, training_step, prediction_step, log, "
+                    "create_optimizer(_and_scheduler), create_scheduler, floating_point_ops "
+                    "and get_train/eval/test_dataloader"
                 )
 
 

@@ -86,6 +86,7 @@ class TrainingArguments:
     train_sampling_strategy: str = "random"
     logging_nan_inf_filter: bool = True
     include_for_metrics: list[str] = field(default_factory=list)
+    prediction_loss_only: bool = False
     use_cache: bool = False
     # Passed to the DataLoader (hookloop.compat.hf.data).
     dataloader_pin_memory: bool = True
