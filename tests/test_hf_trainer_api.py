@@ -457,10 +457,23 @@ def test_every_transformers_argument_is_classified_and_no_name_is_stale():
     from hookloop.compat.hf import arguments
     from hookloop.compat.hf.types import TrainingArguments
 
-    theirs = {f.name for f in dataclasses.fields(transformers.TrainingArguments) if f.init}
+    fields = {f.name: f for f in dataclasses.fields(transformers.TrainingArguments) if f.init}
+    theirs = set(fields)
     ours = {f.name for f in dataclasses.fields(TrainingArguments)}
-    # our dataclass speaks transformers' names only (5.x's, and two 4.x ones)
-    assert ours - set(arguments.TRANSFORMERS_4_FIELDS) <= theirs
+    # our dataclass speaks transformers' names (5.x's, and two 4.x ones), all of them
+    assert ours - set(arguments.TRANSFORMERS_4_FIELDS) == theirs
+    defaults = TrainingArguments()
+    for name in arguments.NO_EFFECT.keys() | (
+        theirs - arguments.honoured_fields(TrainingArguments)
+    ):
+        field = fields[name]
+        default = field.default if field.default is not dataclasses.MISSING else None
+        assert getattr(defaults, name) == getattr(default, "value", default), name
+    # each one not carried out is refused by name when set, on our dataclass too
+    with pytest.raises(
+        ValueError, match=r"does not carry out torch_compile=True, fsdp='full_shard'"
+    ):
+        hf.Trainer(RegressionModel(), TrainingArguments(torch_compile=True, fsdp="full_shard"))
     assert set(arguments.NO_EFFECT) <= theirs and set(arguments.LOADER_FIELDS) <= theirs
     # HfArgumentParser reads a script's command line into ours as into transformers'
     parser = transformers.HfArgumentParser(TrainingArguments)

@@ -107,6 +107,14 @@ def ignored_fields(args: Any, honoured: set[str]) -> dict[str, tuple[Any, Any]]:
     return odd
 
 
+def honoured_fields(cls: type) -> set[str]:
+    """The fields of a dialect ``TrainingArguments`` class that the dialect reads (its
+    copies of transformers' other fields say otherwise in their help text)."""
+    from hookloop.compat.hf.types import NOT_CARRIED_OUT
+
+    return {f.name for f in dataclasses.fields(cls) if f.metadata.get("help") != NOT_CARRIED_OUT}
+
+
 def refuse_ignored(args: Any, honoured: set[str]) -> None:
     """Refuse ``args`` when a field is set to what the dialect does not carry out."""
     odd = ignored_fields(args, honoured)

@@ -242,8 +242,7 @@ class Trainer:
     def _decided_by_args(self, args: Any, model: torch.nn.Module, run: _Run) -> _Run:
         """What ``TrainingArguments`` decide before the loop is built, as HF's Trainer:
         the Config, the seed, HF's loaders, optimizer and LR schedule."""
-        _refuse_unsupported(args)
-        arguments.refuse_ignored(args, {f.name for f in dataclasses.fields(TrainingArguments)})
+        arguments.refuse_ignored(args, arguments.honoured_fields(TrainingArguments))
         config = _args_config(args)
         if not config.train.log_every:
             # HF's logged loss (and train_loss) average every step since the last
@@ -892,36 +891,6 @@ def _args_config(args: Any) -> Config:
         if hasattr(args, name)
     }
     return TrainingArguments(**fields).to_config()
-
-
-#: transformers' fields that would change the numbers or the flow, with the value the
-#: dialect runs (a transformers ``TrainingArguments`` set otherwise is refused).
-_UNSUPPORTED = {
-    "label_smoothing_factor": 0.0,
-    "neftune_noise_alpha": None,
-    "gradient_checkpointing": False,
-    "eval_on_start": False,
-    "include_num_input_tokens_seen": "no",
-    "torch_compile": False,
-    "auto_find_batch_size": False,
-    "full_determinism": False,
-}
-
-
-def _refuse_unsupported(args: Any) -> None:
-    """Name the transformers fields set to what the dialect does not reproduce."""
-    odd = {
-        name: getattr(args, name)
-        for name, value in _UNSUPPORTED.items()
-        if hasattr(args, name) and getattr(args, name) != value
-    }
-    if odd:
-        raise ValueError(
-            "hookloop.compat.hf.Trainer does not reproduce "
-            + ", ".join(f"{k}={v!r}" for k, v in odd.items())
-            + "; leave them at "
-            + ", ".join(f"{k}={_UNSUPPORTED[k]!r}" for k in odd)
-        )
 
 
 #: transformers' Trainer methods a subclass overrides to change training or evaluation

@@ -24,6 +24,16 @@ if TYPE_CHECKING:
 _STRATEGIES = ("no", "steps", "epoch")
 
 
+#: The ``--help`` of transformers' fields the dialect does not carry out (HfArgumentParser
+#: hands a field's metadata to argparse, so the mark is its help text).
+NOT_CARRIED_OUT = "transformers' field; hookloop.compat.hf refuses any value but its default"
+
+
+def _theirs(default: Any) -> Any:
+    """A transformers field this dialect does not carry out (refused unless at default)."""
+    return field(default=default, metadata={"help": NOT_CARRIED_OUT})
+
+
 @dataclass
 class TrainingArguments:
     """HF's argument names for what a callback may read about the run.
@@ -100,6 +110,67 @@ class TrainingArguments:
     resume_from_checkpoint: str | None = None
     log_level: str = "passive"
     eval_accumulation_steps: int | None = None
+    dataloader_multiprocessing_context: str | None = None
+    # transformers' other fields, with transformers' defaults: a Trainer built from them
+    # refuses any set to something else, by name (hookloop.compat.hf.arguments), except
+    # those it lists as without effect here.
+    optim_target_modules: Any = _theirs(None)
+    average_tokens_across_devices: bool = _theirs(True)
+    label_smoothing_factor: float = _theirs(0.0)
+    bf16_full_eval: bool = _theirs(False)
+    fp16_full_eval: bool = _theirs(False)
+    tf32: Any = _theirs(None)
+    activation_checkpointing: Any = _theirs(None)
+    activation_checkpointing_kwargs: Any = _theirs(None)
+    gradient_checkpointing: Any = _theirs(None)
+    gradient_checkpointing_kwargs: Any = _theirs(None)
+    torch_compile: bool = _theirs(False)
+    torch_compile_backend: Any = _theirs(None)
+    torch_compile_mode: Any = _theirs(None)
+    use_liger_kernel: bool = _theirs(False)
+    liger_kernel_config: Any = _theirs(None)
+    neftune_noise_alpha: Any = _theirs(None)
+    torch_empty_cache_steps: Any = _theirs(None)
+    auto_find_batch_size: bool = _theirs(False)
+    log_on_each_node: bool = _theirs(True)
+    include_num_input_tokens_seen: str | bool = _theirs("no")
+    log_level_replica: str = _theirs("warning")
+    project: str = _theirs("huggingface")
+    trackio_space_id: Any = _theirs(None)
+    trackio_bucket_id: Any = _theirs(None)
+    trackio_static_space_id: Any = _theirs(None)
+    eval_on_start: bool = _theirs(False)
+    eval_do_concat_batches: bool = _theirs(True)
+    eval_use_gather_object: bool = _theirs(False)
+    batch_eval_metrics: bool = _theirs(False)
+    save_only_model: bool = _theirs(False)
+    save_on_each_node: bool = _theirs(False)
+    enable_jit_checkpoint: bool = _theirs(False)
+    push_to_hub: bool = _theirs(False)
+    hub_token: Any = _theirs(None)
+    hub_private_repo: Any = _theirs(None)
+    hub_model_id: Any = _theirs(None)
+    hub_strategy: str = _theirs("every_save")
+    hub_always_push: bool = _theirs(False)
+    hub_revision: Any = _theirs(None)
+    ignore_data_skip: bool = _theirs(False)
+    full_determinism: bool = _theirs(False)
+    accelerator_config: Any = _theirs(None)
+    parallelism_config: Any = _theirs(None)
+    dataloader_in_order: bool = _theirs(True)
+    length_column_name: str = _theirs("length")
+    ddp_find_unused_parameters: Any = _theirs(None)
+    ddp_bucket_cap_mb: Any = _theirs(None)
+    ddp_broadcast_buffers: Any = _theirs(None)
+    ddp_static_graph: Any = _theirs(None)
+    ddp_backend: Any = _theirs(None)
+    ddp_timeout: int = _theirs(1800)
+    fsdp: Any = _theirs(None)
+    fsdp_config: Any = _theirs(None)
+    deepspeed: Any = _theirs(None)
+    debug: str = _theirs("")
+    skip_memory_metrics: bool = _theirs(True)
+    local_rank: int = _theirs(-1)
 
     def __post_init__(self) -> None:
         for name in ("logging_strategy", "eval_strategy", "save_strategy"):
