@@ -74,10 +74,13 @@ class HFTypo(TrainerCallback):
     def on_train_ends(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None: ...
 
 
-def test_every_dialect_names_a_mistyped_hook_and_the_event_it_meant():
+def test_every_dialect_names_a_mistyped_hook_and_the_event_it_meant(caplog):
     meant = r"on_train_ends matches no .*event, so it would never run\. Did you mean 'on_train_end'"
-    with pytest.raises(ValueError, match="MegatronTypo." + meant):
+    # Megatron-Bridge accepts other on_* methods: its dialect only logs a warning
+    with caplog.at_level("WARNING"):
         CallbackManager().add(MegatronTypo())
+    assert "MegatronTypo.on_train_ends matches no event" in caplog.text
+    assert "Did you mean 'on_train_end'" in caplog.text
     with pytest.raises(ValueError, match="HpoTypo." + meant):
         hpo.CallbackRunner([HpoTypo()])
     with pytest.warns(UserWarning, match="HFTypo." + meant):
@@ -86,10 +89,9 @@ def test_every_dialect_names_a_mistyped_hook_and_the_event_it_meant():
 
 @pytest.mark.parametrize("priority", ["first", 2.5, False])
 def test_every_dialect_that_orders_by_priority_refuses_one_that_is_not_an_int(priority):
-    mega, seed = MegatronCallback(), Counts()
-    mega.priority = seed.priority = priority
-    with pytest.raises(ValueError, match=r"Callback\.priority must be an int"):
-        CallbackManager().add(mega)
+    # (Megatron-Bridge's callbacks have no priority: they run in registration order.)
+    seed = Counts()
+    seed.priority = priority
     with pytest.raises(ValueError, match=r"Counts\.priority must be an int"):
         hpo.CallbackRunner([seed])
 

@@ -180,9 +180,9 @@ def test_seed_pretrain_hands_non_loss_data_to_callbacks_and_tensorboard(tmp_path
         cfg, forward_step, callbacks=[Seen()], out_dir=tmp_path / "run",
         non_loss_data_func=weight_norm, process_non_loss_data_func=process,
     )  # fmt: skip
-    # Evaluations at steps 2 and 4, then the test phase at the end (the config splits off
-    # test data), as Megatron's entry point runs it.
-    assert [step for _, step in processed] == [2, 4, 4]
+    # Evaluations at steps 2 and 4, the validation after training, then the test phase (the
+    # config splits off test data), as Megatron-Bridge's pretrain runs them.
+    assert [step for _, step in processed] == [2, 4, 4, 4]
     assert at_eval_end == [data for data, _ in processed]  # the seed callbacks saw it too
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()

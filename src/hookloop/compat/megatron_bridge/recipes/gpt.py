@@ -75,6 +75,7 @@ def small_gpt_pretrain_config(
         ),
     )
     cfg.checkpoint.every = save_interval
+    cfg.checkpoint.async_save = False  # Megatron-Bridge's default: on_checkpoint_save on time
     return cfg.validate()
 
 

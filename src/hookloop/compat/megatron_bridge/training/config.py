@@ -72,12 +72,17 @@ class SchedulerConfig:
 
 @dataclass
 class CheckpointConfig:
-    """``save``: the run directory (checkpoints under it); ``load``: resume from there."""
+    """``save``: the run directory (checkpoints under it); ``load``: resume from there.
+
+    ``async_save``: write in the background (``on_checkpoint_save`` then fires once the
+    write is done, a step or two later); off by default, as in Megatron-Bridge.
+    """
 
     save: str | None = None
     save_interval: int | None = None
     load: str | None = None
     pretrained_checkpoint: str | None = None
+    async_save: bool = False
 
 
 @dataclass
@@ -198,6 +203,8 @@ class ConfigContainer:
                 "hookloop resumes a run in its own directory; set load to save (or leave it "
                 "None), or use checkpoint.pretrained_checkpoint to start from other weights"
             )
+        if not isinstance(ck.async_save, bool):
+            raise ValueError(f"checkpoint.async_save must be True or False, got {ck.async_save!r}")
         if self.logger.wandb_project is not None and not self.logger.wandb_project:
             raise ValueError("logger.wandb_project must be a non-empty name or None")
         self.split_weights()
@@ -248,6 +255,7 @@ class ConfigContainer:
             checkpoint=hc.CheckpointConfig(
                 every=self.checkpoint.save_interval,
                 pretrained=self.checkpoint.pretrained_checkpoint,
+                async_save=self.checkpoint.async_save,
             ),
             logging=hc.LoggingConfig(tensorboard=False, wandb=False),
         )

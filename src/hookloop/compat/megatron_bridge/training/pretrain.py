@@ -11,6 +11,12 @@ test data (a container's ``dataset.split`` with a test weight, or a recipe
 that gives test data) and training finished its budget, the test phase runs at
 the end, firing the ``on_test_*`` events, as Megatron's entry point does; its
 ``test_*`` metrics join the result's.
+
+After the steps, as Megatron-Bridge's ``pretrain``: when training finished its
+budget, one more validation pass over the valid data (after ``on_train_end``),
+then the test pass. When an exit condition ended training (``exit_interval``,
+``exit_duration_in_mins``, a signal) the checkpoint is saved and ``SystemExit(0)``
+is raised, without ``on_train_end``, the final validation or the test pass.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from hookloop import entry
 from hookloop.compat.megatron_bridge.training import non_loss_data
@@ -28,10 +36,12 @@ from hookloop.compat.megatron_bridge.training.callbacks import (
 )
 from hookloop.compat.megatron_bridge.training.config import ConfigContainer
 from hookloop.compat.megatron_bridge.training.loggers import LogToWriters, Writers
+from hookloop.compat.megatron_bridge.training.native_events import exited
 from hookloop.compat.megatron_bridge.training.state import GlobalState
 from hookloop.config import Config
 from hookloop.distributed import rank_info
 from hookloop.loop import Trainer
+from hookloop.optim import build_optimizer, build_scheduler
 from hookloop.result import TrainResult
 from hookloop.state import TrainState
 from hookloop.step import bind_forward_step
@@ -89,11 +99,12 @@ def run(
     """One run of either entry point: train, test when due, close the writers."""
     non_loss_data.check(non_loss_data_func, process_non_loss_data_func)
     native, out_dir, resume = resolve(config, out_dir, resume)
-    if pretrained and not native.checkpoint.pretrained:
+    if pretrained and not native.checkpoint.pretrained and resume is None:
         raise ValueError(
             "finetune() needs pretrained weights: set config.checkpoint.pretrained (a hookloop "
             "Config) or config.checkpoint.pretrained_checkpoint (a ConfigContainer) to a "
-            "checkpoint directory or a .safetensors file"
+            "checkpoint directory or a .safetensors file, or checkpoint.load to resume a "
+            "fine-tuning run"
         )
     writers = Writers.for_run(config, out_dir)
     step, manager, global_state = prepare(config, forward_step_func, callbacks, native, writers)
@@ -102,12 +113,17 @@ def run(
     non_loss_data.register_processing(manager.native, global_state, process_non_loss_data_func)
     trainer = build_trainer(config, native, step, manager, out_dir=out_dir, resume=resume)
     trainer.non_loss_data_func = non_loss_data_func
-    if pretrained and resume is None:
+    if pretrained and resume is None and native.checkpoint.pretrained:
         entry.load_weights(trainer.model, native.checkpoint.pretrained)
     try:
         result = trainer.train()
-        if trainer.test_loader is not None and result.stop_reason in FINISHED:
-            result.metrics.update(trainer.test())
+        if exited(result.stop_reason):
+            raise SystemExit(0)  # Megatron-Bridge exits the process after saving
+        if result.stop_reason in FINISHED:
+            if trainer.eval_loader is not None:
+                result.metrics.update(trainer.evaluate())  # the validation after training
+            if trainer.test_loader is not None:
+                result.metrics.update(trainer.test())
     finally:
         global_state.close_loggers()
     return result
@@ -150,11 +166,13 @@ def prepare(
     manager = as_manager(callbacks)
     native = native if native is not None else resolve(config, None, None)[0]
     global_state = GlobalState(config, native_config=native, writers=writers)
-    manager.share_global_state(global_state)
+    manager.native_events.share(global_state)
     call = bind_forward_step(forward_step_func)  # also accepts (data_iterator, model)
 
     def forward_step(state: TrainState, data_iterator: Iterator[Any], model: Any) -> Any:
-        global_state.attach(state)  # the loop's own counters, whichever trainer runs this
+        # The loop's own counters, whichever trainer runs this; a model in training mode
+        # means a training step, where Megatron-Bridge has not counted the step yet.
+        global_state.refresh(state, in_step=model.training)
         return call(global_state, data_iterator, model)
 
     return forward_step, manager, global_state
@@ -176,8 +194,15 @@ def build_trainer(
 
     entry.seed_everything(native.seed)
     parts = build_parts(config, native)
+    optimizer = build_optimizer(native.optimizer, parts.model)
+    # Megatron-Bridge always has a scheduler; a constant rate gets one that keeps it.
+    scheduler = build_scheduler(native.scheduler, optimizer, native.train.max_steps)
+    if scheduler is None:
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _constant)
     return Trainer(
         parts.model,
+        optimizer,
+        scheduler=scheduler,
         train_data=parts.train_data,
         eval_data=parts.eval_data,
         test_data=parts.test_data,
@@ -188,3 +213,8 @@ def build_trainer(
         resume=resume,
         flops_per_sample=parts.flops_per_sample,
     )
+
+
+def _constant(step: int) -> float:
+    """The LR factor of a constant schedule."""
+    return 1.0

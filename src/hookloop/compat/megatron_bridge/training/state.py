@@ -1,13 +1,17 @@
-"""``GlobalState``: what the seed's forward steps and callbacks receive as ``state``.
+"""``GlobalState`` and ``TrainState``: what forward steps and callbacks receive as ``state``.
 
-It is a view, not a second copy of the run's progress: ``train_state`` reads the
-native :class:`hookloop.TrainState` that the loop keeps, so the numbers can never
-disagree with what native callbacks see.
+Shaped as Megatron-Bridge's (``megatron.bridge.training.state``): ``cfg``,
+``train_state`` (a plain, mutable dataclass with its eight fields), ``timers`` (with
+Megatron-Core's ``log()`` and ``write()``), ``start_time``, and the TensorBoard and
+W&B writers. The loop keeps its own counters; before each callback event and each
+forward step the dialect copies them into ``train_state`` under Megatron-Bridge's
+numbering (:meth:`GlobalState.refresh`): during a step, ``step`` is the number of
+steps done before it, as in Megatron-Bridge, where the counter moves after the step.
 
->>> from hookloop import Config
->>> state = GlobalState(Config())
+>>> state = GlobalState()
 >>> state.train_state.step, state.train_state.consumed_train_samples
 (0, 0)
+>>> state.train_state.step = 5  # a plain dataclass, as upstream's
 >>> timer = state.timers("forward")
 >>> timer.start(); timer.stop()
 >>> timer.elapsed() >= 0.0
@@ -16,56 +20,165 @@ True
 
 from __future__ import annotations
 
+import logging
+import time
+from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from hookloop.compat.megatron_bridge.training.loggers import Writers
-from hookloop.state import TrainState
-from hookloop.timers import Timer, Timers
+from hookloop.state import TrainState as NativeTrainState
+from hookloop.timers import Timer
+from hookloop.timers import Timers as NativeTimers
 
-__all__ = ["GlobalState", "Timer", "Timers", "TrainStateView"]  # Timer(s): the native ones
+__all__ = ["GlobalState", "Timer", "Timers", "TrainState"]
+
+#: Megatron-Core logs its timers through this logger.
+timers_logger = logging.getLogger("megatron.core.timers")
 
 
-class TrainStateView:
-    """The seed's ``train_state``: progress counters under the seed's names, read-only."""
+@dataclass
+class TrainState:
+    """Progress of the run under Megatron-Bridge's names (all counters over all ranks)."""
 
-    __slots__ = ("_native",)
+    step: int = 0
+    consumed_train_samples: int = 0
+    skipped_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    floating_point_operations_so_far: float = 0
+    do_train: bool = False
+    do_valid: bool = False
+    do_test: bool = False
 
-    def __init__(self, native: TrainState) -> None:
-        self._native = native
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The fields as tensors, as Megatron-Bridge checkpoints them."""
+        return {
+            name: torch.tensor(value, dtype=_DTYPES[name]) for name, value in vars(self).items()
+        }
 
-    @property
-    def step(self) -> int:
-        """Optimizer steps begun (during step N's events it is N)."""
-        return self._native.step
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        for name in _DTYPES:
+            setattr(self, name, state_dict[name].item())
 
-    @property
-    def consumed_train_samples(self) -> int:
-        """Training samples consumed so far, over all ranks."""
-        return self._native.samples
 
-    @property
-    def floating_point_operations_so_far(self) -> float:
-        """Estimated training FLOPs so far (0 when the recipe gives no estimate)."""
-        return self._native.flops
+_DTYPES = {
+    "step": torch.int64,
+    "consumed_train_samples": torch.int64,
+    "skipped_train_samples": torch.int64,
+    "consumed_valid_samples": torch.int64,
+    "floating_point_operations_so_far": torch.float64,
+    "do_train": torch.bool,
+    "do_valid": torch.bool,
+    "do_test": torch.bool,
+}
+
+
+class Timers:
+    """The run's named timers with Megatron-Core's reporting: ``log()`` and ``write()``.
+
+    ``timers(name)`` is the loop's own timer of that name (``forward-backward``,
+    ``optimizer``, … and any a forward step or callback starts).
+    """
+
+    def __init__(self, native: NativeTimers | None = None) -> None:
+        self.native = native if native is not None else NativeTimers()
+
+    def __call__(self, name: str, log_level: int | None = None) -> Timer:
+        return self.native(name, log_level)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.native
+
+    def names(self) -> list[str]:
+        return self.native.names()
+
+    def elapsed(self, reset: bool = True) -> dict[str, float]:
+        return self.native.elapsed(reset=reset)
+
+    def _min_max_ms(
+        self, names: list[str], reset: bool, normalizer: float
+    ) -> dict[str, tuple[float, float]]:
+        """``{name: (min, max)}`` over ranks of each timer that ran, in ``normalizer`` units."""
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+            raise TypeError(f"names must be a list of timer names, got {names!r}")
+        if not isinstance(normalizer, (int, float)) or not normalizer > 0:
+            raise ValueError(f"normalizer must be a number > 0, got {normalizer!r}")
+        values = torch.tensor(
+            [self.native(n).elapsed(reset=reset) if n in self.native else 0.0 for n in names],
+            dtype=torch.float64,
+        )
+        low, high = values.clone(), values.clone()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(low, op=torch.distributed.ReduceOp.MIN)
+            torch.distributed.all_reduce(high, op=torch.distributed.ReduceOp.MAX)
+        return {
+            name: (float(lo) / normalizer, float(hi) / normalizer)
+            for name, lo, hi in zip(names, low.tolist(), high.tolist(), strict=True)
+            if hi > 0
+        }
+
+    def log(
+        self,
+        names: list[str],
+        rank: int | None = None,
+        normalizer: float = 1.0,
+        reset: bool = True,
+        barrier: bool = False,
+    ) -> None:
+        """Log ``(min, max) time across ranks (ms)`` of ``names`` on ``rank`` (default: last)."""
+        times = self._min_max_ms(list(names), reset, normalizer / 1000.0)
+        if not times:
+            return
+        lines = ["(min, max) time across ranks (ms):"]
+        lines += [
+            "    {}: ({:.2f}, {:.2f})".format((name + " ").ljust(48, "."), lo, hi)
+            for name, (lo, hi) in times.items()
+        ]
+        this_rank, world = _rank_and_world()
+        if (world - 1 if rank is None else rank) == this_rank:
+            timers_logger.info("\n".join(lines))
+
+    def write(
+        self,
+        names: list[str],
+        writer: Any,
+        iteration: int,
+        normalizer: float = 1.0,
+        reset: bool = True,
+        barrier: bool = False,
+    ) -> None:
+        """Write each timer's maximum over ranks (seconds) as ``<name>-time`` to ``writer``
+        (a TensorBoard ``SummaryWriter`` or the ``wandb`` module)."""
+        times = self._min_max_ms(list(names), reset, normalizer)
+        if writer is None:
+            return
+        for name, (_, high) in times.items():
+            if hasattr(writer, "add_scalar"):
+                writer.add_scalar(name + "-time", high, iteration)
+            else:
+                writer.log({name + "-time": high}, iteration)
 
     def __repr__(self) -> str:
-        return (
-            f"TrainStateView(step={self.step}, "
-            f"consumed_train_samples={self.consumed_train_samples})"
-        )
+        return f"Timers({', '.join(self.native.names())})"
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
 
 
 class GlobalState:
-    """``cfg`` (the run's config), ``train_state``, ``timers`` and the two loggers.
+    """``cfg``, ``train_state``, ``timers``, ``start_time`` and the two writers of a run.
 
-    One is shared by the forward step and the callbacks of a run. Until the loop
-    starts, ``train_state`` shows a fresh run (all counters zero).
+    One is shared by the forward step and the callbacks of a run. ``start_time`` is
+    when it was made (Megatron-Bridge measures the job's throughput from there).
     """
 
     def __init__(
         self,
-        cfg: Any,
-        train_state: TrainState | None = None,
+        cfg: Any = None,
         *,
         native_config: Any = None,
         writers: Writers | None = None,
@@ -73,12 +186,25 @@ class GlobalState:
         self.cfg = cfg
         #: The hookloop Config the loop runs (``cfg`` itself unless cfg is a ConfigContainer).
         self.native_config = cfg if native_config is None else native_config
+        self.start_time: float = time.time()
         self._writers = writers if writers is not None else Writers()
-        self._train_state = TrainStateView(train_state if train_state is not None else TrainState())
+        self._train_state = TrainState()
+        self._timers = Timers()
 
     @property
-    def train_state(self) -> TrainStateView:
+    def train_state(self) -> TrainState:
         return self._train_state
+
+    @train_state.setter
+    def train_state(self, value: TrainState) -> None:
+        if not isinstance(value, TrainState):
+            raise TypeError(f"train_state must be a TrainState, got {type(value).__name__}")
+        self._train_state = value
+
+    @property
+    def timers(self) -> Timers:
+        """The run's named timers (the loop's own once a run is attached)."""
+        return self._timers
 
     @property
     def tensorboard_logger(self) -> Any:
@@ -94,15 +220,34 @@ class GlobalState:
         """Flush and close the writers opened during the run (the entry points call it)."""
         self._writers.close()
 
-    @property
-    def timers(self) -> Any:
-        """The run's named timers: the loop's own (``forward-backward``, ``optimizer``, …)
-        and any the forward step or callbacks start (:class:`hookloop.timers.Timers`)."""
-        return self._train_state._native.timers
+    def refresh(
+        self,
+        native: NativeTrainState,
+        *,
+        in_step: bool = False,
+        has_valid: bool | None = None,
+        has_test: bool | None = None,
+    ) -> None:
+        """Copy the loop's counters into ``train_state``; ``in_step`` inside a training step.
 
-    def attach(self, native: TrainState) -> None:
-        """Follow the counters of ``native`` (the trainer's state) from now on."""
-        self._train_state._native = native
+        The loop counts a step as soon as it begins; Megatron-Bridge after its update.
+        So inside a step the step, its samples and its FLOPs are taken back out
+        (the per-step share, exact for a constant batch size).
+        """
+        ts, step, samples, flops = self._train_state, native.step, native.samples, native.flops
+        if in_step and step > 0:
+            samples -= samples // step
+            flops -= flops / step
+            step -= 1
+        ts.step, ts.consumed_train_samples = step, samples
+        ts.floating_point_operations_so_far = flops
+        ts.do_train = True
+        if has_valid is not None:
+            ts.do_valid = has_valid
+        if has_test is not None:
+            ts.do_test = has_test
+        if self._timers.native is not native.timers:
+            self._timers = Timers(native.timers)
 
     def __repr__(self) -> str:
         return f"GlobalState(train_state={self._train_state!r})"
