@@ -7,6 +7,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/ruff check src tests bench gpu_tests
 .venv/bin/ruff format --check src tests bench gpu_tests
+# Megatron-Bridge's callback module is the oracle of tests/test_megatron_bridge_oracle.py.
+# --no-deps: only its standard-library callbacks.py is used; its dependencies (Megatron-Core,
+# Transformer Engine, CUDA builds) are gigabytes the tests never import.
+.venv/bin/pip show -q megatron-bridge >/dev/null 2>&1 ||
+  .venv/bin/pip install -q --no-deps -c constraints.txt megatron-bridge
 # Bytecode once, before the workers start. Where PYTHONDONTWRITEBYTECODE is set (as on our
 # machines) nothing is cached otherwise: each worker and each `hookloop train` or torchrun
 # rank the tests start would compile src/hookloop from source again.
