@@ -1025,8 +1025,69 @@ def test_arguments_changed_after_construction_are_the_ones_train_uses(tmp_path: 
     assert len(rates[0]) == len(rates[1]) == 4  # batch size: transformers keeps the built one
 
 
-def test_resuming_from_a_folder_transformers_wrote_is_refused_by_name(saved, tmp_path: Path):
-    trainer = _lm_trainer("hookloop", tmp_path)
-    folder = saved["root"] / "hf" / "checkpoint-2"
-    with pytest.raises(ValueError, match="written by transformers' Trainer"):
+def _history(trainer: Any) -> list[dict[str, Any]]:
+    timing = ("runtime", "per_second")
+    return [
+        {k: v for k, v in e.items() if not any(t in k for t in timing)}
+        for e in trainer.state.log_history
+    ]
+
+
+def _assert_same_history(ours: Any, theirs: Any) -> None:
+    mine, their = _history(ours), _history(theirs)
+    assert [sorted(e) for e in mine] == [sorted(e) for e in their]
+    for a, b in zip(mine, their, strict=True):
+        assert a == pytest.approx(b, rel=1e-5)
+
+
+def test_the_dialect_resumes_from_a_folder_transformers_wrote_as_transformers_does(
+    saved, tmp_path: Path
+):
+    folder = saved["root"] / "hf" / "checkpoint-2"  # GPT-2: its head tied to its embedding
+    resumed = {}
+    for kind in FACTORIES:
+        trainer = _lm_trainer(kind, tmp_path / kind)
+        _quiet(lambda t=trainer: t.train(resume_from_checkpoint=str(folder)))
+        resumed[kind] = trainer
+    theirs, ours = resumed["hf"], resumed["hookloop"]
+    _assert_same_history(ours, theirs)
+    assert ours.state.global_step == theirs.state.global_step == 4
+    _assert_same_run(theirs, ours)
+    torch.testing.assert_close(ours.model.state_dict(), saved["hf"].model.state_dict())
+
+
+def test_a_transformers_folder_across_epochs_and_accumulation_resumes_alike(tmp_path: Path):
+    settings = dict(max_steps=9, gradient_accumulation_steps=2, save_strategy="steps",
+                    save_steps=5, logging_steps=2, per_device_train_batch_size=3)  # fmt: skip
+
+    def run(kind: str, out: Path, resume: Any = None) -> Any:
+        trainer = _quiet(
+            lambda: FACTORIES[kind](
+                RegressionModel(), _args(out, **settings), train_dataset=RegressionDataset(20)
+            )
+        )
+        _quiet(lambda: trainer.train(resume_from_checkpoint=resume))
+        return trainer
+
+    whole = run("hf", tmp_path / "whole")  # 4 steps an epoch (7 batches, the last group of 1)
+    folder = tmp_path / "whole" / "checkpoint-5"
+    theirs, ours = (run(kind, tmp_path / kind, str(folder)) for kind in FACTORIES)
+    _assert_same_history(ours, theirs)
+    _assert_same_run(theirs, ours)
+    # the data went on where the uninterrupted run's did: the same final weights
+    torch.testing.assert_close(ours.model.state_dict(), whole.model.state_dict())
+
+
+def test_a_damaged_transformers_folder_is_refused_naming_the_file(saved, tmp_path: Path):
+    import shutil
+
+    folder = tmp_path / "checkpoint-2"
+    shutil.copytree(saved["root"] / "hf" / "checkpoint-2", folder)
+    (folder / "optimizer.pt").write_bytes(b"not a torch file")
+    trainer = _lm_trainer("hookloop", tmp_path / "out")
+    with pytest.raises(ValueError, match=r"optimizer\.pt cannot be loaded") as caught:
         trainer.train(resume_from_checkpoint=str(folder))
+    assert "\n" not in str(caught.value)
+    (folder / "optimizer.pt").unlink()
+    with pytest.raises(FileNotFoundError, match=r"optimizer\.pt is missing"):
+        _lm_trainer("hookloop", tmp_path / "out2").train(resume_from_checkpoint=str(folder))

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from hookloop.callback import Callback
-from hookloop.compat.hf import arguments, layout, reporting, results, search
+from hookloop.compat.hf import arguments, foreign, layout, reporting, results, search
 from hookloop.compat.hf import data as hf_data
 from hookloop.compat.hf import optim as hf_optim
 from hookloop.compat.hf import parts as hf_parts
@@ -410,6 +410,7 @@ class Trainer:
             raise ValueError(
                 f"ignore_keys_for_eval must be a list of output names, got {ignore_keys_for_eval!r}"
             )
+        foreign_folder = None  # a checkpoint folder transformers' own Trainer wrote
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             if not isinstance(resume_from_checkpoint, (str, os.PathLike, bool)):
                 raise TypeError(
@@ -427,12 +428,9 @@ class Trainer:
             else:
                 target = layout.native_checkpoint(resume_from_checkpoint)
                 if layout.written_by_transformers(target):
-                    raise ValueError(
-                        f"{resume_from_checkpoint} was written by transformers' Trainer (it has "
-                        "no hookloop manifest.json); hookloop.compat.hf.Trainer resumes from "
-                        "the checkpoint-N folders it writes, not yet from transformers' own"
-                    )
-                self.loop.resume_from(target)
+                    foreign_folder = Path(target)  # read after any rebuild, as transformers
+                else:
+                    self.loop.resume_from(target)
         changed = _changed(self.args_built, self.args)
         if changed:
             # transformers builds the optimizer, schedule and loaders at each train() from
@@ -452,6 +450,8 @@ class Trainer:
         sampler = getattr(self.loop.train_loader, "sampler", None)
         if isinstance(sampler, hf_data.HFSampler) and sampler.follows_torch_seed:
             sampler.seed = torch.initial_seed()  # what accelerate's sampler reads then
+        if foreign_folder is not None:
+            self._resume_from_transformers(foreign_folder)
         self.hf.summary = {}
         evaluation = self.loop.evaluation
         if isinstance(evaluation, hf_parts.HFEvaluation):
@@ -460,6 +460,24 @@ class Trainer:
         fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
         fields["metrics"] = {**fields["metrics"], **self.hf.summary}
         return TrainOutput(**fields)
+
+    def _resume_from_transformers(self, folder: Path) -> None:
+        """Load a folder transformers' Trainer wrote (:mod:`hookloop.compat.hf.foreign`)."""
+        if not self.hf.drives_loop or self.loop.train_loader is None:
+            raise ValueError(
+                f"{folder} was written by transformers' Trainer: resuming from it needs "
+                "TrainingArguments to decide the run (no hookloop config=) and a train_dataset"
+            )
+        k = int(hf_optim.arg(self.args, "gradient_accumulation_steps", 1))
+        plan = hf_parts.plan_of(self.args, self.loop.train_loader, k)
+        batch = int(hf_optim.arg(self.args, "per_device_train_batch_size", 8))
+        step = foreign.resume(
+            folder,
+            self.loop.checkpointer.named_state(),
+            steps_per_epoch=plan.steps_per_epoch,
+            samples_per_step=batch * k * self.loop.progress.world_size,
+        )
+        log.info("resumed from %s (written by transformers' Trainer) at step %d", folder, step)
 
     def evaluate(
         self,
