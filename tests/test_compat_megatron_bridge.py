@@ -989,3 +989,47 @@ def test_pretrain_logs_losses_and_evaluations_through_the_config_writers(tmp_pat
     assert [e.step for e in events.Scalars("lm loss validation")] == [2, 4, 4]
     [test] = events.Scalars("lm loss test")
     assert (test.step, test.value) == (4, pytest.approx(result.metrics["test_lm loss"]))
+
+
+# -- logger.log_progress: Megatron-Bridge's progress.txt --------------------------------
+
+PROGRESS_SAVE = (
+    r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\tJob ID: \t# GPUs: 1\tSaved checkpoint\tIteration: (\d+)\t"
+    r"Job throughput: \d+\.\d MODEL_TFLOP/s/GPU\tCumulative throughput: \d+\.\d MODEL_TFLOP/s/GPU"
+    r"\tFloating-point operations: (\d\.\d\de[+-]\d\d)\tTokens \(in billions\): (\d+\.\d\d)"
+)
+
+
+def test_log_progress_writes_megatron_bridges_lines_across_an_exit_and_a_resume(
+    tmp_path, monkeypatch
+):
+    from hookloop.callbacks.progress_log import first_job_start
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    config = tiny_gpt_pretrain_config(
+        train_iters=4, eval_interval=None, save_interval=2, save=str(tmp_path)
+    )
+    config.logger.log_progress = True
+    config.train.exit_interval = 2
+    with pytest.raises(SystemExit):
+        pretrain(config, forward_step)
+    config.train.exit_interval = None
+    config.checkpoint.load = config.checkpoint.save
+    pretrain(config, forward_step)
+
+    lines = (tmp_path / "progress.txt").read_text().splitlines()
+    assert [line.split("\t")[3] for line in lines] == [
+        "Starting job",
+        "Saved checkpoint",
+        "Starting job",
+        "Saved checkpoint",
+    ]
+    saves = [re.fullmatch(PROGRESS_SAVE, line) for line in lines[1::2]]
+    assert all(saves), lines
+    assert [int(m.group(1)) for m in saves] == [2, 4]  # type: ignore[union-attr]
+    # Megatron-Bridge counts tokens as samples x seq_length: 8 x 32 a step
+    assert [m.group(3) for m in saves] == ["0.00", "0.00"]  # type: ignore[union-attr]
+    # the reader Megatron's own follows: the first job's start, no FLOPs before it
+    start = first_job_start(tmp_path / "progress.txt", 1)
+    assert start is not None and start.flops == 0.0
+    assert start.time.strftime("%Y-%m-%d %H:%M:%S") == lines[0].split("\t")[0]

@@ -146,7 +146,7 @@ class ProgressLog(Callback):
             return
         if self.job is None:
             self.job = job_id()
-        self._started, self._start_flops = time.time(), st.flops
+        self._started, self._start_flops = self.job_started(ctx), st.flops
         self._append(STARTING_JOB, st.world_size)
 
     def on_checkpoint_save(self, ctx: CallbackContext) -> None:
@@ -162,12 +162,18 @@ class ProgressLog(Callback):
         cumulative = tflops_per_device(
             flops - first.flops, (datetime.fromtimestamp(now) - first.time).total_seconds(), world
         )
+        for message in self.save_lines(ctx, job, cumulative):
+            self._append(message, world)
+
+    def save_lines(self, ctx: CallbackContext, job: float, cumulative: float) -> list[str]:
+        """The line(s) one save appends, given its job and cumulative TFLOP/s per device."""
+        st = ctx.state
         fields = [
             SAVED_CHECKPOINT,
             f"Iteration: {st.step}",
             f"Job throughput: {format_figure(job, 1)} TFLOP/s/GPU",
             f"Cumulative throughput: {format_figure(cumulative, 1)} TFLOP/s/GPU",
-            f"Floating-point operations: {flops:.2e}",
+            f"Floating-point operations: {st.flops:.2e}",
             f"Tokens (in billions): {format_figure(st.tokens / 1e9, 2)}",
         ]
         timing = ctx.checkpoint_timing
@@ -176,7 +182,11 @@ class ProgressLog(Callback):
                 f"Save time: {timing.seconds:.3f} s",
                 f"Blocked: {timing.blocked_seconds:.3f} s",
             ]
-        self._append("\t".join(fields), world)
+        return ["\t".join(fields)]
+
+    def job_started(self, ctx: CallbackContext) -> float:
+        """When this job started (``time.time()``): here, when training starts."""
+        return time.time()
 
     def on_checkpoint_load(self, ctx: CallbackContext) -> None:
         rewind = ctx.rewind
@@ -194,6 +204,8 @@ class ProgressLog(Callback):
     def _append(self, message: str, world_size: int) -> None:
         assert self._target is not None
         stamp = datetime.now().strftime(TIME_FORMAT)
+        if message == STARTING_JOB:  # stamped when the job started, which may be earlier
+            stamp = datetime.fromtimestamp(self._started).strftime(TIME_FORMAT)
         line = f"{stamp}\tJob ID: {self.job}\t# GPUs: {world_size}\t{message}\n"
         self._target.parent.mkdir(parents=True, exist_ok=True)
         with open(self._target, "a") as f:  # one write per line: a kill loses at most that line

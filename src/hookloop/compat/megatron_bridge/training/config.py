@@ -87,9 +87,14 @@ class CheckpointConfig:
 
 @dataclass
 class LoggerConfig:
-    """Log cadence and the writers ``GlobalState`` opens (last rank only, lazily)."""
+    """Log cadence and the writers ``GlobalState`` opens (last rank only, lazily).
+
+    ``log_progress``: append Megatron-Bridge's ``progress.txt`` lines to
+    ``<checkpoint.save>/progress.txt`` (job start, each save with its throughput).
+    """
 
     log_interval: int = 1
+    log_progress: bool = False
     tensorboard_dir: str | None = None
     wandb_project: str | None = None
     wandb_exp_name: str = ""
@@ -205,6 +210,10 @@ class ConfigContainer:
             )
         if not isinstance(ck.async_save, bool):
             raise ValueError(f"checkpoint.async_save must be True or False, got {ck.async_save!r}")
+        if not isinstance(self.logger.log_progress, bool):
+            raise ValueError(
+                f"logger.log_progress must be True or False, got {self.logger.log_progress!r}"
+            )
         if self.logger.wandb_project is not None and not self.logger.wandb_project:
             raise ValueError("logger.wandb_project must be a non-empty name or None")
         self.split_weights()

@@ -37,6 +37,7 @@ from hookloop.compat.megatron_bridge.training.callbacks import (
 from hookloop.compat.megatron_bridge.training.config import ConfigContainer
 from hookloop.compat.megatron_bridge.training.loggers import LogToWriters, Writers
 from hookloop.compat.megatron_bridge.training.native_events import exited
+from hookloop.compat.megatron_bridge.training.progress import MegatronBridgeProgressLog
 from hookloop.compat.megatron_bridge.training.state import GlobalState
 from hookloop.config import Config
 from hookloop.distributed import rank_info
@@ -110,6 +111,9 @@ def run(
     step, manager, global_state = prepare(config, forward_step_func, callbacks, native, writers)
     if writers.enabled:
         manager.native.add(LogToWriters(writers))
+    if isinstance(config, ConfigContainer) and config.logger.log_progress:
+        progress = MegatronBridgeProgressLog(global_state, async_save=config.checkpoint.async_save)
+        manager.native.add(progress)
     non_loss_data.register_processing(manager.native, global_state, process_non_loss_data_func)
     trainer = build_trainer(config, native, step, manager, out_dir=out_dir, resume=resume)
     trainer.non_loss_data_func = non_loss_data_func
