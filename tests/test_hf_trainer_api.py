@@ -347,6 +347,41 @@ def test_overrides_of_the_hf_step_are_refused_with_a_native_loss(tmp_path: Path)
         hf.Trainer(RegressionModel(), _args(tmp_path), preprocess_logits_for_metrics=3)
 
 
+def test_callbacks_added_or_removed_by_a_callback_act_in_the_same_dispatch(tmp_path: Path):
+    seen: dict[str, list[Any]] = {}
+
+    def recorder(kind: str, name: str) -> Any:
+        class Recorder(transformers.TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                seen[kind].append((name, state.global_step))
+
+        return Recorder()
+
+    def editor(kind: str, removed: Any) -> Any:
+        class Editor(transformers.TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == 2:
+                    self.trainer.add_callback(recorder(kind, "added"))
+                    self.trainer.remove_callback(removed)
+
+        return Editor()
+
+    for kind, factory in FACTORIES.items():
+        seen[kind] = []
+        removed = recorder(kind, "removed")
+        edit = editor(kind, removed)
+        trainer = _quiet(
+            lambda f=factory, e=edit, r=removed, k=kind: f(
+                RegressionModel(), _args(tmp_path / k, max_steps=4),
+                train_dataset=RegressionDataset(16), callbacks=[e, r],
+            )
+        )  # fmt: skip
+        edit.trainer = trainer
+        _quiet(trainer.train)
+    assert seen["hookloop"] == seen["hf"]
+    assert ("added", 2) in seen["hf"] and ("removed", 2) not in seen["hf"]
+
+
 # -- construction --------------------------------------------------------------------------
 
 

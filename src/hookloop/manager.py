@@ -290,9 +290,20 @@ class CallbackManager:
         if not handlers:
             return
         handler = None
+        current, i, called = handlers, 0, None
         try:
-            for handler in handlers:
+            while i < len(current):
+                handler = current[i]
+                i += 1
                 handler(ctx)
+                if self._index[event] is not current:
+                    # A handler added or removed callbacks: this dispatch goes on with the
+                    # handlers now registered that have not run yet (an added one runs
+                    # now, a removed one does not), as transformers' CallbackHandler does.
+                    called = set() if called is None else called
+                    called.update(_identity(h) for h in current[:i])
+                    current = tuple(h for h in self._index[event] if _identity(h) not in called)
+                    i = 0
         except Exception as exc:
             self._handler_failed(event, handler, ctx, exc)
             raise
@@ -437,3 +448,8 @@ def _filtered(
 
     filtered.__qualname__ = getattr(fn, "__qualname__", repr(fn))
     return filtered
+
+
+def _identity(handler: Handler) -> int:
+    """Who a handler is across rebuilds of the index (a profiling wrapper is new each time)."""
+    return id(getattr(handler, "__wrapped__", handler))
