@@ -275,6 +275,12 @@ def _override_points(base: type, calls: list[Any]) -> type:
             )
             return 2 * loss, (None if logits is None else logits + 1), labels
 
+        def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
+            calls.append(("evaluate", ignore_keys))
+            metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+            metrics[f"{metric_key_prefix}_extra"] = 1.0  # after the log: evaluate()'s alone
+            return metrics
+
         def log(self, logs, start_time=None):
             calls.append("log")
             logs["seen_at"] = self.state.global_step
@@ -312,6 +318,7 @@ def test_every_honoured_override_point_is_called_as_transformers_calls_it(tmp_pa
         assert mine == pytest.approx(their, rel=1e-5)
     assert ours.eval_metrics["eval_mean"] == pytest.approx(theirs.eval_metrics["eval_mean"])
     assert ours.eval_metrics["seen_at"] == theirs.eval_metrics["seen_at"] == 6
+    assert ours.eval_metrics["eval_extra"] == theirs.eval_metrics["eval_extra"] == 1.0
     np.testing.assert_allclose(ours.predicted.predictions, theirs.predicted.predictions, rtol=1e-5)
     assert ours.predicted.metrics["test_loss"] == pytest.approx(
         theirs.predicted.metrics["test_loss"], rel=1e-5
@@ -412,7 +419,9 @@ def test_transformers_positional_arguments_land_where_they_land_in_transformers(
     assert trainer.model_wrapped is trainer.model  # one process: nothing wraps it
 
 
-@pytest.mark.parametrize("method", ["evaluate", "evaluation_loop", "save_model", "store_flos"])
+@pytest.mark.parametrize(
+    "method", ["evaluation_loop", "get_batch_samples", "save_model", "store_flos"]
+)
 def test_an_override_the_loop_would_skip_is_refused_by_name(tmp_path: Path, method: str):
     subclass = type("Custom", (hf.Trainer,), {method: lambda self, *a, **k: None})
     with pytest.raises(TypeError, match=rf"Custom\.{method} overrides a method"):

@@ -355,6 +355,10 @@ class HFEvaluation(Evaluation):
         self.prediction_step: Any = self.default_prediction_step
         self.preprocess_logits: Any = None  # preprocess_logits_for_metrics(logits, labels)
         self.log_hook: Any = None  # a subclass's Trainer.log: it sees evaluate()'s metrics
+        #: A subclass's ``Trainer.evaluate``: training's evaluations go through it (its
+        #: ``super().evaluate()`` runs the pass), as transformers' loop calls it.
+        self.evaluate_hook: Any = None
+        self._delegated = False
 
     def default_prediction_step(
         self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None
@@ -380,6 +384,18 @@ class HFEvaluation(Evaluation):
             )
 
     def run(self, loader: Any, kind: str) -> dict[str, float]:
+        hook = self.evaluate_hook
+        if (
+            hook is not None
+            and kind == "eval"
+            and self.progress.in_training
+            and not self._delegated
+        ):
+            self._delegated = True  # the override's super().evaluate() comes back here
+            try:
+                return hook(ignore_keys=self.ignore_keys_in_training)
+            finally:
+                self._delegated = False
         ctx, hooks, fire, model = self.ctx, self.hooks, self.fire, self.model
         args = self.session.args
         prefix = self.prefix if self.prefix is not None else kind

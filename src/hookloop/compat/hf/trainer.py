@@ -229,6 +229,13 @@ class Trainer:
         if isinstance(loop.evaluation, hf_parts.HFEvaluation):
             loop.evaluation.prediction_step = self.prediction_step
             loop.evaluation.preprocess_logits = preprocess_logits_for_metrics
+            if self._overrides("evaluate"):
+                loop.evaluation.evaluate_hook = self.evaluate
+        elif self._overrides("evaluate"):
+            raise ValueError(
+                f"{type(self).__name__}.evaluate applies when TrainingArguments decide the run "
+                "and the model computes the loss (no config=, loss_fn= or forward_step=)"
+            )
         if self._overrides("log"):
             if not isinstance(loop.logbook, hf_parts.HFLogBook):
                 raise ValueError(
@@ -921,7 +928,6 @@ HF_STEP_OVERRIDES = ("compute_loss", "training_step", "prediction_step")
 UNHONOURED_OVERRIDES = (
     "autocast_smart_context_manager",
     "compute_loss_context_manager",
-    "evaluate",
     "evaluation_loop",
     "get_batch_samples",
     "get_decay_parameter_names",
@@ -943,8 +949,8 @@ def refuse_unhonoured_overrides(cls: type) -> None:
                 raise TypeError(
                     f"{klass.__name__}.{name} overrides a method hookloop.compat.hf.Trainer "
                     "does not call, so it would be skipped; of transformers' override points "
-                    "this Trainer honours compute_loss, training_step, prediction_step, log, "
-                    "create_optimizer(_and_scheduler), create_scheduler, floating_point_ops "
+                    "this Trainer honours compute_loss, training_step, prediction_step, "
+                    "evaluate, log, create_optimizer, create_scheduler, floating_point_ops "
                     "and get_train/eval/test_dataloader"
                 )
 
