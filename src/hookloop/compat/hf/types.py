@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
+
 if TYPE_CHECKING:
     from hookloop.config import Config
     from hookloop.state import TrainState
@@ -253,6 +255,77 @@ class TrainingArguments:
                 f"got {self.lr_scheduler_kwargs!r}"
             )
         reporting.normalize(self.report_to)  # raises for a name hookloop cannot report to
+
+    # -- what transformers' TrainingArguments also answers about the process ------------
+    @property
+    def n_gpu(self) -> int:
+        """GPUs this process trains on: one when CUDA is there and not ``use_cpu``."""
+        return int(torch.cuda.is_available() and not self.use_cpu)
+
+    @property
+    def device(self) -> torch.device:
+        if not self.n_gpu:
+            return torch.device("cpu")
+        return torch.device("cuda", self.local_process_index)
+
+    @property
+    def train_batch_size(self) -> int:
+        return self.per_device_train_batch_size * max(1, self.n_gpu)
+
+    @property
+    def eval_batch_size(self) -> int:
+        return self.per_device_eval_batch_size * max(1, self.n_gpu)
+
+    @property
+    def world_size(self) -> int:
+        dist = torch.distributed
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+    @property
+    def process_index(self) -> int:
+        dist = torch.distributed
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    @property
+    def local_process_index(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", 0)) if self.world_size > 1 else 0
+
+    @property
+    def parallel_mode(self) -> str:
+        """transformers' ``ParallelMode`` value (a string enum there)."""
+        return "distributed" if self.world_size > 1 else "not_parallel"
+
+    @property
+    def should_log(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def should_save(self) -> bool:
+        return self.process_index == 0
+
+    def get_warmup_steps(self, num_training_steps: int) -> int:
+        """The warm-up steps of a run of ``num_training_steps`` (a fraction below 1)."""
+        from hookloop.compat.hf.optim import warmup_steps
+
+        return warmup_steps(self, num_training_steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a dict (enums as their values, the hub token hidden), as
+        transformers serialises its arguments."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = "<HUB_TOKEN>" if f.name.endswith("_token") and value else value
+        return out
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def to_sanitized_dict(self) -> dict[str, Any]:
+        """``to_dict`` with the batch sizes, every value a TensorBoard hparam can hold."""
+        d = {**self.to_dict(), "train_batch_size": self.train_batch_size,
+             "eval_batch_size": self.eval_batch_size}  # fmt: skip
+        return {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in d.items()}
 
     @classmethod
     def from_config(
