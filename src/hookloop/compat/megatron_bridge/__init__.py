@@ -1,6 +1,6 @@
-"""The seed 000/002 dialect: Megatron-Bridge's callback API over the hookloop engine.
+"""The Megatron-Bridge dialect: its callbacks and entry points over the hookloop engine.
 
-The module paths mirror the seed's, so code written for it runs once its
+The module paths mirror Megatron-Bridge's, so code written for it runs once its
 ``megatron.bridge`` imports point here:
 
 - :mod:`.training.callbacks`: ``Callback``, ``CallbackContext``, ``CallbackManager``;
@@ -8,11 +8,14 @@ The module paths mirror the seed's, so code written for it runs once its
 - :mod:`.training.gpt_step`: ``forward_step`` for the small GPT;
 - :mod:`.training.state`: ``GlobalState`` (``cfg``, ``train_state``, ``timers``,
   ``tensorboard_logger``, ``wandb_logger``);
-- :mod:`.training.config`: ``ConfigContainer``, the seed-shaped config sections;
+- :mod:`.training.config`: ``ConfigContainer``, the Megatron-Bridge-shaped config sections;
+- :mod:`.training.native_events`: how the native loop fires the dialect's events;
+- :mod:`.training.progress`: ``logger.log_progress``'s ``progress.txt``;
 - :mod:`.recipes`: ``tiny_gpt_pretrain_config`` (a ``ConfigContainer``) and
   ``small_gpt_pretrain_config`` (a native ``Config``), each trains in seconds.
 
-Everything here is an adapter at the edge: dialect callbacks become native
-registrations (dispatch read from :mod:`hookloop.compat.mapping`) and the
-entry points call :mod:`hookloop.entry`. The engine knows nothing of it.
+Everything here is an adapter at the edge: each dialect event with callbacks becomes
+one native registration and the entry points call :mod:`hookloop.entry`. The engine
+knows nothing of it. Where the dialect differs from Megatron-Bridge on purpose:
+``docs/megatron-bridge.md``.
 """

@@ -1,4 +1,4 @@
-"""Config functions in the seed's style: call one, get a ready config for ``pretrain``."""
+"""Config functions in Megatron-Bridge's style: call one, get a ready config for ``pretrain``."""
 
 from hookloop.compat.megatron_bridge.recipes.gpt import (
     small_gpt_pretrain_config,

@@ -1,8 +1,8 @@
 """Two config functions for the small byte-level GPT, each trains in seconds.
 
 - ``small_gpt_pretrain_config()`` returns the native :class:`hookloop.Config`
-  (the ``gpt-stdlib`` recipe, shrunk); keywords use the seed's names.
-- ``tiny_gpt_pretrain_config()`` returns a seed-shaped
+  (the ``gpt-stdlib`` recipe, shrunk); keywords use Megatron-Bridge's names.
+- ``tiny_gpt_pretrain_config()`` returns a Megatron-Bridge-shaped
   :class:`~hookloop.compat.megatron_bridge.training.config.ConfigContainer`
   (``cfg.train.train_iters``, ``cfg.optimizer.lr`` …), whose data is split
   train/valid/test by ``cfg.dataset.split`` (:func:`build_parts`).
@@ -98,7 +98,7 @@ def tiny_gpt_pretrain_config(
     save: str | None = None,
     seed: int = 1234,
 ) -> ConfigContainer:
-    """A seed-shaped config container for ``pretrain``/``finetune`` (seconds on a CPU).
+    """A Megatron-Bridge-shaped config container for ``pretrain``/``finetune`` (seconds on a CPU).
 
     Every keyword lands in its seed section (``train``, ``model``, ``optimizer``,
     ``checkpoint``, ``rng``); set any other field on the returned object.

@@ -247,7 +247,7 @@ class CallbackManager:
         if self._native is None:
             from hookloop.compat.megatron_bridge.training.native_events import NativeEvents
 
-            self._native = NativeEvents(self)
+            self._native = NativeEvents(self, CallbackContext, EVENT_NAMES)
         return self._native.manager
 
     @property

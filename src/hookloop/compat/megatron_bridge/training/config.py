@@ -1,4 +1,4 @@
-"""``ConfigContainer``: a run's configuration in the seed's shape, sections and names.
+"""``ConfigContainer``: a run's configuration in Megatron-Bridge's shape, sections and names.
 
 Seed code reads and sets ``cfg.train.train_iters``, ``cfg.train.global_batch_size``,
 ``cfg.optimizer.lr``, ``cfg.checkpoint.save_interval`` …; this container has
@@ -117,7 +117,7 @@ class RNGConfig:
 
 @dataclass
 class ConfigContainer:
-    """Every section of a run, under the seed's names."""
+    """Every section of a run, under Megatron-Bridge's names."""
 
     train: TrainingConfig = field(default_factory=TrainingConfig)
     model: GPTModelConfig = field(default_factory=GPTModelConfig)

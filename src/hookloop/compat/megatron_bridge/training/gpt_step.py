@@ -1,6 +1,6 @@
 """``forward_step`` for the small GPT of :mod:`hookloop.compat.megatron_bridge.recipes`.
 
-The seed's signature over the native recipe's step: the loss function returns
+Megatron-Bridge's signature over the native recipe's step: the loss function returns
 ``(loss_sum, num_tokens, {"lm loss": mean})``, the token-aware pattern, so the
 loop averages over every token of the step.
 """

@@ -1,4 +1,4 @@
-"""The TensorBoard and W&B writers a seed-style run's config enables.
+"""The TensorBoard and W&B writers a Megatron-Bridge-style run's config enables.
 
 Seed callbacks log through ``context.state.tensorboard_logger`` (a
 ``torch.utils.tensorboard.SummaryWriter``) and ``context.state.wandb_logger``
@@ -19,7 +19,7 @@ W&B runs offline unless ``WANDB_MODE`` says otherwise (hookloop's rule for
 every W&B writer; the original goes online by default).
 
 :class:`LogToWriters` is the entry point's own logging through the same
-writers (seed 002: the loop logs the loss components to TensorBoard/W&B): each
+writers (as Megatron-Bridge's loop logs the loss components to TensorBoard/W&B): each
 log's numbers at its step, and each evaluation's as ``<name> validation`` and
 the test phase's as ``<name> test``, as Megatron's tags read.
 """

@@ -22,17 +22,14 @@ Where the native loop and Megatron-Bridge disagree, the context follows Megatron
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
-from hookloop.compat.megatron_bridge.training.callbacks import EVENT_NAMES, CallbackContext
 from hookloop.compat.megatron_bridge.training.state import GlobalState
 from hookloop.manager import CallbackManager as NativeCallbackManager
 from hookloop.state import CallbackContext as NativeContext
-
-if TYPE_CHECKING:
-    from hookloop.compat.megatron_bridge.training.callbacks import CallbackManager
 
 #: Events that carry the optimizer and scheduler (Megatron-Bridge's training events).
 TRAINING_EVENTS = frozenset(
@@ -56,17 +53,23 @@ def exited(stop_reason: str | None) -> bool:
 
 
 class NativeEvents:
-    """The native manager serving one dialect manager, and the contexts it builds."""
+    """The native manager serving one dialect manager, and the contexts it builds.
 
-    def __init__(self, dialect: CallbackManager) -> None:
+    ``dialect`` is the dialect's ``CallbackManager`` and ``context_type`` its
+    ``CallbackContext`` (handed in, so this module does not import the callbacks module
+    that makes it).
+    """
+
+    def __init__(self, dialect: Any, context_type: type, events: Iterable[str]) -> None:
         self.dialect = dialect
+        self.context_type = context_type
         self.manager = NativeCallbackManager()
         self.manager.user_state = dialect.user_state
         self.global_state: GlobalState | None = None  # the entry point's, when it runs
         self._own_state: GlobalState | None = None  # for a Trainer run without one
         self._models: list[Any] = []
         self._connected: set[str] = set()
-        for event in EVENT_NAMES:
+        for event in events:
             if dialect.has_callbacks(event):
                 self.connect(event)
 
@@ -111,9 +114,9 @@ class NativeEvents:
         )
         return state
 
-    def context(self, event: str, ctx: NativeContext) -> CallbackContext:
+    def context(self, event: str, ctx: NativeContext) -> Any:
         """A new context for ``event``, with the fields Megatron-Bridge sets there."""
-        context = CallbackContext(
+        context = self.context_type(
             state=self.state_for(ctx, in_step=event in STEP_EVENTS),
             model=self._model_list(ctx.model),
             user_state=self.dialect.user_state,

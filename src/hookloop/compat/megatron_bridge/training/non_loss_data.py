@@ -1,4 +1,4 @@
-"""Seed 003's evaluation hooks for the dialect's ``pretrain`` / ``finetune``.
+"""Megatron's evaluation hooks for the dialect's ``pretrain`` / ``finetune``.
 
 ``non_loss_data_func(model)`` is computed at the end of each evaluation and of
 the test phase (the native loop does that: ``ctx.non_loss_data`` during

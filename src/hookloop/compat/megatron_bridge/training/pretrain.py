@@ -1,11 +1,11 @@
-"""``pretrain(config, forward_step_func, callbacks=...)`` in the seed's shape.
+"""``pretrain(config, forward_step_func, callbacks=...)`` in Megatron-Bridge's shape.
 
-``config`` is a seed-shaped :class:`ConfigContainer` (``cfg.train.train_iters``
+``config`` is a Megatron-Bridge-shaped :class:`ConfigContainer` (``cfg.train.train_iters``
 …) or a native :class:`hookloop.Config`. The callbacks (a list or a dialect
 ``CallbackManager``) become native registrations; the forward step receives
 the run's :class:`GlobalState` as its first argument, the same object the
 callbacks see as ``context.state``, with the TensorBoard and W&B writers the
-config enables. The entry point logs through them too (seed 002's logging
+config enables. The entry point logs through them too (Megatron-Bridge's logging
 integration): each log step's numbers and each evaluation's. When the run has
 test data (a container's ``dataset.split`` with a test weight, or a recipe
 that gives test data) and training finished its budget, the test phase runs at
