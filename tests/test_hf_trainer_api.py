@@ -813,6 +813,75 @@ def test_hyperparameter_search_with_optuna_finds_what_transformers_finds(tmp_pat
         assert steps == pytest.approx(hf_steps, rel=1e-5)  # reported at each evaluation's step
 
 
+def test_a_multi_objective_search_returns_transformers_pareto_runs(tmp_path: Path):
+    optuna = pytest.importorskip("optuna")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    found = {}
+    for kind, factory in FACTORIES.items():
+        trainer = _quiet(
+            lambda f=factory, o=tmp_path / kind: f(
+                None, _args(o, max_steps=2, eval_strategy="steps", eval_steps=1),
+                train_dataset=RegressionDataset(8), eval_dataset=RegressionDataset(8, seed=7),
+                model_init=RegressionModel,
+            )
+        )  # fmt: skip
+        found[kind] = _quiet(
+            lambda t=trainer: t.hyperparameter_search(
+                hp_space=lambda trial: {"learning_rate": trial.suggest_float("lr", 1e-3, 1e-1)},
+                compute_objective=lambda m: [m["eval_loss"], m["epoch"]],
+                n_trials=2,
+                direction=["minimize", "maximize"],
+                sampler=optuna.samplers.RandomSampler(seed=0),
+            )
+        )
+    ours, theirs = found["hookloop"], found["hf"]
+    assert [(r.run_id, r.hyperparameters) for r in ours] == [
+        (r.run_id, r.hyperparameters) for r in theirs
+    ]
+    for mine, their in zip(ours, theirs, strict=True):
+        assert mine.objective == pytest.approx(their.objective, rel=1e-5)
+
+
+def test_model_init_trains_from_scratch_at_each_train_call_as_transformers(tmp_path: Path):
+    weights = {}
+    for kind, factory in FACTORIES.items():
+        trainer = _quiet(
+            lambda f=factory, o=tmp_path / kind: f(
+                None, _args(o, max_steps=3, learning_rate=0.1),
+                train_dataset=RegressionDataset(16), model_init=RegressionModel,
+            )
+        )  # fmt: skip
+        runs = []
+        for seed in (42, 42, 314):
+            trainer.args.seed = seed
+            _quiet(trainer.train)
+            runs.append({k: v.clone() for k, v in trainer.model.state_dict().items()})
+        weights[kind] = runs
+    ours, theirs = weights["hookloop"], weights["hf"]
+    torch.testing.assert_close(ours[1], ours[0])  # the second train() starts over
+    for mine, their in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(mine, their)
+
+
+def test_a_subclass_of_training_arguments_keeps_fields_of_its_own(tmp_path: Path):
+    import dataclasses
+
+    @dataclasses.dataclass
+    class WithExtras(hf.TrainingArguments):
+        a: float = 0.0
+        b: float = 0.0
+
+    args = WithExtras(output_dir=str(tmp_path), a=1.5, b=2.5, report_to="none", max_steps=1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    trainer = _quiet(lambda: hf.Trainer(model, args))  # a=, b= are the user's: not refused
+    assert trainer.get_num_trainable_parameters() == 4 * 3 + 3 + 3 * 2 + 2
+    model[1].requires_grad_(False)
+    assert trainer.get_num_trainable_parameters() == 4 * 3 + 3
+    assert trainer.get_learning_rates() == [args.learning_rate] * len(
+        trainer.optimizer.param_groups
+    )
+
+
 def test_hyperparameter_search_needs_model_init_and_optuna(tmp_path: Path):
     trainer = _quiet(lambda: hf.Trainer(RegressionModel(), _args(tmp_path, max_steps=1)))
     with pytest.raises(RuntimeError, match="needs the model through model_init"):

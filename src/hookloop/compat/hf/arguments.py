@@ -90,14 +90,27 @@ def _same(value: Any, default: Any) -> bool:
     return bool(value == default)
 
 
+def _base_fields(args: Any) -> set[str] | None:
+    """The fields of the ``TrainingArguments`` class ``args`` derives from (ours or
+    transformers'); a user's subclass adds fields of its own, which are the user's."""
+    for klass in reversed(type(args).__mro__):
+        if klass.__name__ == "TrainingArguments" and dataclasses.is_dataclass(klass):
+            return {f.name for f in dataclasses.fields(klass)}
+    return None
+
+
 def ignored_fields(args: Any, honoured: set[str]) -> dict[str, tuple[Any, Any]]:
     """``{field: (value, transformers' default)}`` for each field of a dataclass
-    ``args`` set to what the dialect would not carry out."""
+    ``args`` set to what the dialect would not carry out (a subclass's own fields
+    are not looked at)."""
     if not dataclasses.is_dataclass(args):
         return {}
+    base = _base_fields(args)
     odd = {}
     for field in dataclasses.fields(args):
         name = field.name
+        if base is not None and name not in base:
+            continue
         if not field.init or name in honoured or name in LOADER_FIELDS or name in NO_EFFECT:
             continue
         default = _default(field)

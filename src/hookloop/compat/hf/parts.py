@@ -443,6 +443,9 @@ class HFEvaluation(Evaluation):
         steps = math.ceil(collected.samples / per_batch)
         flow.speed_into(metrics, prefix, time.monotonic() - started, collected.samples, steps)
         self.last = collected
+        if kind == "eval":  # transformers' log() adds the epoch before on_evaluate sees them
+            session.refresh(ctx, "on_eval_end")
+            metrics["epoch"] = session.state.epoch
         if kind == "eval" and self.log_hook is not None:
             # transformers' evaluate() hands the metrics to self.log before on_evaluate;
             # the evaluation's own log event (on_eval_end) then publishes them.

@@ -79,6 +79,9 @@ class ReportObjective(Callback):
             return
         objective = self.compute_objective(dict(ctx.metrics))
         self.trainer.objective = objective
+        study = getattr(self.trial, "study", None)
+        if study is None or len(study.directions) > 1:
+            return  # as transformers: a multi-objective trial reports nothing and is not pruned
         self.trial.report(objective, ctx.state.step)
         if self.trial.should_prune():
             import optuna

@@ -439,6 +439,8 @@ class Trainer:
                 else:
                     self.loop.resume_from(target)
         changed = _changed(self.args_built, self.args)
+        if not changed and self.model_init is not None and self.hf.trained:
+            changed = ["model_init: a new model, optimizer and schedule at each train()"]
         if changed:
             # transformers builds the optimizer, schedule and loaders at each train() from
             # the arguments as they are then; the loop here was built from them once, so
@@ -768,6 +770,24 @@ class Trainer:
         if session.state.epoch is not None:
             logs["epoch"] = session.state.epoch
         self.loop.logbook.publish(logs)
+
+    def get_num_trainable_parameters(self) -> int:
+        """The parameters the optimizer can change (``requires_grad``), counted."""
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+    def get_learning_rates(self) -> list[float]:
+        """Each parameter group's current learning rate."""
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_optimizer_group(self, param: Any = None) -> Any:
+        """The parameter group holding ``param``, or every group without one."""
+        groups = self.optimizer.param_groups
+        if param is None:
+            return groups
+        for group in groups:
+            if any(p is param for p in group["params"]):
+                return group
+        raise ValueError(f"parameter {param!r} is in no optimizer group")
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The model for ``from_pretrained`` (``config.json`` and ``model.safetensors``, or
