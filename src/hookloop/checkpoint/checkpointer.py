@@ -209,9 +209,10 @@ class Checkpointer:
         ``on_checkpoint_load``. None when ``"auto"`` finds nothing to resume."""
         if self.persistent is None:
             raise ValueError("load_checkpoint() needs out_dir or resume: pass one to Trainer")
-        path, owner = find_resume(target, self.persistent, self.local)
+        state = self.named_state()
+        path, owner = find_resume(target, self.persistent, self.local, state)
         if path is not None:
-            restore(path, owner, self.named_state(), self.persistent, self.local)
+            restore(path, owner, state, self.persistent, self.local)
             self.ctx.run = replace(self.ctx.run, resumed_from=path)
             self._fire_with_path("on_checkpoint_load", path)
         return path

@@ -24,7 +24,6 @@ from typing import Any
 
 from hookloop.callback import Stateful
 from hookloop.checkpoint.manager import CheckpointManager, SavePolicy
-from hookloop.checkpoint.state import load_state
 from hookloop.checkpoint.storage import CheckpointError, step_of
 from hookloop.rundir import LOCAL_CHECKPOINTS_DIR, RunDir
 
@@ -57,12 +56,15 @@ def local_manager(config: Any, run: RunDir, *, resuming: bool) -> CheckpointMana
     return manager
 
 
-def newest_intact_local(local: CheckpointManager) -> tuple[Path | None, list[str]]:
-    """The newest local checkpoint that verifies, and what was wrong with newer ones."""
+def newest_intact_local(
+    local: CheckpointManager, state: Mapping[str, Stateful] | None = None
+) -> tuple[Path | None, list[str]]:
+    """The newest local checkpoint that verifies (and reads, given ``state``), and what was
+    wrong with newer ones."""
     damaged = []
     for path in reversed(local.storage.complete()):
         try:
-            local.storage.verify(path)
+            local.check(path, state)
             return path, damaged
         except CheckpointError as err:
             damaged.append(str(err))
@@ -70,21 +72,25 @@ def newest_intact_local(local: CheckpointManager) -> tuple[Path | None, list[str
 
 
 def find_resume(
-    target: str, persistent: CheckpointManager, local: CheckpointManager | None
+    target: str,
+    persistent: CheckpointManager,
+    local: CheckpointManager | None,
+    state: Mapping[str, Stateful] | None = None,
 ) -> tuple[Path | None, CheckpointManager]:
     """The checkpoint ``target`` names, and the manager it belongs to.
 
     ``"auto"`` with local checkpoints on: the newer of the newest intact local
     and the newest intact persistent checkpoint. A damaged local checkpoint is
     said (a warning naming it and the checkpoint used instead) and skipped.
+    Given ``state``, "intact" includes reading the checkpoint for it.
     """
     if target != "auto" or local is None:
-        return persistent.find(target), persistent
-    local_path, damaged = newest_intact_local(local)
+        return persistent.find(target, state), persistent
+    local_path, damaged = newest_intact_local(local, state)
     persistent_path, persistent_error = None, None
     if persistent.storage.complete():
         try:
-            persistent_path = persistent.find("auto")
+            persistent_path = persistent.find("auto", state)
         except CheckpointError as err:  # every persistent one damaged: a local one may do
             persistent_error = err
     if persistent_error is not None and local_path is None:
@@ -119,9 +125,7 @@ def restore(
     path: Path, owner: CheckpointManager, state: Mapping[str, Stateful], *others: Any
 ) -> None:
     """Load ``state`` from ``path``; every manager learns the step is saved where it is."""
-    load_state(state, path)
-    step = step_of(path)
-    owner.last_saved_step = step
+    owner.restore(path, state)
     for other in others:
         if other is not None and other is not owner:
             other.last_saved_step = None

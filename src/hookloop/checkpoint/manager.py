@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hookloop.callback import Stateful
-from hookloop.checkpoint.state import bare_model, load_state, save_state
+from hookloop.checkpoint.state import SavedState, apply_state, bare_model, read_state, save_state
 from hookloop.checkpoint.storage import (
     MODEL,
     CheckpointError,
@@ -113,6 +113,7 @@ class CheckpointManager:
         self.strict = strict
         self.allow_restart = allow_restart
         self.last_saved_step: int | None = None
+        self._read: SavedState | None = None  # the checkpoint find() read, until restored
 
     @classmethod
     def from_config(cls, config: Any, root: str | Path, *, resuming: bool) -> CheckpointManager:
@@ -238,6 +239,8 @@ class CheckpointManager:
         return path
 
     def _apply_retention(self) -> None:
+        """Delete what the policy does not keep, ordered by the steps in the directory names:
+        a damaged manifest can neither make an old checkpoint look new nor a new one old."""
         dirs = self.storage.complete()
         manifests = [{**read_manifest(p), "name": p.name, "step": step_of(p)} for p in dirs]
         keep = self.policy.to_keep(manifests, self.storage.latest_name())
@@ -246,46 +249,83 @@ class CheckpointManager:
                 self.storage.delete(p)
 
     # -- resuming
-    def find(self, target: str) -> Path | None:
+    def find(self, target: str, state: Mapping[str, Stateful] | None = None) -> Path | None:
         """The verified checkpoint ``target`` names: ``"auto"`` (newest intact, or None)
-        or a path to a checkpoint, a checkpoints folder or a run directory."""
+        or a path to a checkpoint, a checkpoints folder or a run directory.
+
+        With ``state`` (what a resume will restore) the checkpoint is also read and
+        checked against it (:func:`~hookloop.checkpoint.state.read_state`), so that
+        ``"auto"`` passes over one whose files do not load; :meth:`restore` then applies
+        what was read.
+        """
         if target == "auto":
-            path = self._newest_intact()
+            path = self._newest_intact(state)
             if path is None:
                 log.info(
                     "hookloop: no checkpoint to resume in %s; starting fresh", self.storage.root
                 )
             return path
         path = resolve_checkpoint(target)
-        self.storage.verify(path)  # raises CheckpointError naming the file and problem
+        self.check(path, state)  # raises CheckpointError naming the file and problem
         return path
+
+    def check(self, path: Path, state: Mapping[str, Stateful] | None = None) -> None:
+        """Verify checkpoint ``path`` (files, manifest, identity) and, given ``state``, read
+        it for a :meth:`restore`; a damaged one raises :class:`CheckpointError`."""
+        manifest = self.storage.verify(path)
+        if state is not None:
+            self._read = read_state(state, path, step=manifest["step"])
+
+    def restore(self, path: Path, state: Mapping[str, Stateful]) -> None:
+        """Apply checkpoint ``path`` to ``state`` (what :meth:`check` read, else read now)."""
+        saved = self._read if self._read is not None and self._read.path == path else None
+        self._read = None
+        if saved is None:
+            manifest = self.storage.verify(path)
+            saved = read_state(state, path, step=manifest["step"])
+        apply_state(state, saved)
+        self.last_saved_step = step_of(path)
 
     def load(self, target: str, state: Mapping[str, Stateful]) -> Path | None:
         """Restore ``state`` from ``target`` (see :meth:`find`); None if nothing to resume."""
-        path = self.find(target)
+        path = self.find(target, state)
         if path is not None:
-            load_state(state, path)
-            self.last_saved_step = read_manifest(path).get("step")
+            self.restore(path, state)
         return path
 
-    def _newest_intact(self) -> Path | None:
-        """The newest checkpoint that verifies; older ones are tried in turn, each skip said.
+    def _newest_intact(self, state: Mapping[str, Stateful] | None = None) -> Path | None:
+        """The newest checkpoint that verifies (and reads, given ``state``); older ones are
+        tried in turn, each one skipped named in a warning.
 
-        When checkpoints exist but none is intact, starting over would silently
-        throw the run away: that raises, listing each and why, unless
-        ``allow_restart`` (``--allow-restart``) says to start fresh.
+        Checkpoints are ordered by the steps in their directory names. The one ``latest``
+        names is tried like the others; when it is not the one resumed from, the warning
+        says so. When checkpoints exist but none is intact, starting over would silently
+        throw the run away: that raises, listing each and why, unless ``allow_restart``
+        (``--allow-restart``) says to start fresh.
         """
         damaged = []
-        for path in reversed(self.storage.complete()):
+        latest = self.storage.latest_name()
+        candidates = self.storage.complete()
+        for path in reversed(candidates):
             try:
-                self.storage.verify(path)
-                return path
+                self.check(path, state)
             except CheckpointError as err:
                 damaged.append(f"{path.name}: {err}")
+                pointed = " (the one 'latest' names)" if path.name == latest else ""
                 warnings.warn(  # once: a warning, not also a log line (it printed twice)
-                    f"hookloop resume: skipping damaged checkpoint: {err}; trying an older one",
+                    f"hookloop resume: skipping damaged checkpoint {path.name}{pointed}: {err}; "
+                    "trying an older one",
                     stacklevel=3,
                 )
+                continue
+            missing = latest is not None and latest not in {p.name for p in candidates}
+            if missing and step_of(self.storage.root / latest) > step_of(path):  # type: ignore[operator]
+                warnings.warn(
+                    f"hookloop resume: 'latest' names {latest}, which is not there or has no "
+                    f"manifest; resuming from {path.name}",
+                    stacklevel=3,
+                )
+            return path
         if damaged and not self.allow_restart:
             raise CheckpointError(
                 f"no intact checkpoint to resume in {self.storage.root} "

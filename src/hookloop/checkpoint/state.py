@@ -8,6 +8,12 @@ their own (``model.safetensors`` and ``optimizer.pt``, or DCP shards under
 ``weights_only=True``. An entry marked ``per_rank`` (the RNG) is gathered from
 every rank. Nothing here knows the Trainer: a checkpoint can be written and read
 with a bare model and optimizer.
+
+A load reads and checks everything first (:func:`read_state`) and only then applies
+it (:func:`apply_state`): a file that does not load, or a ``trainer_state.pt`` that
+lacks an entry every checkpoint holds or whose step is not its manifest's, is a
+damaged checkpoint (:class:`CheckpointError` naming file and entry) and leaves the
+live state untouched, so that ``resume="auto"`` can try an older one.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import os
 import random
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -127,13 +134,36 @@ def save_state(
     return files, written
 
 
-def load_state(state: Mapping[str, Stateful], path: Path) -> None:
-    """Restore ``state`` from the checkpoint directory ``path`` (verified by the caller).
+#: Entries of ``trainer_state.pt`` that every checkpoint of a run holds (format 1 on): when
+#: the loop expects one and the file lacks it, the checkpoint is damaged. Without them a
+#: resume would silently start its counters, data order or randomness over.
+REQUIRED_ENTRIES = ("train_state", "data", "rng", "user_state", "callbacks")
 
-    Entries the checkpoint does not hold (an older format, a scheduler added
-    since) keep their current state.
+
+@dataclass
+class SavedState:
+    """A checkpoint read into memory and checked, not yet applied."""
+
+    path: Path
+    optimizer: dict[str, Any] | None  # None: model and optimizer are DCP shards
+    entries: dict[str, Any]
+
+
+def load_state(state: Mapping[str, Stateful], path: Path, *, step: int | None = None) -> None:
+    """Restore ``state`` from the checkpoint directory ``path`` (verified by the caller)."""
+    apply_state(state, read_state(state, path, step=step))
+
+
+def read_state(state: Mapping[str, Stateful], path: Path, *, step: int | None = None) -> SavedState:
+    """Read the checkpoint at ``path`` for ``state`` and check it; nothing is applied yet.
+
+    Raises :class:`CheckpointError` naming the file (and entry) when a file does not
+    load, an entry the loop expects and every checkpoint holds is missing, or the saved
+    ``train_state`` is not at ``step`` (the manifest's). Entries outside
+    :data:`REQUIRED_ENTRIES` that the checkpoint does not hold (a scheduler added since)
+    keep their current state.
     """
-    model, optimizer = state[MODEL], state[OPTIMIZER]
+    model = state[MODEL]
     sharded_checkpoint = (path / SHARDED_DIR).is_dir()
     if is_sharded(model) != sharded_checkpoint:  # type: ignore[arg-type]
         saved, running = ("sharded", "full") if sharded_checkpoint else ("full", "sharded")
@@ -142,19 +172,67 @@ def load_state(state: Mapping[str, Stateful], path: Path) -> None:
             "resume with the train.parallel and number of ranks it was saved with ('fsdp' "
             "with several ranks saves sharded weights, anything else full ones)"
         )
-    if sharded_checkpoint:
-        load_sharded(model, optimizer, path / SHARDED_DIR)  # type: ignore[arg-type]
+    optimizer = None
+    if not sharded_checkpoint:
+        optimizer = _load_file(path / "optimizer.pt", device_of(model))  # type: ignore[arg-type]
+    entries = _load_file(path / STATE_FILE, torch.device("cpu"))
+    _check_entries(entries, state, path / STATE_FILE, step)
+    return SavedState(path, optimizer, entries)
+
+
+def apply_state(state: Mapping[str, Stateful], saved: SavedState) -> None:
+    """Put a checkpoint read by :func:`read_state` into the live objects."""
+    model, optimizer = state[MODEL], state[OPTIMIZER]
+    if saved.optimizer is None:
+        load_sharded(model, optimizer, saved.path / SHARDED_DIR)  # type: ignore[arg-type]
     else:
-        _load_full_weights(model, optimizer, path)  # type: ignore[arg-type]
-    saved = torch_load(path / STATE_FILE, torch.device("cpu"))
+        load_safetensors(bare_model(model), saved.path / "model.safetensors")  # type: ignore[arg-type]
+        optimizer.load_state_dict(saved.optimizer)
     rank, _, world_size = rank_info()
+    entries = saved.entries
     for name, obj in state.items():
-        if name in (MODEL, OPTIMIZER) or saved.get(name) is None:
+        if name in (MODEL, OPTIMIZER) or entries.get(name) is None:
             continue
-        value = saved[name]
+        value = entries[name]
         if getattr(obj, "per_rank", False):
-            value = _own_share(saved, name, rank, world_size)
+            value = _own_share(entries, name, rank, world_size)
         obj.load_state_dict(value)
+
+
+def _load_file(fpath: Path, device: torch.device) -> Any:
+    """A torch file of a checkpoint; one that does not load is a damaged checkpoint."""
+    try:
+        return torch_load(fpath, device)
+    except Exception as err:  # an unpickler refusal, a truncated zip, a wrong type
+        reason = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+        raise CheckpointError(
+            f"checkpoint file {fpath} cannot be loaded ({type(err).__name__}: {reason[:200]})"
+        ) from None
+
+
+def _check_entries(
+    entries: Any, state: Mapping[str, Stateful], fpath: Path, step: int | None
+) -> None:
+    """``trainer_state.pt`` holds what the loop expects, at the manifest's step."""
+    if not isinstance(entries, dict):
+        raise CheckpointError(
+            f"checkpoint file {fpath} is damaged: it holds a {type(entries).__name__}, "
+            "not the dict of named state a checkpoint saves"
+        )
+    for name in state:
+        if name in REQUIRED_ENTRIES and name not in entries:
+            raise CheckpointError(
+                f"checkpoint file {fpath} is damaged: it has no {name!r} entry, which every "
+                f"checkpoint holds (it holds: {', '.join(sorted(map(str, entries))) or 'nothing'})"
+            )
+    if "train_state" in state and "train_state" in entries:
+        saved = entries["train_state"]
+        saved_step = saved.get("step") if isinstance(saved, dict) else None
+        if not isinstance(saved_step, int) or (step is not None and saved_step != step):
+            raise CheckpointError(
+                f"checkpoint file {fpath} is damaged: its 'train_state' entry is at step "
+                f"{saved_step!r}, its manifest at step {step}"
+            )
 
 
 def _own_share(saved: dict[str, Any], name: str, rank: int, world_size: int) -> Any:
@@ -187,13 +265,6 @@ def _full_weights(
     model_bytes = tmp.read_bytes()
     tmp.unlink()
     return {"model.safetensors": model_bytes, "optimizer.pt": torch_bytes(optimizer.state_dict())}
-
-
-def _load_full_weights(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path
-) -> None:
-    load_safetensors(bare_model(model), path / "model.safetensors")
-    optimizer.load_state_dict(torch_load(path / "optimizer.pt", device_of(model)))
 
 
 def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:

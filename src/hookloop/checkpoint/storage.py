@@ -7,6 +7,12 @@ valid manifest is never loaded and is removed by the next save. The manifest's
 schema is checked field by field (:func:`check_manifest`) before anything in it is
 trusted.
 
+A checkpoint's identity is authenticated, so that one flipped bit cannot reorder a
+run's history: the manifest carries a SHA-256 of its own fields (format 2), its name
+and step must be those of the directory it lies in, and checkpoints are ordered by
+the step in their directory names (which only the commit's rename sets), never by
+what a manifest says. Format 1 manifests (no checksum) are still read.
+
 ``HOOKLOOP_CHECKPOINT_FAULT`` (:data:`FAULT_ENV`) makes the process die, or a save
 fail as a full disk would, at a named point of this protocol: the crash tests use it.
 """
@@ -18,6 +24,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -26,7 +33,12 @@ from hookloop.rundir import CHECKPOINTS_DIR
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Manifest formats this hookloop reads: 1 (before the manifest carried its own
+#: checksum) and 2.
+READABLE_FORMATS = (1, 2)
+#: A checkpoint directory's name: the step it holds, zero-padded.
+_STEP_NAME = re.compile(r"step-(\d+)")
 #: Crash-safety testing: ``POINT`` or ``POINT@STEP`` makes the process die (``os._exit``)
 #: at that point of the save protocol (at the save of checkpoint STEP, if given);
 #: ``enospc`` or ``enospc@STEP`` makes the save fail once its files are written, as a
@@ -91,6 +103,7 @@ class CheckpointStorage:
         """Write the manifest last, rename ``staging`` into place, point ``latest`` at it."""
         _fault("files_written", meta.get("step"))
         manifest = {"format": FORMAT_VERSION, "name": name, "files": entries, **meta}
+        manifest["checksum"] = manifest_checksum(manifest)
         write_synced(staging / MANIFEST, json.dumps(manifest, indent=1).encode())
         _fsync(staging)
         _fault("manifest_written", meta.get("step"))
@@ -109,7 +122,8 @@ class CheckpointStorage:
         return final
 
     def complete(self) -> list[Path]:
-        """Checkpoint directories that have a manifest, oldest first (by step)."""
+        """Checkpoint directories that have a manifest, oldest first (by the step in their
+        names: see :func:`step_of`)."""
         if not self.root.is_dir():
             return []
         found = [
@@ -120,8 +134,12 @@ class CheckpointStorage:
         return sorted(found, key=lambda p: (step_of(p), p.name))
 
     def latest_name(self) -> str | None:
+        """The checkpoint ``latest`` names; None when there is no pointer or it is unreadable."""
         pointer = self.root / LATEST
-        return pointer.read_text().strip() if pointer.is_file() else None
+        try:
+            return pointer.read_text().strip() or None if pointer.is_file() else None
+        except (OSError, UnicodeDecodeError):
+            return None
 
     def verify(self, path: str | Path) -> dict[str, Any]:
         """Return the manifest if it is valid and every file is present and intact.
@@ -144,6 +162,7 @@ class CheckpointStorage:
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
             raise CheckpointError(f"{manifest_path} is corrupt: not valid JSON ({err})") from None
         files = check_manifest(manifest, manifest_path)
+        check_identity(manifest, path)
         on_disk = {
             p.relative_to(path).as_posix()
             for p in path.rglob("*")
@@ -187,7 +206,7 @@ class CheckpointStorage:
         shutil.rmtree(path, ignore_errors=True)
 
 
-_MANIFEST_KEYS = {"format", "name", "step", "epoch", "time", "metric", "files"}
+_MANIFEST_KEYS = {"format", "name", "step", "epoch", "time", "metric", "files", "checksum"}
 _SHA256_HEX = frozenset("0123456789abcdef")
 
 
@@ -195,8 +214,9 @@ def check_manifest(manifest: Any, where: Path) -> dict[str, dict[str, Any]]:
     """Validate a manifest against its schema; return its ``files`` table.
 
     Every field is checked for presence, type and range; unknown fields and
-    format versions are refused; the files a checkpoint needs must be listed.
-    A violation raises :class:`CheckpointError` naming ``where`` and the reason.
+    format versions are refused; the files a checkpoint needs must be listed; a
+    format 2 manifest must match its own checksum. A violation raises
+    :class:`CheckpointError` naming ``where`` and the reason.
     """
 
     def corrupt(reason: str) -> CheckpointError:
@@ -212,11 +232,18 @@ def check_manifest(manifest: Any, where: Path) -> dict[str, dict[str, Any]]:
     version = manifest.get("format")
     if not _is_int(version):
         raise corrupt(f"'format' must be an integer, found {version!r}")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_FORMATS:
         raise corrupt(
-            f"format version {version} is not one this hookloop reads ({FORMAT_VERSION}); "
-            "was it written by a newer hookloop?"
+            f"format version {version} is not one this hookloop reads "
+            f"({', '.join(map(str, READABLE_FORMATS))}); was it written by a newer hookloop?"
         )
+    if version >= 2 and manifest.get("checksum") != manifest_checksum(manifest):
+        raise corrupt(
+            "its checksum does not match its fields (the manifest was altered since it was "
+            "saved; its step, name or file list cannot be trusted)"
+        )
+    if version < 2 and "checksum" in manifest:
+        raise corrupt("unknown field 'checksum' in a format 1 manifest")
     if not isinstance(manifest.get("name"), str) or not manifest["name"]:
         raise corrupt(f"'name' must be a non-empty string, found {manifest.get('name')!r}")
     for key in ("step", "epoch"):
@@ -249,6 +276,30 @@ def check_manifest(manifest: Any, where: Path) -> dict[str, dict[str, Any]]:
     return files
 
 
+def manifest_checksum(manifest: dict[str, Any]) -> str:
+    """SHA-256 of every field of ``manifest`` but ``checksum``, as canonical JSON."""
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def check_identity(manifest: dict[str, Any], path: Path) -> None:
+    """The manifest describes the directory it lies in: the same name, and the step in that
+    name. Raises :class:`CheckpointError` otherwise (a manifest copied, renamed or altered)."""
+    where = path / MANIFEST
+    if manifest["name"] != path.name:
+        raise CheckpointError(
+            f"{where} is corrupt: it names checkpoint {manifest['name']!r} but lies in "
+            f"{path.name!r}"
+        )
+    named = _STEP_NAME.fullmatch(path.name)
+    if named is not None and manifest["step"] != int(named.group(1)):
+        raise CheckpointError(
+            f"{where} is corrupt: it says step {manifest['step']} but the directory holds "
+            f"step {int(named.group(1))}"
+        )
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -275,6 +326,12 @@ def read_manifest(path: Path) -> dict[str, Any]:
 
 
 def step_of(path: Path) -> int:
+    """The step checkpoint ``path`` holds: the number in its name (``step-00000030``), which
+    the commit's rename set and no damage to its manifest can change; for a directory named
+    otherwise, its manifest's step (-1 when unreadable)."""
+    named = _STEP_NAME.fullmatch(path.name)
+    if named is not None:
+        return int(named.group(1))
     step = read_manifest(path).get("step")
     return step if _is_int(step) else -1
 
@@ -307,10 +364,25 @@ def _fault(point: str, step: int | None) -> None:
 
 def resolve_checkpoint(target: str | Path) -> Path:
     """A checkpoint directory from a checkpoint, a checkpoints folder (its ``latest``) or a
-    run directory (its ``checkpoints/latest``)."""
+    run directory (its ``checkpoints/latest``).
+
+    A ``latest`` that is empty or names something other than a checkpoint beside it is
+    refused by name (:class:`CheckpointError`), not followed.
+    """
     path = Path(target)
     for root in (path, path / CHECKPOINTS_DIR):
         pointer = root / LATEST
         if root.is_dir() and pointer.is_file():
-            return root / pointer.read_text().strip()
+            try:
+                name = pointer.read_text().strip()
+            except UnicodeDecodeError:
+                name = "\0"
+            if not name or "/" in name or "\0" in name or name in (".", ".."):
+                what = "is empty" if not name else "does not name a checkpoint directory"
+                raise CheckpointError(
+                    f"{pointer} {what} (damaged, or a save interrupted while writing it); "
+                    "resume with --resume auto, which picks the newest intact checkpoint "
+                    f"in {root}, or name one of its step-* directories"
+                )
+            return root / name
     return path
