@@ -9,6 +9,7 @@ what example scripts call after ``train()`` (``save_model``, ``save_state``,
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 import warnings
@@ -387,6 +388,41 @@ def test_callbacks_added_or_removed_by_a_callback_act_in_the_same_dispatch(tmp_p
         _quiet(trainer.train)
     assert seen["hookloop"] == seen["hf"]
     assert ("added", 2) in seen["hf"] and ("removed", 2) not in seen["hf"]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [None, {"split_batches": True, "even_batches": False,
+            "gradient_accumulation_kwargs": {"num_steps": 3, "sync_each_batch": True}}],
+)  # fmt: skip
+def test_accelerator_config_is_read_and_trainer_accelerator_reports_it(tmp_path: Path, config):
+    seen = {}
+    for kind, factory in FACTORIES.items():
+        # a copy each: transformers writes num_steps=1 into the dict it was given
+        args = _args(tmp_path / kind, accelerator_config=copy.deepcopy(config))
+        trainer = _quiet(lambda f=factory, a=args: f(RegressionModel(), a))
+        acc = trainer.accelerator
+        seen[kind] = (
+            acc.split_batches, acc.dispatch_batches, acc.even_batches, acc.use_seedable_sampler,
+            acc.gradient_state.plugin_kwargs, trainer.args.gradient_accumulation_steps,
+            acc.unwrap_model(trainer.model) is trainer.model, acc.is_main_process,
+        )  # fmt: skip
+    assert seen["hookloop"] == seen["hf"]
+
+
+def test_accelerator_config_errors_match_transformers(tmp_path: Path):
+    from transformers.trainer_pt_utils import AcceleratorConfig
+
+    for kind, factory in FACTORIES.items():
+        with pytest.raises(NotImplementedError, match="Tried passing in a callable"):
+            _args(tmp_path, accelerator_config=AcceleratorConfig)
+        twice = {"gradient_accumulation_kwargs": {"num_steps": 4}}
+        with pytest.raises(ValueError, match="The `AcceleratorConfig`'s `num_steps` is set but"):
+            args = _args(tmp_path / kind, gradient_accumulation_steps=2, accelerator_config=twice)
+            _quiet(lambda f=factory, a=args: f(RegressionModel(), a))
+    with pytest.raises(ValueError, match="does not carry out accelerator_config use_seedable"):
+        args = _args(tmp_path, accelerator_config={"use_seedable_sampler": False})
+        hf.Trainer(RegressionModel(), args, train_dataset=RegressionDataset(8))
 
 
 # -- construction --------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from hookloop.callback import Callback
+from hookloop.compat.hf import accelerator as hf_accelerator
 from hookloop.compat.hf import arguments, foreign, layout, reporting, results, search
 from hookloop.compat.hf import data as hf_data
 from hookloop.compat.hf import optim as hf_optim
@@ -68,6 +69,8 @@ class Trainer:
     #: While the loop is being built: the model, optimizer and schedule create_optimizer /
     #: create_scheduler see and set (None once the loop holds them).
     _staged: dict[str, Any] | None = None
+    _accelerator: Any = None
+    _accelerator_settings: dict[str, Any] = hf_accelerator.DEFAULTS
 
     def __init__(
         self,
@@ -249,6 +252,15 @@ class Trainer:
     def _decided_by_args(self, args: Any, model: torch.nn.Module, run: _Run) -> _Run:
         """What ``TrainingArguments`` decide before the loop is built, as HF's Trainer:
         the Config, the seed, HF's loaders, optimizer and LR schedule."""
+        settings = hf_accelerator.settings(getattr(args, "accelerator_config", None))
+        steps = int(hf_optim.arg(args, "gradient_accumulation_steps", 1))
+        if hf_accelerator.accumulation_steps(settings, steps) != steps:  # as transformers sets it
+            args.gradient_accumulation_steps = hf_accelerator.accumulation_steps(settings, steps)
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        hf_accelerator.check_reproduced(
+            settings, world_size=world, trains=run.datasets[0] is not None
+        )
+        self._accelerator_settings = settings
         arguments.refuse_ignored(args, arguments.honoured_fields(TrainingArguments))
         config = _args_config(args)
         if not config.train.log_every:
@@ -871,6 +883,26 @@ class Trainer:
         if test_dataset is None:
             raise ValueError("get_test_dataloader needs a test_dataset")
         return self._loader(test_dataset, train=False)
+
+    @property
+    def accelerator(self) -> Any:
+        """An ``accelerate.Accelerator`` with ``accelerator_config``'s settings (built when
+        first asked for; the loop does not run on it): see
+        :mod:`hookloop.compat.hf.accelerator`."""
+        if self._accelerator is None:
+            if not self.hf.drives_loop:
+                raise AttributeError(
+                    "trainer.accelerator exists when TrainingArguments decide the run"
+                )
+            precision = "fp16" if hf_optim.arg(self.args, "fp16", False) else "no"
+            if hf_optim.arg(self.args, "bf16", False):
+                precision = "bf16"
+            self._accelerator = hf_accelerator.build(
+                self._accelerator_settings,
+                cpu=self.device.type == "cpu",
+                mixed_precision=precision,
+            )
+        return self._accelerator
 
     @property
     def model_wrapped(self) -> torch.nn.Module:

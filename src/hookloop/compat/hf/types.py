@@ -113,6 +113,7 @@ class TrainingArguments:
     log_level: str = "passive"
     eval_accumulation_steps: int | None = None
     dataloader_multiprocessing_context: str | None = None
+    accelerator_config: Any = None  # read by hookloop.compat.hf.accelerator
     # transformers' other fields, with transformers' defaults: a Trainer built from them
     # refuses any set to something else, by name (hookloop.compat.hf.arguments), except
     # those it lists as without effect here.
@@ -157,7 +158,6 @@ class TrainingArguments:
     hub_revision: Any = _theirs(None)
     ignore_data_skip: bool = _theirs(False)
     full_determinism: bool = _theirs(False)
-    accelerator_config: Any = _theirs(None)
     parallelism_config: Any = _theirs(None)
     dataloader_in_order: bool = _theirs(True)
     length_column_name: str = _theirs("length")
@@ -212,6 +212,7 @@ class TrainingArguments:
 
     def _check_training_fields(self) -> None:
         """The optimizer, schedule, data and reporting fields (enums read as values)."""
+        from hookloop.compat.hf import accelerator as hf_accelerator
         from hookloop.compat.hf import data, optim, reporting
 
         for name in ("lr_scheduler_type", "optim", "train_sampling_strategy"):
@@ -255,6 +256,7 @@ class TrainingArguments:
                 f"got {self.lr_scheduler_kwargs!r}"
             )
         reporting.normalize(self.report_to)  # raises for a name hookloop cannot report to
+        hf_accelerator.settings(self.accelerator_config)  # refused here, as transformers does
 
     # -- what transformers' TrainingArguments also answers about the process ------------
     @property
