@@ -13,8 +13,10 @@ folder ``checkpoint-N``, a complete checkpoint both ways:
   ``trainer_state.json``): ``from_pretrained`` loads the folder and
   ``transformers.Trainer`` resumes from it (``model.safetensors`` and
   ``optimizer.pt`` are in both formats at once);
-- ``.hookloop``, a relative link to the hookloop checkpoint: a folder whose
-  checkpoint was rotated away is removed with it.
+- ``step-N``, a relative link to the hookloop checkpoint, named as it: a folder
+  whose checkpoint was rotated away is removed with it, and a ``cp -rL`` copy holds
+  that checkpoint under its own name (folders written before name it ``.hookloop``).
+  The folder's own ``manifest.json`` names the folder and is signed again.
 
 The folder is built under a temporary name and renamed into place.
 """
@@ -31,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from hookloop.checkpoint import MANIFEST, SavePolicy
-from hookloop.checkpoint.storage import write_synced
+from hookloop.checkpoint.storage import manifest_checksum, write_synced
 
 TRAINER_STATE_NAME = "trainer_state.json"
 LINK = ".hookloop"
@@ -62,12 +64,19 @@ def write(
     state.save_to_json(partial / TRAINER_STATE_NAME)
     # The folder's own manifest lists transformers' files too, so the folder (or a copy)
     # passes hookloop's check of a checkpoint: nothing unlisted, every file intact.
+    # It names the folder it lies in (and is signed again), as hookloop checks it.
     manifest = json.loads((Path(native) / MANIFEST).read_text(encoding="utf-8"))
     for entry in sorted(partial.iterdir()):
         if entry.is_file() and entry.name not in manifest["files"]:
             manifest["files"][entry.name] = {"size": entry.stat().st_size, "sha256": _sha256(entry)}
+    manifest["name"] = folder.name
+    if manifest.get("format", 1) >= 2:
+        manifest["checksum"] = manifest_checksum(manifest)
     write_synced(partial / MANIFEST, json.dumps(manifest, indent=1).encode())
-    (partial / LINK).symlink_to(os.path.relpath(native, folder), target_is_directory=True)
+    # The link is named as the checkpoint it points to, so a copy that follows it
+    # (cp -rL) holds that checkpoint under its own name.
+    link = partial / Path(native).name
+    link.symlink_to(os.path.relpath(native, folder), target_is_directory=True)
     if folder.exists() or folder.is_symlink():
         shutil.rmtree(folder)
     os.replace(partial, folder)
@@ -91,11 +100,20 @@ def _link_or_copy(source: Path, target: Path) -> None:
         shutil.copy2(source, target)
 
 
+def _link_of(folder: Path) -> Path | None:
+    """The entry of an HF folder that links to (or, copied with -L, holds) its hookloop
+    checkpoint: named ``step-N`` (``.hookloop`` in folders written before)."""
+    for entry in (*folder.glob("step-*"), folder / LINK):
+        if entry.is_symlink() or entry.is_dir():
+            return entry
+    return None
+
+
 def _prune(output_dir: Path) -> None:
     """Remove HF folders whose hookloop checkpoint was rotated away."""
     for folder in output_dir.glob("checkpoint-*"):
-        link = folder / LINK
-        if link.is_symlink() and not link.exists():
+        link = _link_of(folder)
+        if link is not None and link.is_symlink() and not link.exists():
             shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -120,7 +138,9 @@ def native_checkpoint(path: str | os.PathLike[str]) -> str:
     """The hookloop checkpoint behind an HF folder: the one its link names while that
     exists (or the copy of it a ``cp -rL`` made), else the folder itself (a copy holds
     every file of it, listed in its own manifest); any other path as given."""
-    link = Path(path) / LINK
+    link = _link_of(Path(path))
+    if link is None:
+        return str(path)
     if link.is_symlink() and link.exists():
         return str(link.resolve())
     if link.is_dir() and (link / MANIFEST).is_file():  # copied with its link followed (cp -rL)
