@@ -346,6 +346,34 @@ def test_prediction_loss_only_and_ignore_keys_for_eval_as_in_transformers(tmp_pa
     assert outcome["hookloop"][0] is None  # the loss only: no predictions, no metrics
 
 
+def test_batch_eval_metrics_computes_metrics_batch_by_batch_as_transformers(tmp_path: Path):
+    def batched() -> Any:
+        seen: list[float] = []
+
+        def metrics(pred: Any, compute_result: bool) -> Any:
+            predictions, labels = pred  # tensors, one batch
+            seen.append(float((predictions - labels).abs().mean()))
+            return {"mae": sum(seen) / len(seen), "batches": len(seen)} if compute_result else None
+
+        return metrics
+
+    outcome = {}
+    for kind, factory in FACTORIES.items():
+        args = _args(tmp_path / kind, batch_eval_metrics=True, per_device_eval_batch_size=4)
+        trainer = _quiet(
+            lambda f=factory, a=args: f(RegressionModel(), a, compute_metrics=batched(),
+                                        preprocess_logits_for_metrics=lambda lg, lb: lg + 1)
+        )  # fmt: skip
+        evaluated = _quiet(lambda t=trainer: t.evaluate(RegressionDataset(10, seed=2)))
+        predicted = _quiet(lambda t=trainer: t.predict(RegressionDataset(10, seed=2)))
+        outcome[kind] = (evaluated, predicted)
+    (their_eval, theirs), (our_eval, ours) = outcome["hf"], outcome["hookloop"]
+    assert our_eval["eval_batches"] == their_eval["eval_batches"] == 3
+    assert our_eval["eval_mae"] == pytest.approx(their_eval["eval_mae"], rel=1e-5)
+    np.testing.assert_allclose(ours.predictions, theirs.predictions, rtol=1e-5)
+    assert ours.metrics["test_mae"] == pytest.approx(theirs.metrics["test_mae"], rel=1e-5)
+
+
 def test_overrides_of_the_hf_step_are_refused_with_a_native_loss(tmp_path: Path):
     custom = _override_points(hf.Trainer, [])
     with pytest.raises(ValueError, match="training_step, prediction_step apply when"):

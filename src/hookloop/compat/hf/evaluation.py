@@ -79,12 +79,18 @@ class Evaluation:
         nan_filter: bool,
         keep_predictions: bool = False,
         preprocess: Callable[[Any, Any], Any] | None = None,
+        batch_metrics: bool = False,
     ) -> None:
         self.label_names, self.ignore = label_names, ignore_keys
         self.compute_metrics, self.include = compute_metrics, set(include_for_metrics or ())
         self.nan_filter = nan_filter
         self.preprocess = preprocess  # preprocess_logits_for_metrics(logits, labels)
-        self.keep = keep_predictions or compute_metrics is not None
+        #: ``batch_eval_metrics``: compute_metrics(batch, compute_result=last) on each batch;
+        #: only predict() keeps the predictions then
+        self.batch_metrics = batch_metrics
+        self.batch_result: Any = None
+        self.keep = keep_predictions or (compute_metrics is not None and not batch_metrics)
+        self.logits_needed = self.keep or (batch_metrics and compute_metrics is not None)
         self.samples = self.batches = 0
         self.losses: list[np.ndarray] = []
         self.preds: Any = None
@@ -94,25 +100,47 @@ class Evaluation:
     def has_labels(self, batch: Mapping[str, Any]) -> bool:
         return bool(self.label_names) and all(batch.get(k) is not None for k in self.label_names)
 
-    def add(self, batch: Mapping[str, Any], loss: torch.Tensor | None, logits: Any, labels: Any):
+    def add(
+        self,
+        batch: Mapping[str, Any],
+        loss: torch.Tensor | None,
+        logits: Any,
+        labels: Any,
+        *,
+        last: bool = False,
+    ) -> None:
         """One batch, as ``prediction_step`` returned it: its mean loss, and, when
         predictions are kept, its logits (through ``preprocess_logits_for_metrics``)
-        and labels."""
+        and labels; ``last``: the evaluation's last batch."""
         size = _batch_size(batch)
         self.samples += size
         self.batches += 1
+        losses = None
         if loss is not None:
-            self.losses.append(loss.detach().reshape(1).repeat(size).float().cpu().numpy())
+            losses = loss.detach().reshape(1).repeat(size)
+            self.losses.append(losses.float().cpu().numpy())
+        if not self.logits_needed:
+            return
+        if logits is not None and self.preprocess is not None:
+            logits = self.preprocess(logits, labels)
+        main = batch.get("input_ids", next(iter(batch.values())))
+        if self.batch_metrics and logits is not None and labels is not None:
+            self.batch_result = self.compute_metrics(  # type: ignore[misc]
+                EvalPrediction(
+                    predictions=logits,
+                    label_ids=labels,
+                    inputs=main if "inputs" in self.include else None,
+                    losses=losses if "loss" in self.include else None,
+                ),
+                compute_result=last,
+            )
         if not self.keep:
             return
         if logits is not None:
-            if self.preprocess is not None:
-                logits = self.preprocess(logits, labels)
             self.preds = _concat(self.preds, logits)
         if labels is not None:
             self.labels = _concat(self.labels, labels)
         if "inputs" in self.include:
-            main = batch.get("input_ids", next(iter(batch.values())))
             self.inputs = _concat(self.inputs, main.detach())
 
     def predictions(self) -> tuple[Any, Any]:
@@ -124,7 +152,11 @@ class Evaluation:
         """The evaluation's metrics, every key starting with ``prefix_``."""
         metrics: dict[str, Any] = {}
         losses = np.concatenate(self.losses) if self.losses else None
-        if self.compute_metrics is not None and self.preds is not None and self.labels is not None:
+        if self.batch_metrics:
+            metrics.update({k: _plain(v) for k, v in (self.batch_result or {}).items()})
+        elif (
+            self.compute_metrics is not None and self.preds is not None and self.labels is not None
+        ):
             computed = self.compute_metrics(
                 EvalPrediction(
                     predictions=_numpy(self.preds),

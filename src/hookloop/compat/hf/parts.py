@@ -416,18 +416,19 @@ class HFEvaluation(Evaluation):
             nan_filter=bool(hf_optim.arg(args, "logging_nan_inf_filter", True)),
             keep_predictions=self.keep_predictions,
             preprocess=self.preprocess_logits,
+            batch_metrics=bool(hf_optim.arg(args, "batch_eval_metrics", False)),
         )
         was_training = model.training
         model.eval()
         if hooks[f"on_{kind}_start"]:
             fire(f"on_{kind}_start", ctx)
-        for batch in itertools.islice(loader, self.max_batches):
+        for batch, last in _with_last(itertools.islice(loader, self.max_batches)):
             if hooks[f"on_{kind}_step_start"]:
                 ctx.batch = batch
                 fire(f"on_{kind}_step_start", ctx)
             inputs = move_to(batch, self.device)
             loss, logits, labels = self.prediction_step(model, inputs, loss_only, ignore_keys)
-            collected.add(inputs, loss, logits, labels)
+            collected.add(inputs, loss, logits, labels, last=last)
             if hooks[f"on_{kind}_step_end"]:
                 ctx.batch, ctx.outputs, ctx.loss = batch, logits, loss
                 fire(f"on_{kind}_step_end", ctx)
@@ -474,6 +475,19 @@ class HFEvaluation(Evaluation):
                 "scheduler steps on it"
             )
         scheduler.step(metrics[key])
+
+
+def _with_last(items: Iterator[Any]) -> Iterator[tuple[Any, bool]]:
+    """Each item, and whether it is the last (one item read ahead)."""
+    it = iter(items)
+    try:
+        held = next(it)
+    except StopIteration:
+        return
+    for item in it:
+        yield held, False
+        held = item
+    yield held, True
 
 
 def _evaluation(

@@ -99,6 +99,7 @@ class TrainingArguments:
     logging_nan_inf_filter: bool = True
     include_for_metrics: list[str] = field(default_factory=list)
     prediction_loss_only: bool = False
+    batch_eval_metrics: bool = False
     use_cache: bool = False
     # Passed to the DataLoader (hookloop.compat.hf.data).
     dataloader_pin_memory: bool = True
@@ -145,7 +146,6 @@ class TrainingArguments:
     eval_on_start: bool = _theirs(False)
     eval_do_concat_batches: bool = _theirs(True)
     eval_use_gather_object: bool = _theirs(False)
-    batch_eval_metrics: bool = _theirs(False)
     save_only_model: bool = _theirs(False)
     save_on_each_node: bool = _theirs(False)
     enable_jit_checkpoint: bool = _theirs(False)
