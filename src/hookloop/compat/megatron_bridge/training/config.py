@@ -34,6 +34,8 @@ class TrainingConfig:
     eval_iters: int = 2
     exit_interval: int | None = None
     exit_duration_in_mins: float | None = None
+    #: Steps whose data is read and dropped, not trained on (``training.train.train`` only).
+    iterations_to_skip: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -170,6 +172,13 @@ class ConfigContainer:
             if getattr(getattr(self, where), name) is not None:
                 _int_at_least(getattr(self, where), name, where, 1, none_ok=True)
         _int_at_least(s, "lr_warmup_iters", "scheduler", 0)
+        skip = t.iterations_to_skip
+        if not isinstance(skip, (list, tuple)) or any(
+            isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in skip
+        ):
+            raise ValueError(
+                f"train.iterations_to_skip must be a list of step numbers (ints >= 0), got {skip!r}"
+            )
         _int_at_least(self.rng, "seed", "rng", 0)
         per_step = t.micro_batch_size * world_size
         if t.global_batch_size % per_step:
@@ -219,20 +228,30 @@ class ConfigContainer:
         self.split_weights()
         return self
 
+    def gpt_config(self) -> GPTConfig:
+        """The byte-level GPT that ``model`` describes."""
+        m = self.model
+        return GPTConfig(
+            n_layer=m.num_layers,
+            n_head=m.num_attention_heads,
+            n_embd=m.hidden_size,
+            block_size=m.seq_length,
+            dropout=float(m.hidden_dropout),
+        )
+
     def to_native(self, world_size: int = 1) -> hc.Config:
         """The :class:`hookloop.Config` that runs this container on ``world_size`` ranks."""
         self.validate(world_size)
-        t, m, o, s = self.train, self.model, self.optimizer, self.scheduler
+        if self.train.iterations_to_skip:
+            raise ValueError(
+                "train.iterations_to_skip is honoured by training.train.train(); pretrain() and "
+                "finetune() run hookloop's loop, which trains every step: leave it empty there"
+            )
+        t, o, s = self.train, self.optimizer, self.scheduler
         native = hc.Config(
             recipe="gpt-stdlib",
             seed=self.rng.seed,
-            model=GPTConfig(
-                n_layer=m.num_layers,
-                n_head=m.num_attention_heads,
-                n_embd=m.hidden_size,
-                block_size=m.seq_length,
-                dropout=float(m.hidden_dropout),
-            ),
+            model=self.gpt_config(),
             data=TextDataConfig(
                 source=self.dataset.source,
                 batch_size=t.micro_batch_size,

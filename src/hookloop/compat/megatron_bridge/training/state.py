@@ -187,6 +187,9 @@ class GlobalState:
         #: The hookloop Config the loop runs (``cfg`` itself unless cfg is a ConfigContainer).
         self.native_config = cfg if native_config is None else native_config
         self.start_time: float = time.time()
+        #: FLOPs already done when this job started (a resumed run's restored count);
+        #: the job's throughput in ``progress.txt`` counts from here.
+        self.job_start_flops: float = 0.0
         self._writers = writers if writers is not None else Writers()
         self._train_state = TrainState()
         self._timers = Timers()

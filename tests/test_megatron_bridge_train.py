@@ -1,0 +1,399 @@
+"""Megatron-Bridge's ``training.train`` on plain torch objects: the loop, a step, the exits,
+the checkpoint and progress-log helpers, and the functions only Megatron-Core needs."""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import re
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+import hookloop.recipes.gpt as native_gpt
+from hookloop.callbacks.progress_log import first_job_start
+from hookloop.checkpoint import load_weights
+from hookloop.compat.megatron_bridge.recipes import tiny_gpt_pretrain_config
+from hookloop.compat.megatron_bridge.training import train as mb_train
+from hookloop.compat.megatron_bridge.training.callbacks import CallbackManager
+from hookloop.compat.megatron_bridge.training.config import ConfigContainer
+from hookloop.compat.megatron_bridge.training.gpt_step import forward_step
+from hookloop.compat.megatron_bridge.training.pretrain import pretrain
+from hookloop.compat.megatron_bridge.training.state import GlobalState
+
+#: The 14 functions of Megatron-Bridge's ``training.train`` and their parameters, as the
+#: design documents list them.
+DOCUMENTED = {
+    "train": [
+        "forward_step_func",
+        "model",
+        "optimizer",
+        "scheduler",
+        "train_data_iterator",
+        "valid_data_iterator",
+        "global_state",
+        "checkpointing_context",
+        "process_non_loss_data_func",
+        "non_loss_data_func",
+    ],
+    "train_step": [
+        "forward_step_func",
+        "data_iterator",
+        "model",
+        "optimizer",
+        "scheduler",
+        "global_state",
+    ],
+    "post_training_step_callbacks": [
+        "model",
+        "num_floating_point_operations_since_last_log_event",
+        "straggler_timer",
+        "iteration",
+        "prof",
+        "config",
+        "should_toggle_forward_pre_hook",
+        "nsys_nvtx_context",
+    ],
+    "should_disable_forward_pre_hook": [
+        "use_megatron_fsdp",
+        "use_distributed_optimizer",
+        "overlap_param_gather",
+    ],
+    "enable_forward_pre_hook": ["model"],
+    "disable_forward_pre_hook": ["model", "param_sync"],
+    "get_start_time_from_progress_log": ["cfg"],
+    "compute_throughputs_and_append_to_progress_log": [
+        "state",
+        "num_floating_point_operations_so_far",
+    ],
+    "save_checkpoint_and_time": [
+        "state",
+        "model",
+        "optimizer",
+        "opt_param_scheduler",
+        "num_floating_point_operations_so_far",
+        "checkpointing_context",
+        "non_persistent_ckpt",
+        "train_data_iterator",
+    ],
+    "checkpoint_and_decide_exit": [
+        "state",
+        "model",
+        "optimizer",
+        "opt_param_scheduler",
+        "num_floating_point_operations_so_far",
+        "checkpointing_context",
+        "train_data_iterator",
+    ],
+    "_finish_train": ["global_state"],
+    "_should_skip_and_handle_iteration": ["global_state", "train_data_iterator"],
+    "_dummy_train_step": ["global_state", "train_data_iterator"],
+    "_handle_mxfp8_param_buffer_copy": [
+        "optimizer",
+        "reuse_grad_buf_for_mxfp8_param_ag",
+        "overlap_param_gather",
+    ],
+}
+
+
+@pytest.mark.parametrize("name", sorted(DOCUMENTED))
+def test_each_documented_function_takes_the_documented_positional_parameters(name):
+    params = inspect.signature(getattr(mb_train, name)).parameters.values()
+    positional = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert positional == DOCUMENTED[name]
+
+
+# -- a small run of the loop
+
+
+def byte_batches(seed: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless (inputs, targets) micro-batches of 4 random 32-byte windows."""
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        x = torch.randint(0, 256, (4, 32), generator=gen)
+        yield x, torch.roll(x, -1, dims=1)
+
+
+class Counting:
+    """An iterator that counts the micro-batches drawn from it."""
+
+    def __init__(self, inner: Iterator[Any]) -> None:
+        self.inner, self.drawn = inner, 0
+
+    def __iter__(self) -> Counting:
+        return self
+
+    def __next__(self) -> Any:
+        self.drawn += 1
+        return next(self.inner)
+
+
+def setup_run(cfg: ConfigContainer) -> dict[str, Any]:
+    """Model, optimizer, scheduler and state for ``train()``, as user code builds them."""
+    torch.manual_seed(0)
+    model = native_gpt.GPT(cfg.gpt_config())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr)
+    return {
+        "model": [model],
+        "optimizer": optimizer,
+        "scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5),
+        "global_state": GlobalState(cfg),
+    }
+
+
+def recorder(events: list[tuple[Any, ...]]) -> CallbackManager:
+    manager = CallbackManager()
+    for event in (
+        "on_train_start",
+        "on_train_step_start",
+        "on_train_step_end",
+        "on_eval_start",
+        "on_eval_end",
+        "on_checkpoint_save",
+        "on_train_end",
+    ):
+        manager.register(event, lambda ctx, e=event: events.append((e, ctx.state.train_state.step)))
+    return manager
+
+
+def run_train(cfg: ConfigContainer, events: list[Any], **kw: Any) -> dict[str, Any]:
+    run = setup_run(cfg)
+    train_data = Counting(byte_batches(1))
+    mb_train.train(
+        forward_step,
+        run["model"],
+        run["optimizer"],
+        run["scheduler"],
+        train_data,
+        byte_batches(2),
+        run["global_state"],
+        {},
+        callback_manager=recorder(events),
+        **kw,
+    )
+    return run | {"train_data": train_data}
+
+
+def test_train_runs_megatron_bridges_loop_with_its_events_counters_and_saves(tmp_path):
+    cfg = tiny_gpt_pretrain_config(train_iters=4, save=str(tmp_path), save_interval=2)
+    events: list[Any] = []
+    run = run_train(cfg, events)
+    assert events == [
+        ("on_train_start", 0),
+        ("on_train_step_start", 0),
+        ("on_train_step_end", 0),
+        ("on_train_step_start", 1),
+        ("on_train_step_end", 1),
+        ("on_eval_start", 2),
+        ("on_eval_end", 2),
+        ("on_checkpoint_save", 2),
+        ("on_train_step_start", 2),
+        ("on_train_step_end", 2),
+        ("on_train_step_start", 3),
+        ("on_train_step_end", 3),
+        ("on_eval_start", 4),
+        ("on_eval_end", 4),
+        ("on_checkpoint_save", 4),
+        ("on_train_end", 4),
+    ]
+    ts = run["global_state"].train_state
+    assert (ts.step, ts.consumed_train_samples, ts.skipped_train_samples) == (4, 32, 0)
+    # two validations of eval_iters=2 global batches of 8 samples
+    assert ts.consumed_valid_samples == 2 * 2 * 8
+    assert ts.floating_point_operations_so_far > 0 and ts.do_train and ts.do_valid
+    assert run["train_data"].drawn == 4 * 2  # two micro-batches a step
+    assert run["optimizer"].param_groups[0]["lr"] == pytest.approx(cfg.optimizer.lr / 16)
+    saved = native_gpt.GPT(cfg.gpt_config())
+    load_weights(saved, tmp_path / "checkpoints" / "step-00000004")
+    for mine, theirs in zip(saved.parameters(), run["model"][0].parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+
+
+def test_a_listed_iteration_reads_its_data_and_counts_its_samples_as_skipped():
+    cfg = tiny_gpt_pretrain_config(train_iters=3, eval_interval=None)
+    cfg.train.iterations_to_skip = [1]
+    events: list[Any] = []
+    run = run_train(cfg, events)
+    steps = [step for event, step in events if event == "on_train_step_start"]
+    assert steps == [0, 2]
+    ts = run["global_state"].train_state
+    assert (ts.step, ts.consumed_train_samples, ts.skipped_train_samples) == (3, 24, 8)
+    assert run["train_data"].drawn == 3 * 2
+
+
+def test_exit_interval_saves_and_exits_the_process_without_on_train_end(tmp_path):
+    cfg = tiny_gpt_pretrain_config(train_iters=6, eval_interval=None, save=str(tmp_path))
+    cfg.train.exit_interval = 2
+    cfg.logger.log_progress = True
+    events: list[Any] = []
+    with pytest.raises(SystemExit) as exit_info:
+        run_train(cfg, events)
+    assert exit_info.value.code == 0
+    assert events[-1] == ("on_checkpoint_save", 2)
+    assert "on_train_end" not in [event for event, _ in events]
+    lines = (tmp_path / "progress.txt").read_text().splitlines()
+    assert [line.split("\t")[3] for line in lines] == ["Starting job", "Saved checkpoint"]
+    assert re.fullmatch(
+        r"\S+ \S+\tJob ID: \S*\t# GPUs: 1\tSaved checkpoint\tIteration: 2\t"
+        r"Job throughput: \d+\.\d MODEL_TFLOP/s/GPU\t"
+        r"Cumulative throughput: \d+\.\d MODEL_TFLOP/s/GPU\t"
+        r"Floating-point operations: \d\.\d\de\+\d\d\t"
+        r"Tokens \(in billions\): 0\.00",
+        lines[1],
+    )
+    assert first_job_start(tmp_path / "progress.txt", 1) is not None
+
+
+def test_train_step_returns_megatron_bridges_seven_values_and_updates_the_model():
+    cfg = tiny_gpt_pretrain_config()
+    run = setup_run(cfg)
+    before = [p.detach().clone() for p in run["model"][0].parameters()]
+    loss_dict, skipped, should_checkpoint, should_exit, code, grad_norm, zeros = (
+        mb_train.train_step(
+            forward_step,
+            byte_batches(),
+            run["model"],
+            run["optimizer"],
+            run["scheduler"],
+            run["global_state"],
+        )
+    )
+    assert list(loss_dict) == ["lm loss"] and loss_dict["lm loss"].dim() == 0
+    assert (skipped, should_checkpoint, should_exit, code, zeros) == (0, False, False, 0, None)
+    assert isinstance(grad_norm, float) and grad_norm > 0
+    assert any(
+        not torch.equal(a, b) for a, b in zip(before, run["model"][0].parameters(), strict=True)
+    )
+    cfg.optimizer.clip_grad = 0.0
+    assert mb_train.train_step(forward_step, byte_batches(), **_step_kwargs(run))[5] is None
+
+
+def _step_kwargs(run: dict[str, Any]) -> dict[str, Any]:
+    keys = ("model", "optimizer", "scheduler", "global_state")
+    return {key: run[key] for key in keys}
+
+
+def test_a_data_iterator_that_runs_dry_is_named():
+    cfg = tiny_gpt_pretrain_config()
+    run = setup_run(cfg)
+    with pytest.raises(RuntimeError, match=r"train_data_iterator ran out of data at micro-batch 2"):
+        mb_train.train_step(forward_step, iter([next(byte_batches())]), **_step_kwargs(run))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model": torch.nn.Linear(2, 2)}, r"model must be a non-empty list of model chunks"),
+        ({"model": [torch.nn.Linear(2, 2)] * 2}, r"model has 2 chunks.*need Megatron-Core"),
+        ({"optimizer": "adam"}, r"optimizer must be a torch optimizer, got str"),
+        ({"global_state": GlobalState()}, r"global_state.cfg must be a ConfigContainer"),
+        ({"checkpointing_context": None}, r"checkpointing_context must be a dict"),
+        ({"forward_step_func": 3}, r"forward_step_func must be callable"),
+    ],
+)
+def test_train_names_the_argument_it_cannot_drive(change, message):
+    run = setup_run(tiny_gpt_pretrain_config())
+    args = {
+        "forward_step_func": forward_step,
+        **run,
+        "train_data_iterator": byte_batches(),
+        "valid_data_iterator": None,
+        "checkpointing_context": {},
+    } | change
+    with pytest.raises((TypeError, ValueError), match=message):
+        mb_train.train(**args)
+
+
+def test_pretrain_refuses_iterations_to_skip_and_says_where_it_applies():
+    cfg = tiny_gpt_pretrain_config()
+    cfg.train.iterations_to_skip = [1]
+    with pytest.raises(ValueError, match=r"iterations_to_skip is honoured by training.train"):
+        pretrain(cfg, forward_step)
+    cfg.train.iterations_to_skip = [-1]
+    with pytest.raises(ValueError, match=r"iterations_to_skip must be a list of step numbers"):
+        cfg.validate()
+
+
+# -- the progress-log helpers
+
+
+def test_throughput_lines_need_a_starting_job_line_of_this_world_size(tmp_path):
+    cfg = tiny_gpt_pretrain_config(save=str(tmp_path))
+    with pytest.raises(ValueError, match=r"no 'Starting job' line written with 1 rank"):
+        mb_train.get_start_time_from_progress_log(cfg)
+    with pytest.raises(ValueError, match=r"needs cfg.checkpoint.save"):
+        mb_train.get_start_time_from_progress_log(tiny_gpt_pretrain_config())
+    mb_train.compute_throughputs_and_append_to_progress_log(GlobalState(ConfigContainer()), 1.0)
+    assert not (tmp_path / "progress.txt").exists()  # no checkpoint.save: nothing written
+    (tmp_path / "progress.txt").write_text(
+        "2026-01-01 00:00:00\tJob ID: \t# GPUs: 1\tStarting job\n"
+        "2026-01-01 01:00:00\tJob ID: \t# GPUs: 1\tSaved checkpoint\tIteration: 5\t"
+        "Job throughput: 1.0 MODEL_TFLOP/s/GPU\tCumulative throughput: 1.0 MODEL_TFLOP/s/GPU\t"
+        "Floating-point operations: 3.00e+12\tTokens (in billions): 0.00\n"
+    )
+    started, flops = mb_train.get_start_time_from_progress_log(cfg)
+    assert (started.year, started.hour, flops) == (2026, 0, 0.0)
+
+
+# -- what only Megatron-Core objects have
+
+
+class HookedChunk(torch.nn.Linear):
+    """A chunk with Megatron-Core DDP's pre-hook switches, recording the calls."""
+
+    def __init__(self) -> None:
+        super().__init__(2, 2)
+        self.calls: list[Any] = []
+
+    def enable_forward_pre_hook(self) -> None:
+        self.calls.append("enable")
+
+    def disable_forward_pre_hook(self, param_sync: bool = True) -> None:
+        self.calls.append(("disable", param_sync))
+
+
+def test_forward_pre_hooks_are_switched_where_a_chunk_has_them_and_skipped_elsewhere():
+    hooked, plain = HookedChunk(), torch.nn.Linear(2, 2)
+    mb_train.enable_forward_pre_hook([hooked, plain])
+    mb_train.disable_forward_pre_hook([hooked, plain], param_sync=False)
+    assert hooked.calls == ["enable", ("disable", False)]
+    answers = {
+        flags: mb_train.should_disable_forward_pre_hook(*flags)
+        for flags in [(False, True, True), (True, True, True), (False, False, True)]
+    }
+    assert answers == {
+        (False, True, True): True,
+        (True, True, True): False,
+        (False, False, True): False,
+    }
+    with pytest.raises(TypeError, match=r"use_distributed_optimizer must be True or False"):
+        mb_train.should_disable_forward_pre_hook(False, "yes", True)
+    with pytest.raises(TypeError, match=r"model must be a list of torch modules"):
+        mb_train.enable_forward_pre_hook([object()])
+
+
+def test_the_mxfp8_buffer_copy_reaches_chained_distributed_optimizers_only():
+    copied: list[str] = []
+    inner = SimpleNamespace(_copy_main_params_to_param_buffer=lambda: copied.append("copy"))
+    chained = SimpleNamespace(chained_optimizers=[inner, SimpleNamespace()])
+    mb_train._handle_mxfp8_param_buffer_copy(chained, True, False)
+    mb_train._handle_mxfp8_param_buffer_copy(chained, True, True)
+    torch_optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    mb_train._handle_mxfp8_param_buffer_copy(torch_optimizer, True, True)  # nothing to copy
+    assert copied == ["copy"]
+
+
+def test_post_step_work_runs_the_profiler_and_garbage_collection_when_due(monkeypatch):
+    collected: list[int] = []
+    monkeypatch.setattr(gc, "collect", lambda *a: collected.append(1))
+    profiler = SimpleNamespace(steps=0)
+    profiler.step = lambda: setattr(profiler, "steps", profiler.steps + 1)
+    config = SimpleNamespace(train=SimpleNamespace(manual_gc=True, manual_gc_interval=2))
+    for iteration in (1, 2, 3, 4):
+        mb_train.post_training_step_callbacks(
+            [torch.nn.Linear(2, 2)], 0.0, None, iteration, profiler, config, False
+        )
+    assert (profiler.steps, len(collected)) == (4, 2)
