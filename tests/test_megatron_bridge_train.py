@@ -397,3 +397,18 @@ def test_post_step_work_runs_the_profiler_and_garbage_collection_when_due(monkey
             [torch.nn.Linear(2, 2)], 0.0, None, iteration, profiler, config, False
         )
     assert (profiler.steps, len(collected)) == (4, 2)
+
+
+# -- pretrain(): the event before the data, and the validation samples
+
+
+def test_pretrain_reads_its_corpus_after_on_data_init_start(monkeypatch):
+    order: list[str] = []
+    read = native_gpt.load_corpus
+    monkeypatch.setattr(
+        native_gpt, "load_corpus", lambda *a: order.append("corpus read") or read(*a)
+    )
+    manager = CallbackManager()
+    manager.register("on_data_init_start", lambda ctx: order.append("on_data_init_start"))
+    pretrain(tiny_gpt_pretrain_config(train_iters=1, eval_interval=None), forward_step, manager)
+    assert order == ["on_data_init_start", "corpus read"]

@@ -17,7 +17,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+from torch.utils.data import Dataset
 
 from hookloop.compat.megatron_bridge.training.config import ConfigContainer
 from hookloop.config import Config, OptimizerConfig, SchedulerConfig, TrainConfig
@@ -124,24 +127,29 @@ def build_parts(cfg: ConfigContainer, native: Config) -> RecipeParts:
 
     The corpus is cut into three consecutive stretches by ``dataset.split``, so
     no byte is in two splits; a split of weight 0 is absent (no test phase).
+    When the corpus size is known without reading it (:func:`known_corpus_size`),
+    the splits read it on first use, i.e. after ``on_data_init_start``, as
+    Megatron-Bridge opens no dataset file before that event.
     """
     mcfg = native.model
     assert isinstance(mcfg, GPTConfig)
-    corpus = native_gpt.load_corpus(cfg.dataset.source, cfg.dataset.max_bytes)
-    data = torch.frombuffer(bytearray(corpus), dtype=torch.uint8)
+    corpus = Corpus(cfg.dataset.source, cfg.dataset.max_bytes)
+    size = known_corpus_size(cfg.dataset.source, cfg.dataset.max_bytes)
+    if size is None:
+        size = corpus.read().numel()
     fractions = cfg.split_weights()
     bounds = [0]
     for fraction in fractions:
-        bounds.append(bounds[-1] + round(fraction * data.numel()))
-    bounds[-1] = data.numel()
-    splits = []
+        bounds.append(bounds[-1] + round(fraction * size))
+    bounds[-1] = size
+    splits: list[Dataset | None] = []
     for name, fraction, start, end in zip(
         ("train", "valid", "test"), fractions, bounds, bounds[1:], strict=False
     ):
         if fraction == 0:
             splits.append(None)
             continue
-        windows = native_gpt.ByteWindows(data[start:end].clone(), mcfg.block_size)
+        windows = LazyByteWindows(corpus, start, end, mcfg.block_size)
         if len(windows) == 0:
             raise ValueError(
                 f"the {name} split ({end - start} bytes of dataset.split={cfg.dataset.split!r}) "
@@ -158,3 +166,56 @@ def build_parts(cfg: ConfigContainer, native: Config) -> RecipeParts:
         forward_step=native_gpt.forward_step,
         flops_per_sample=native_gpt.flops_per_sample(mcfg, model.num_params()),
     )
+
+
+def known_corpus_size(source: str, max_bytes: int) -> int | None:
+    """The corpus's size in bytes when it is known without opening a file, else None.
+
+    The standard library holds well over ``MIN_STDLIB_BYTES`` of source, so up to that
+    many bytes are always read in full; a single file's size is on record. A directory
+    may hold unreadable files, so its size is only known by reading it.
+    """
+    if source == "stdlib":
+        return max_bytes if max_bytes <= native_gpt.MIN_STDLIB_BYTES else None
+    path = Path(source).expanduser()
+    if path.is_file():
+        return min(path.stat().st_size, max_bytes)
+    return None
+
+
+class Corpus:
+    """The run's bytes, read once, on first use, for all three splits."""
+
+    def __init__(self, source: str, max_bytes: int) -> None:
+        self.source, self.max_bytes = source, max_bytes
+        self._data: torch.Tensor | None = None
+
+    def read(self) -> torch.Tensor:
+        if self._data is None:
+            corpus = native_gpt.load_corpus(self.source, self.max_bytes)
+            self._data = torch.frombuffer(bytearray(corpus), dtype=torch.uint8)
+        return self._data
+
+
+class LazyByteWindows(Dataset):
+    """:class:`~hookloop.recipes.gpt.ByteWindows` of bytes ``[start, end)`` of a corpus
+    that is read when the first window is asked for (its length is known before)."""
+
+    def __init__(self, corpus: Corpus, start: int, end: int, block_size: int) -> None:
+        self.corpus, self.start, self.end, self.block_size = corpus, start, end, block_size
+        self._windows: native_gpt.ByteWindows | None = None
+
+    def __len__(self) -> int:
+        return max(0, (self.end - self.start - 1) // self.block_size)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._windows is None:
+            data = self.corpus.read()
+            if data.numel() < self.end:
+                raise RuntimeError(
+                    f"dataset.source {self.corpus.source!r} gave {data.numel()} bytes, fewer "
+                    f"than the {self.end} its size promised; it changed while the run started"
+                )
+            chunk = data[self.start : self.end].clone()
+            self._windows = native_gpt.ByteWindows(chunk, self.block_size)
+        return self._windows[index]
