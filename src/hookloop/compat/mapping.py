@@ -65,7 +65,8 @@ _TABLE: dict[str, dict[str, tuple[str, ...]]] = {
     "on_test_end": {"megatron_bridge": ("on_test_end",), "hf": ("on_predict",)},
     "on_epoch_end": {"hpo": ("on_epoch_end",), "hf": ("on_epoch_end",)},
     "on_checkpoint_save": {"megatron_bridge": ("on_checkpoint_save",), "hf": ("on_save",)},
-    "on_checkpoint_load": {"megatron_bridge": ("on_checkpoint_load",)},
+    # Megatron-Bridge has no load event (native callbacks on manager.native get this one).
+    "on_checkpoint_load": {},
     "on_exception": {},
     "on_train_end": {
         "megatron_bridge": ("on_train_end",),
