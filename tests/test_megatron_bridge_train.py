@@ -412,3 +412,17 @@ def test_pretrain_reads_its_corpus_after_on_data_init_start(monkeypatch):
     manager.register("on_data_init_start", lambda ctx: order.append("on_data_init_start"))
     pretrain(tiny_gpt_pretrain_config(train_iters=1, eval_interval=None), forward_step, manager)
     assert order == ["on_data_init_start", "corpus read"]
+
+
+def test_pretrain_counts_the_validation_and_test_samples_it_reads():
+    seen: dict[str, int] = {}
+    manager = CallbackManager()
+    for event in ("on_train_end", "on_test_end"):
+        manager.register(
+            event,
+            lambda ctx, e=event: seen.setdefault(e, ctx.state.train_state.consumed_valid_samples),
+        )
+    cfg = tiny_gpt_pretrain_config(train_iters=4, eval_interval=2, eval_iters=2)
+    pretrain(cfg, forward_step, manager)
+    per_pass = 2 * cfg.train.micro_batch_size  # eval_iters batches of one micro-batch
+    assert seen == {"on_train_end": 2 * per_pass, "on_test_end": 4 * per_pass}

@@ -38,6 +38,7 @@ from hookloop.compat.megatron_bridge.training.config import ConfigContainer
 from hookloop.compat.megatron_bridge.training.loggers import LogToWriters, Writers
 from hookloop.compat.megatron_bridge.training.native_events import exited
 from hookloop.compat.megatron_bridge.training.progress import MegatronBridgeProgressLog
+from hookloop.compat.megatron_bridge.training.sample_counts import ValidSampleCounter
 from hookloop.compat.megatron_bridge.training.state import GlobalState
 from hookloop.config import Config
 from hookloop.distributed import rank_info
@@ -109,17 +110,22 @@ def run(
         )
     writers = Writers.for_run(config, out_dir)
     step, manager, global_state = prepare(config, forward_step_func, callbacks, native, writers)
+    # This run's own native callbacks, taken off again at its end: a manager used for a
+    # second run must not count or write into the first run's state.
+    run_callbacks: list[Any] = [ValidSampleCounter(global_state)]
     if writers.enabled:
-        manager.native.add(LogToWriters(writers))
+        run_callbacks.insert(0, LogToWriters(writers))
     if isinstance(config, ConfigContainer) and config.logger.log_progress:
         progress = MegatronBridgeProgressLog(global_state, async_save=config.checkpoint.async_save)
-        manager.native.add(progress)
-    non_loss_data.register_processing(manager.native, global_state, process_non_loss_data_func)
-    trainer = build_trainer(config, native, step, manager, out_dir=out_dir, resume=resume)
-    trainer.non_loss_data_func = non_loss_data_func
-    if pretrained and resume is None and native.checkpoint.pretrained:
-        entry.load_weights(trainer.model, native.checkpoint.pretrained)
+        run_callbacks.insert(-1, progress)
+    for callback in run_callbacks:
+        manager.native.add(callback)
     try:
+        non_loss_data.register_processing(manager.native, global_state, process_non_loss_data_func)
+        trainer = build_trainer(config, native, step, manager, out_dir=out_dir, resume=resume)
+        trainer.non_loss_data_func = non_loss_data_func
+        if pretrained and resume is None and native.checkpoint.pretrained:
+            entry.load_weights(trainer.model, native.checkpoint.pretrained)
         result = trainer.train()
         if exited(result.stop_reason):
             raise SystemExit(0)  # Megatron-Bridge exits the process after saving
@@ -129,6 +135,8 @@ def run(
             if trainer.test_loader is not None:
                 result.metrics.update(trainer.test())
     finally:
+        for callback in run_callbacks:
+            manager.native.remove(callback)
         global_state.close_loggers()
     return result
 
