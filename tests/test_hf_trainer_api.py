@@ -374,6 +374,26 @@ def test_batch_eval_metrics_computes_metrics_batch_by_batch_as_transformers(tmp_
     assert ours.metrics["test_mae"] == pytest.approx(theirs.metrics["test_mae"], rel=1e-5)
 
 
+class CastingRegression(RegressionModel):
+    """Takes its inputs in its own dtype (as half-precision evaluation needs)."""
+
+    def forward(self, input_x: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+        dtype = self.head.weight.dtype
+        return super().forward(input_x.to(dtype), None if labels is None else labels.to(dtype))
+
+
+@pytest.mark.parametrize("setting", ["fp16_full_eval", "bf16_full_eval"])
+def test_full_half_precision_evaluation_casts_the_model_as_transformers(tmp_path, setting):
+    outcome = {}
+    for kind, factory in FACTORIES.items():
+        args = _args(tmp_path / kind, **{setting: True})
+        trainer = _quiet(lambda f=factory, a=args: f(CastingRegression(), a))
+        metrics = _quiet(lambda t=trainer: t.evaluate(RegressionDataset(8, seed=2)))
+        outcome[kind] = (metrics["eval_loss"], trainer.model.head.weight.dtype)
+    assert outcome["hookloop"] == outcome["hf"]
+    assert outcome["hf"][1] in (torch.float16, torch.bfloat16)
+
+
 def test_overrides_of_the_hf_step_are_refused_with_a_native_loss(tmp_path: Path):
     custom = _override_points(hf.Trainer, [])
     with pytest.raises(ValueError, match="training_step, prediction_step apply when"):

@@ -418,6 +418,11 @@ class HFEvaluation(Evaluation):
             preprocess=self.preprocess_logits,
             batch_metrics=bool(hf_optim.arg(args, "batch_eval_metrics", False)),
         )
+        if not self.progress.in_training:  # as transformers: outside training, cast for good
+            if hf_optim.arg(args, "fp16_full_eval", False):
+                model.to(dtype=torch.float16)
+            elif hf_optim.arg(args, "bf16_full_eval", False):
+                model.to(dtype=torch.bfloat16)
         was_training = model.training
         model.eval()
         if hooks[f"on_{kind}_start"]:

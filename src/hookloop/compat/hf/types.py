@@ -100,6 +100,8 @@ class TrainingArguments:
     include_for_metrics: list[str] = field(default_factory=list)
     prediction_loss_only: bool = False
     batch_eval_metrics: bool = False
+    fp16_full_eval: bool = False
+    bf16_full_eval: bool = False
     use_cache: bool = False
     # Passed to the DataLoader (hookloop.compat.hf.data).
     dataloader_pin_memory: bool = True
@@ -121,8 +123,6 @@ class TrainingArguments:
     optim_target_modules: Any = _theirs(None)
     average_tokens_across_devices: bool = _theirs(True)
     label_smoothing_factor: float = _theirs(0.0)
-    bf16_full_eval: bool = _theirs(False)
-    fp16_full_eval: bool = _theirs(False)
     tf32: Any = _theirs(None)
     activation_checkpointing: Any = _theirs(None)
     activation_checkpointing_kwargs: Any = _theirs(None)
