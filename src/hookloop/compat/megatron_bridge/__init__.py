@@ -5,6 +5,11 @@ The module paths mirror Megatron-Bridge's, so code written for it runs once its
 
 - :mod:`.training.callbacks`: ``Callback``, ``CallbackContext``, ``CallbackManager``;
 - :mod:`.training.pretrain` / :mod:`.training.finetune`: the entry points;
+- :mod:`.training.train`: Megatron-Bridge's own loop (``train``, ``train_step`` and the
+  12 other functions) over a model, optimizer and data iterators you built, with
+  :mod:`.training.forward_backward`, :mod:`.training.eval`, :mod:`.training.checkpointing`
+  and :mod:`.training.megatron_core` (what only Megatron-Core objects have);
+- :mod:`.training.sample_counts`: ``consumed_valid_samples`` of a ``pretrain()`` run;
 - :mod:`.training.gpt_step`: ``forward_step`` for the small GPT;
 - :mod:`.training.state`: ``GlobalState`` (``cfg``, ``train_state``, ``timers``,
   ``tensorboard_logger``, ``wandb_logger``);
