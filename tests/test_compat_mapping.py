@@ -57,10 +57,5 @@ def test_megatron_bridges_column_names_exactly_its_callback_modules_events():
     assert set(dialect_event_names("megatron_bridge")) == VALID_EVENTS
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="README.md's table still gives Megatron-Bridge an on_checkpoint_load event; it "
-    "passes (and this marker must go) once the README shows markdown_table() again",
-)
 def test_the_readme_shows_exactly_this_table():
     assert markdown_table() in README.read_text(encoding="utf-8")
