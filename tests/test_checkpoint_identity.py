@@ -5,7 +5,6 @@ silently rewinds a run; each checkpoint skipped is named, and retention keeps th
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import warnings
@@ -15,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from _resign import Opaque, resign
 from hookloop.checkpoint import (
     MANIFEST,
     STATE_FILE,
@@ -25,7 +25,6 @@ from hookloop.checkpoint import (
     check_manifest,
     resolve_checkpoint,
 )
-from hookloop.checkpoint.storage import manifest_checksum
 from hookloop.testing import TinyModel
 
 STEPS = (10, 20, 30)
@@ -58,20 +57,6 @@ def root(pristine, tmp_path) -> Path:
 
 def _manifest(root: Path, step: int) -> Path:
     return root / f"step-{step:08d}" / MANIFEST
-
-
-def _resign(ckpt: Path, *, fmt: int = 2) -> None:
-    """Rewrite the manifest so that it matches the files as they are now (an adversary's
-    or a tool's re-signing): sizes, digests and the manifest's own checksum."""
-    manifest = json.loads((ckpt / MANIFEST).read_text())
-    for fname in manifest["files"]:
-        data = (ckpt / fname).read_bytes()
-        manifest["files"][fname] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    manifest.pop("checksum", None)
-    manifest["format"] = fmt
-    if fmt >= 2:
-        manifest["checksum"] = manifest_checksum(manifest)
-    (ckpt / MANIFEST).write_text(json.dumps(manifest))
 
 
 def _resume(root: Path, policy: SavePolicy | None = None) -> tuple[int, list[str], Any]:
@@ -111,7 +96,7 @@ def test_a_manifest_whose_step_is_not_its_directorys_is_damaged_even_re_signed(r
     manifest = json.loads((ckpt / MANIFEST).read_text())
     manifest["step"] = 90
     (ckpt / MANIFEST).write_text(json.dumps(manifest))
-    _resign(ckpt, fmt=fmt)  # the checksum matches: the directory name still disagrees
+    resign(ckpt, fmt=fmt)  # the checksum matches: the directory name still disagrees
     with pytest.raises(CheckpointError, match="says step 90 but the directory holds step 30"):
         CheckpointManager(root, SavePolicy()).storage.verify(ckpt)
     step, said, _ = _resume(root)
@@ -140,7 +125,7 @@ def _rewrite_trainer_state(ckpt: Path, edit) -> None:
     entries = torch.load(ckpt / STATE_FILE, weights_only=True)
     edit(entries)
     torch.save(entries, ckpt / STATE_FILE)
-    _resign(ckpt)
+    resign(ckpt)
 
 
 @pytest.mark.parametrize(
@@ -170,14 +155,10 @@ def test_a_trainer_state_without_its_entries_is_damaged_not_a_restart_at_step_0(
     assert len(said) == 1 and words in said[0] and "step-00000030" in said[0]
 
 
-class Opaque:
-    """A class ``torch.load(weights_only=True)`` refuses to unpickle."""
-
-
 def test_a_trainer_state_torch_refuses_to_unpickle_is_damaged_and_auto_falls_back(root):
     ckpt = root / "step-00000030"
     torch.save({"train_state": {"step": 30}, "x": Opaque()}, ckpt / STATE_FILE)
-    _resign(ckpt)
+    resign(ckpt)
     with pytest.raises(CheckpointError, match=r"trainer_state\.pt cannot be loaded") as err:
         CheckpointManager(root, SavePolicy()).load(str(ckpt), _state(1))
     assert "\n" not in str(err.value)
@@ -187,7 +168,7 @@ def test_a_trainer_state_torch_refuses_to_unpickle_is_damaged_and_auto_falls_bac
 
 def test_a_legacy_format_1_checkpoint_still_verifies(root):
     ckpt = root / "step-00000030"
-    _resign(ckpt, fmt=1)
+    resign(ckpt, fmt=1)
     assert CheckpointManager(root, SavePolicy()).storage.verify(ckpt)["format"] == 1
     assert _resume(root)[0] == 30
 

@@ -16,9 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 import _zygote as zygote
 from _quiet import SERVICES_OFF
+from _resign import Opaque, replace_trainer_state
 from hookloop import CallbackManager, ExitCode
 from hookloop.app.cli import main
 from hookloop.app.runs import list_runs
@@ -32,7 +34,10 @@ MLP = ("--recipe", "mlp-regression")
 def _run(argv: list[str]) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main([str(a) for a in argv])
+        try:
+            code = main([str(a) for a in argv])
+        except SystemExit as exit_:  # argparse's own refusals
+            code = exit_.code
     return int(code), out.getvalue(), err.getvalue()
 
 
@@ -138,6 +143,118 @@ def _plot_unwritable(tmp: Path, run: Path) -> list:
     return ["plot", run, "--out", "/proc/hookloop-test/plot.png"]
 
 
+def _out_in_a_checkpoint(tmp: Path, run: Path) -> list:
+    return ["train", *MLP, "--out", run / "checkpoints" / "step-00000004", *QUIET]
+
+
+def _out_through_a_symlink(tmp: Path, run: Path) -> list:
+    (tmp / "link").symlink_to(run / "checkpoints")
+    return ["train", *MLP, "--out", tmp / "link" / "new", *QUIET]
+
+
+def _out_spelled_with_dotdot(tmp: Path, run: Path) -> list:
+    return ["train", *MLP, "--out", f"{run}/checkpoints/../mine", *QUIET]
+
+
+def _local_dir_in_another_run(tmp: Path, run: Path) -> list:
+    local = ["checkpoint.local_every=1", f"checkpoint.local_dir={run}/local"]
+    return ["train", *MLP, "--out", tmp / "new", *local, *QUIET]
+
+
+def _unpicklable_trainer_state(tmp: Path, run: Path) -> list:
+    copy = _copy(run, tmp / "copy")
+    ckpt = copy / "checkpoints" / "step-00000004"
+    replace_trainer_state(ckpt, {"train_state": {"step": 4}, "x": Opaque()})
+    return ["train", "--resume", ckpt, "--out", copy, "train.max_steps=6", *QUIET]
+
+
+def _trainer_state_without_entries(tmp: Path, run: Path) -> list:
+    copy = _copy(run, tmp / "copy")
+    ckpt = copy / "checkpoints" / "step-00000004"
+    replace_trainer_state(ckpt, {})
+    return ["train", "--resume", ckpt, "--out", copy, "train.max_steps=6", *QUIET]
+
+
+def _empty_latest(tmp: Path, run: Path) -> list:
+    copy = _copy(run, tmp / "copy")
+    (copy / "checkpoints" / "latest").write_text("")
+    return ["train", "--resume", copy, "--out", copy, "train.max_steps=6", *QUIET]
+
+
+def _invalid_run_config(tmp: Path, run: Path) -> list:
+    copy = _copy(run, tmp / "copy")
+    (copy / "config.yaml").write_text("train: {max_steps: 3\n")
+    return ["train", "--resume", "auto", "--out", copy, *QUIET]
+
+
+def _huge_seed(tmp: Path, run: Path) -> list:
+    return ["train", *MLP, "--out", tmp / "new", f"seed={2**70}", *QUIET]
+
+
+def _infinite_lr(tmp: Path, run: Path) -> list:
+    return ["train", *MLP, "--out", tmp / "new", "optimizer.lr=inf", *QUIET]
+
+
+def _diloco_without_a_server(tmp: Path, run: Path) -> list:
+    os.environ.pop("DILOCO_SERVER", None)
+    return ["train", *MLP, "--out", tmp / "new", "callbacks.diloco=true", *QUIET]
+
+
+def _model_too_large(tmp: Path, run: Path) -> list:
+    return ["train", *MLP, "--out", tmp / "new", f"model.hidden={10**11}", *QUIET]
+
+
+def _space(tmp: Path) -> Path:
+    (tmp / "space.yaml").write_text("optimizer.lr: {low: 0.0001, high: 0.01, log: true}\n")
+    return tmp / "space.yaml"
+
+
+def _tune_unknown_storage(tmp: Path, run: Path) -> list:
+    tune = ["tune", *MLP, "--space", _space(tmp), "--trials", "1", "--out", tmp / "study"]
+    return [*tune, "--storage", "bogus://x", "--no-plots"]
+
+
+def _damaged_study(tmp: Path) -> Path:
+    from hookloop.tune.study import TuneSpec
+
+    study = tmp / "study"
+    study.mkdir()
+    space = yaml.safe_load(_space(tmp).read_text())
+    TuneSpec(recipe="mlp-regression", space=space, trials=1).save(study)
+    (study / "study.db").write_bytes(b"not a database " * 100)
+    (study / ".tune.lock").touch()  # as every study that ran has
+    return study
+
+
+def _tune_damaged_study_db(tmp: Path, run: Path) -> list:
+    study = _damaged_study(tmp)
+    return ["tune", *MLP, "--space", tmp / "space.yaml", "--trials", "1", "--out", study]
+
+
+def _plot_damaged_study_db(tmp: Path, run: Path) -> list:
+    return ["plot", _damaged_study(tmp), "--out", tmp / "plot.png"]
+
+
+def _plot_non_utf8_metrics(tmp: Path, run: Path) -> list:
+    copy = _copy(run, tmp / "copy")
+    with (copy / "metrics.jsonl").open("ab") as f:
+        f.write(b'{"kind": "train", "step": 9, "x": "\xff"}\n')
+    return ["plot", copy, "--out", tmp / "plot.png"]
+
+
+def _ctl_unknown_job(tmp: Path, run: Path) -> list:
+    (tmp / "jobs").mkdir()
+    return ["ctl", "nosuchjob", "status", "--jobs-dir", tmp / "jobs"]
+
+
+def _jobs_bad_timeout(tmp: Path, run: Path) -> list:
+    return ["jobs", "--timeout", "soon"]
+
+
+def _runs_missing_dir(tmp: Path, run: Path) -> list:
+    return ["runs", tmp / "nowhere"]
+
+
 BAD_INPUT = [
     (_file_as_out, ExitCode.USAGE, ["afile", "is a file"]),
     (_unwritable_out, ExitCode.USAGE, ["/proc/hookloop-test"]),
@@ -152,6 +269,25 @@ BAD_INPUT = [
     (_second_run_same_dir, ExitCode.USAGE, ["already holds a run", "--resume auto"]),
     (_unknown_key, ExitCode.USAGE, ["max_stepz"]),
     (_plot_unwritable, ExitCode.USAGE, ["/proc/hookloop-test"]),
+    (_out_in_a_checkpoint, ExitCode.USAGE, ["lies inside the checkpoints folder", "another"]),
+    (_out_through_a_symlink, ExitCode.USAGE, ["link/new", "lies inside the checkpoints"]),
+    (_out_spelled_with_dotdot, ExitCode.USAGE, ["lies inside the run directory"]),
+    (_local_dir_in_another_run, ExitCode.USAGE, ["checkpoint.local_dir", "lies inside the run"]),
+    (_unpicklable_trainer_state, ExitCode.USAGE, ["trainer_state.pt cannot be loaded"]),
+    (_trainer_state_without_entries, ExitCode.USAGE, ["trainer_state.pt", "no 'train_state'"]),
+    (_empty_latest, ExitCode.USAGE, ["latest is empty", "--resume auto"]),
+    (_invalid_run_config, ExitCode.USAGE, ["copy/config.yaml is not valid YAML", "line 2"]),
+    (_huge_seed, ExitCode.USAGE, ["seed must be an int >= 0 and <= 2**47", str(2**70)]),
+    (_infinite_lr, ExitCode.USAGE, ["optimizer.lr must be a finite number", "inf"]),
+    (_diloco_without_a_server, ExitCode.USAGE, ["callbacks.diloco=true", "DILOCO_SERVER"]),
+    (_model_too_large, ExitCode.ERROR, ["out of memory", "smaller model"]),
+    (_tune_unknown_storage, ExitCode.USAGE, ["--storage bogus://x", "cannot open"]),
+    (_tune_damaged_study_db, ExitCode.USAGE, ["study.db", "cannot open", "not a database"]),
+    (_plot_damaged_study_db, ExitCode.USAGE, ["study.db", "cannot open", "not a database"]),
+    (_plot_non_utf8_metrics, ExitCode.USAGE, ["metrics.jsonl is not UTF-8", "JSON Lines"]),
+    (_ctl_unknown_job, ExitCode.USAGE, ["no live job 'nosuchjob'"]),
+    (_jobs_bad_timeout, ExitCode.USAGE, ["--timeout", "soon"]),
+    (_runs_missing_dir, ExitCode.USAGE, ["nowhere", "not a directory"]),
 ]
 
 
@@ -170,7 +306,7 @@ def test_bad_input_is_one_line_with_its_exit_code_and_changes_nothing(
     lines = [line for line in err.splitlines() if line.startswith("hookloop ")]
     error_lines = [line for line in lines if ": error: " in line]
     assert len(error_lines) == 1, err
-    assert "Traceback" not in err
+    assert "Traceback" not in err and "<unicode string>" not in err
     for word in words:
         assert word in error_lines[0], (word, error_lines[0])
     assert _tree(tmp_path) == before  # nothing written, nothing removed
@@ -433,3 +569,54 @@ def test_the_run_summary_shows_the_peak_learning_rate_not_the_first_warm_up_valu
     trainer = Trainer(TinyModel(), train_data=ToyData(n=16), config=cfg, loss_fn=TinyModel.loss_fn)
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.005)  # warm-up step 1
     assert run_info(trainer.ctx)["lr"] == pytest.approx(0.02)
+
+
+# -- damaged runs that resume anyway, machines that fail in one line -------------------------
+
+
+def test_resume_auto_passes_over_a_checkpoint_whose_trainer_state_does_not_load(trained, tmp_path):
+    copy = _copy(trained, tmp_path / "copy")
+    ckpt = copy / "checkpoints" / "step-00000004"
+    replace_trainer_state(ckpt, {"train_state": {"step": 4}, "x": Opaque()})
+    argv = ["train", "--resume", "auto", "--out", copy, "train.max_steps=6", *QUIET]
+    with pytest.warns(UserWarning, match="skipping damaged checkpoint step-00000004") as said:
+        code, _, err = _run(argv)
+    assert code == 0, err
+    assert "trainer_state.pt cannot be loaded" in str(said[0].message)
+    assert "max_steps at step 6" in err
+    starts = [r for r in read_jsonl(copy / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in starts][-4:] == [3, 4, 5, 6]  # trained on from step 2
+
+
+def test_a_deleted_run_config_is_taken_from_the_checkpoint_not_the_default_recipe(
+    trained, tmp_path
+):
+    copy = _copy(trained, tmp_path / "copy")
+    (copy / "config.yaml").unlink()
+    code, _, err = _run(["train", "--resume", "auto", "--out", copy, "train.max_steps=6", *QUIET])
+    assert code == 0, err
+    assert "config.yaml is missing; using the copy in" in err
+    assert "recipe mlp-regression" in err
+    assert "recipe: mlp-regression" in (copy / "config.yaml").read_text()  # written again
+
+
+def test_a_full_disk_while_metrics_are_written_is_one_line_and_exit_1(tmp_path, monkeypatch):
+    import errno
+
+    from hookloop.callbacks.jsonlog import JsonLogger
+
+    real, written = JsonLogger.write, []
+
+    def full_after_two(self, record):
+        if len(written) >= 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(record)
+        real(self, record)
+
+    monkeypatch.setattr(JsonLogger, "write", full_after_two)
+    argv = ["train", *MLP, "--out", tmp_path / "run", "train.max_steps=8", "train.log_every=1"]
+    code, _, err = _run([*argv, *QUIET])
+    assert code == ExitCode.ERROR, err
+    assert "Traceback" not in err
+    (line,) = [x for x in err.splitlines() if ": error: " in x]
+    assert "could not write the run's logs" in line and "No space left on device" in line

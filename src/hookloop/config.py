@@ -349,6 +349,11 @@ class ControlConfig:
             raise ValueError("control.host must be a non-empty address")
 
 
+#: The largest seed: the data order seeds torch with ``seed * 100_003 + epoch``, which
+#: must stay below 2**64.
+MAX_SEED = 2**47
+
+
 @dataclass
 class Config:
     """The whole run: recipe name, seed and one section per concern."""
@@ -367,8 +372,9 @@ class Config:
 
     def validate(self) -> Config:
         """Check every section; raise ``ValueError`` naming the bad key and what is allowed."""
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
+        seed = self.seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+            raise ValueError(f"seed must be an int >= 0 and <= 2**47, got {seed!r}")
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
             if dataclasses.is_dataclass(section) and hasattr(section, "validate"):
@@ -410,8 +416,11 @@ def read_yaml_file(path: str | Path, what: str) -> Any:
         return yaml.safe_load(path.read_text())
     except FileNotFoundError:
         raise ValueError(f"{what} file not found: {path}") from None
-    except yaml.YAMLError as err:
-        raise ValueError(f"{what} file {path} is not valid YAML: {err}") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{what} file {path} is not UTF-8 text (byte {err.start})") from None
+    except yaml.YAMLError as err:  # its text names "<unicode string>": name the file instead
+        where = str(err).replace('"<unicode string>"', str(path))
+        raise ValueError(f"{what} file {path} is not valid YAML: {where}") from None
 
 
 def load_yaml(path: str | Path, base: Config) -> Config:

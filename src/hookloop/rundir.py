@@ -19,10 +19,15 @@ Everything one training run leaves behind lives under one directory::
 Writers (the loggers, the checkpoint manager, `hookloop plot`, `hookloop tune`) and
 readers (`hookloop runs`) ask :class:`RunDir` for a path instead of spelling it out,
 so moving a part is a one-line change. Callbacks reach it as ``ctx.run.dir``.
+
+A run directory is one run's: :func:`enclosing_run` finds the run directory or checkpoint
+a path lies inside (symlinks and ``..`` resolved), so that a new run's ``--out`` or
+``checkpoint.local_dir`` is refused there instead of writing into another run's files.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +43,9 @@ PROFILE_DIR = "profile"
 WANDB_DIR = "wandb"
 PARAMS_FILE = "params.yaml"
 LOCK_FILE = ".lock"
+#: What a checkpoint directory and a checkpoints folder hold (hookloop.checkpoint.storage).
+MANIFEST_FILE = "manifest.json"
+LATEST_FILE = "latest"
 
 
 @dataclass(frozen=True)
@@ -114,3 +122,40 @@ class RunDir:
         if path.parent.name == CHECKPOINTS_DIR:
             return cls(path.parent.parent)
         return cls(path.parent)
+
+
+def is_run_dir(path: Path) -> bool:
+    """Whether ``path`` holds a run that trained (a metrics log or checkpoints); a
+    ``config.yaml`` or a ``.lock`` alone does not count (a project folder may have one,
+    pytest's temporary root has a ``.lock``)."""
+    run = RunDir(path)
+    return run.metrics.is_file() or is_checkpoints_folder(run.checkpoints)
+
+
+def is_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is one checkpoint (it has a manifest)."""
+    return (path / MANIFEST_FILE).is_file()
+
+
+def is_checkpoints_folder(path: Path) -> bool:
+    """Whether ``path`` holds checkpoints (a ``latest`` pointer or a ``step-*`` checkpoint)."""
+    if not path.is_dir():
+        return False
+    return (path / LATEST_FILE).is_file() or any(is_checkpoint(p) for p in path.glob("step-*"))
+
+
+def enclosing_run(path: str | Path) -> tuple[Path, str] | None:
+    """The innermost run directory, checkpoints folder or checkpoint that ``path`` lies inside
+    (``path`` itself not counted), with what it is; None when it lies in none.
+
+    The path is resolved first (symlinks, ``..``), so no spelling gets around it.
+    """
+    resolved = Path(os.path.realpath(path))
+    for parent in resolved.parents:
+        if is_checkpoint(parent):
+            return parent, "the checkpoint"
+        if is_checkpoints_folder(parent):
+            return parent, "the checkpoints folder"
+        if is_run_dir(parent):
+            return parent, "the run directory"
+    return None

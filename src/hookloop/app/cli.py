@@ -25,12 +25,12 @@ from typing import Any
 
 import yaml
 
-from hookloop.app.resume_config import OptimizerOverrides, resume_config
+from hookloop.app.resume_config import OptimizerOverrides, resume_config, saved_config
 from hookloop.callback import Callback
 from hookloop.config import Config, describe, dump_yaml
 from hookloop.recipes import get_recipe, recipe_names, resolve_config
 from hookloop.result import ExitCode, TrainResult
-from hookloop.rundir import RunDir
+from hookloop.rundir import RunDir, enclosing_run, is_checkpoint, is_checkpoints_folder
 from hookloop.runlock import RunDirLocked
 from hookloop.state import CallbackContext
 
@@ -75,6 +75,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"hookloop {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return ExitCode.ERROR
+    except (RuntimeError, MemoryError) as err:
+        line = _machine_error(err)
+        if line is None or os.environ.get(DEBUG_ENV) == "1":
+            raise
+        print(f"hookloop {args.command}: error: {line}", file=sys.stderr)
+        return ExitCode.ERROR
 
 
 #: Set to 1 for the full traceback of an error otherwise reported in one line.
@@ -86,6 +92,29 @@ def _one_line(err: BaseException) -> str:
     if isinstance(err, OSError) and err.filename is not None and str(err.filename) not in text:
         text = f"{text}: {err.filename}"
     return text
+
+
+def _machine_error(err: BaseException) -> str | None:
+    """One line for what the machine could not do (exit 1), or None for a bug (a traceback).
+
+    A log write that failed for an OSError (a full disk) reaches the loop as a
+    ``LogWriterError``; a model or batch too large for memory as a ``MemoryError`` or
+    torch's allocation error.
+    """
+    from hookloop.callbacks._writer import LogWriterError
+
+    if isinstance(err, LogWriterError) and isinstance(err.__cause__, OSError):
+        return (
+            f"could not write the run's logs ({_one_line(err.__cause__)}); the checkpoints "
+            "already saved are intact: free space, then continue with --resume auto"
+        )
+    text = _one_line(err)
+    if isinstance(err, MemoryError) or "out of memory" in text or "can't allocate" in text:
+        return (
+            f"out of memory ({text[:300]}); choose a smaller model (model.*), batch "
+            "(data.batch_size) or precision (train.precision)"
+        )
+    return None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -150,12 +179,30 @@ def _run_dir(out: str | None, recipe: str, resume: str | None) -> Path:
     path = Path(out)
     if path.exists() and not path.is_dir():
         raise UsageError(f"--out {path} is a file; give a directory for the run")
+    _refuse_anothers(path)
     if resume is None and _holds_run(path):
         raise UsageError(
             f"{path} already holds a run; continue it with `--resume auto`, "
             "or choose another --out directory (nothing there is overwritten)"
         )
     return path
+
+
+def _refuse_anothers(path: Path) -> None:
+    """``--out`` must not lie inside another run's directory or checkpoints, nor be a
+    checkpoint: the run would write its lock, logs and checkpoints into them."""
+    inside = enclosing_run(path)
+    if inside is not None:
+        owner, kind = inside
+        raise UsageError(
+            f"--out {path} lies inside {kind} {owner}, another run's; a run there would write "
+            "into its files: choose a directory outside it"
+        )
+    if is_checkpoint(path) or is_checkpoints_folder(path):
+        raise UsageError(
+            f"--out {path} is a checkpoint or a checkpoints folder, not a run directory; "
+            "resume from it with --resume and give --out a directory of its own"
+        )
 
 
 def _holds_run(path: Path) -> bool:
@@ -171,8 +218,11 @@ def _prepare(args: argparse.Namespace) -> tuple[Path, Config, dict[str, Any], bo
     """Rank 0's part: the run directory, the config it runs with, what a resume changed, and
     whether this command created the directory."""
     changes: dict[str, Any] = {}
-    if args.resume is not None and args.out is not None and RunDir(args.out).config.is_file():
-        cfg, changes = resume_config(Path(args.out), args.recipe, args.config, args.overrides)
+    saved = saved_config(Path(args.out)) if args.resume and args.out else None
+    if saved is not None:
+        cfg, changes = resume_config(
+            Path(args.out), args.recipe, args.config, args.overrides, saved
+        )
     else:
         cfg = resolve_config(args.recipe, args.config, args.overrides)
     run_dir = _run_dir(args.out, cfg.recipe, args.resume)
@@ -234,7 +284,6 @@ def _remove_failed_start(run_dir: Path) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from hookloop.callbacks.defaults import default_callbacks
     from hookloop.distributed import (
         broadcast_object,
         init_from_env,
@@ -259,19 +308,11 @@ def _train(args: argparse.Namespace) -> int:
     if error is not None:
         raise UsageError(error)
     run_dir, cfg, changes, created = prepared
-    callbacks = default_callbacks(cfg, run_dir)
-    callbacks.append(_RecordConfig(RunDir(run_dir).config, cfg, replace=bool(changes)))
-    optimizer_changes = {k: new for k, (_, new) in changes.items() if k.startswith("optimizer.")}
-    if optimizer_changes:
-        callbacks.append(OptimizerOverrides(optimizer_changes))
-    if cfg.control.enabled:  # prints its URL and where the token is once training starts
-        from hookloop.control import ControlServer
-
-        callbacks.append(ControlServer(host=cfg.control.host, port=cfg.control.port))
     rank = rank_info()[0]
     if rank == 0:
         print(f"hookloop: recipe {cfg.recipe}, run directory {run_dir}", file=sys.stderr)
     try:
+        callbacks = _callbacks(cfg, run_dir, changes)
         with _signals_during_startup():  # train() installs its own handlers as it starts
             trainer = build_trainer(cfg, callbacks=callbacks, out_dir=run_dir, resume=args.resume)
         if cfg.callbacks.profile:  # callbacks.profile=true: time every handler of this run
@@ -300,6 +341,23 @@ def _train(args: argparse.Namespace) -> int:
     if rank == 0:
         print(closing_line(result, run_dir), file=sys.stderr)
     return result.exit_code
+
+
+def _callbacks(cfg: Config, run_dir: Path, changes: dict[str, Any]) -> list[Callback]:
+    """The command's callbacks: the config's defaults, recording config.yaml, the resumed
+    run's optimizer overrides, the control server."""
+    from hookloop.callbacks.defaults import default_callbacks
+
+    callbacks = default_callbacks(cfg, run_dir)
+    callbacks.append(_RecordConfig(RunDir(run_dir).config, cfg, replace=bool(changes)))
+    optimizer_changes = {k: new for k, (_, new) in changes.items() if k.startswith("optimizer.")}
+    if optimizer_changes:
+        callbacks.append(OptimizerOverrides(optimizer_changes))
+    if cfg.control.enabled:  # prints its URL and where the token is once training starts
+        from hookloop.control import ControlServer
+
+        callbacks.append(ControlServer(host=cfg.control.host, port=cfg.control.port))
+    return callbacks
 
 
 def closing_line(result: TrainResult, run_dir: Any) -> str:

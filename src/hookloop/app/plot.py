@@ -78,7 +78,14 @@ def load_run(path: str | Path) -> RunData:
         raise ValueError(f"{path} has no {METRICS_FILE}: is it a hookloop run directory?")
     run = RunData(name=(metrics.parent if path.is_file() else path).resolve().name, path=path)
     by_kind: dict[str, dict[int, dict[str, Any]]] = {"train": {}, "eval": {}}
-    for record in read_jsonl(metrics):
+    try:
+        records = read_jsonl(metrics)
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"{metrics} is not UTF-8 text (byte {err.start}: {err.reason}); a hookloop metrics "
+            "log is JSON Lines in UTF-8"
+        ) from None
+    for record in records:
         kind, step = record.get("kind"), record.get("step")
         if kind == "start":
             run.starts.append(record)

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 
 from hookloop.callback import Callback
-from hookloop.config import Config, apply_overrides, load_yaml
+from hookloop.config import Config, apply_overrides, load_yaml, read_yaml_file
 from hookloop.recipes import default_config
-from hookloop.rundir import RunDir
+from hookloop.rundir import CONFIG_FILE, RunDir
+from hookloop.rundir import LATEST_FILE as LATEST
 from hookloop.state import CallbackContext
 
 #: Keys a resume may not change, and why.
@@ -34,14 +35,42 @@ FROZEN_ON_RESUME: dict[str, str] = {
 }
 
 
+def saved_config(run_dir: Path) -> Path | None:
+    """The config a resumed run started from: ``<run>/config.yaml``, or, when that file is
+    gone, the copy its newest checkpoint holds (said on stderr); None for neither."""
+    run = RunDir(run_dir)
+    if run.config.is_file():
+        return run.config
+    root = run.checkpoints
+    if not root.is_dir():
+        return None
+    latest = root / LATEST
+    names = [latest.read_text().strip()] if latest.is_file() else []
+    names += sorted((p.name for p in root.glob("step-*")), reverse=True)
+    for name in names:
+        copy = root / name / CONFIG_FILE
+        if name and "/" not in name and copy.is_file():
+            print(
+                f"hookloop: resume: {run.config} is missing; using the copy in {copy}",
+                file=sys.stderr,
+            )
+            return copy
+    return None
+
+
 def resume_config(
-    run_dir: Path, recipe: str | None, config_file: str | None, overrides: list[str]
+    run_dir: Path,
+    recipe: str | None,
+    config_file: str | None,
+    overrides: list[str],
+    saved_file: Path | None = None,
 ) -> tuple[Config, dict[str, tuple[Any, Any]]]:
-    """The run's saved config with ``config_file`` and ``overrides`` applied, and the changes.
+    """The run's saved config (``saved_file``, default ``<run>/config.yaml``) with
+    ``config_file`` and ``overrides`` applied, and the changes.
 
     Raises ValueError naming a frozen key that changed and why it cannot.
     """
-    saved_file = RunDir(run_dir).config
+    saved_file = saved_file or RunDir(run_dir).config
     saved = _load(saved_file, None, [])
     for item in overrides:
         if item.startswith("recipe="):
@@ -72,9 +101,7 @@ def _load(
 
 
 def _recipe_in(saved_file: Path) -> str:
-    import yaml
-
-    data = yaml.safe_load(saved_file.read_text())
+    data = read_yaml_file(saved_file, "run config")
     recipe = data.get("recipe") if isinstance(data, dict) else None
     return recipe if isinstance(recipe, str) else Config().recipe
 

@@ -17,6 +17,7 @@ both paths.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,7 +26,7 @@ from typing import Any
 from hookloop.callback import Stateful
 from hookloop.checkpoint.manager import CheckpointManager, SavePolicy
 from hookloop.checkpoint.storage import CheckpointError, step_of
-from hookloop.rundir import LOCAL_CHECKPOINTS_DIR, RunDir
+from hookloop.rundir import LOCAL_CHECKPOINTS_DIR, RunDir, enclosing_run, is_checkpoint, is_run_dir
 
 
 def local_manager(config: Any, run: RunDir, *, resuming: bool) -> CheckpointManager | None:
@@ -44,6 +45,8 @@ def local_manager(config: Any, run: RunDir, *, resuming: bool) -> CheckpointMana
             "folder; local checkpoints need a folder of their own (null: "
             f"{LOCAL_CHECKPOINTS_DIR}/ in the run directory)"
         )
+    if config.local_dir:
+        _refuse_anothers(root, run)
     policy = SavePolicy(every=config.local_every, keep_last=1, save_on_end=False)
     manager = CheckpointManager(
         root, policy, strict=config.strict_resume, allow_restart=config.allow_restart
@@ -54,6 +57,27 @@ def local_manager(config: Any, run: RunDir, *, resuming: bool) -> CheckpointMana
             "it with resume='auto' (CLI: --resume auto) or choose another local_dir"
         )
     return manager
+
+
+def _refuse_anothers(root: Path, run: RunDir) -> None:
+    """``checkpoint.local_dir`` may lie in this run's directory or outside every run, but
+    never inside another run's directory or any checkpoint: it is written without that run's
+    lock, and that run's resume would load this run's state."""
+    own = Path(os.path.realpath(run.root))
+    inside = enclosing_run(root)
+    if inside is not None and inside[0] != own:
+        owner, kind = inside
+        raise ValueError(
+            f"checkpoint.local_dir={str(root)!r} lies inside {kind} {owner}, not this run's "
+            f"directory {run.root}; give it a folder of its own (null: {LOCAL_CHECKPOINTS_DIR}/ "
+            "in the run directory)"
+        )
+    resolved = Path(os.path.realpath(root))
+    if resolved != own and (is_checkpoint(resolved) or is_run_dir(resolved)):
+        raise ValueError(
+            f"checkpoint.local_dir={str(root)!r} is another run's directory or a checkpoint; "
+            f"give it a folder of its own (null: {LOCAL_CHECKPOINTS_DIR}/ in the run directory)"
+        )
 
 
 def newest_intact_local(

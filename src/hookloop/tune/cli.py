@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -160,9 +161,17 @@ def prepare(spec: TuneSpec, study_dir: Path) -> None:
         if spec.trials != saved.trials or spec.storage != saved.storage:
             spec.save(study_dir)  # more trials (or a moved database) for the same study
         return
-    study_dir.mkdir(parents=True, exist_ok=True)
-    if any(study_dir.iterdir()):
+    if study_dir.is_dir() and any(study_dir.iterdir()):
         raise ValueError(f"{study_dir} is not empty and holds no study; choose another --out")
+    created = not study_dir.exists()
+    study_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        if spec.storage is not None:  # checked before tune.yaml records it
+            open_study(spec, study_dir)
+    except ValueError:
+        if created:
+            shutil.rmtree(study_dir, ignore_errors=True)
+        raise
     spec.save(study_dir)
 
 

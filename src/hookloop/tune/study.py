@@ -126,11 +126,24 @@ def is_study_dir(path: str | Path) -> bool:
 
 
 def open_study(spec: TuneSpec, study_dir: Path, *, sampler_seed: int | None = None) -> Any:
-    """Create or load the study on its storage (SQLite in the study directory by default)."""
+    """Create or load the study on its storage (SQLite in the study directory by default).
+
+    A storage that cannot be opened (an unknown URL scheme, a damaged ``study.db``) raises
+    ``ValueError`` naming it, for the command to report in one line.
+    """
     opt = optuna()
     url = spec.storage_url(study_dir)
     engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None
-    storage = opt.storages.RDBStorage(url, engine_kwargs=engine_kwargs)
+    try:
+        storage = opt.storages.RDBStorage(url, engine_kwargs=engine_kwargs)
+    except Exception as err:  # SQLAlchemy's and Optuna's errors share no base worth naming
+        where = study_dir / DB_FILE if spec.storage is None else f"--storage {spec.storage}"
+        reason = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), "")
+        raise ValueError(
+            f"cannot open the study's storage {where} ({type(err).__name__}: {reason[:200]}); "
+            "give a storage URL Optuna accepts (sqlite:///FILE, postgresql://...) or restore "
+            "the database"
+        ) from None
     seed = spec.seed if sampler_seed is None else sampler_seed
     return opt.create_study(
         storage=storage,
