@@ -394,6 +394,25 @@ def test_full_half_precision_evaluation_casts_the_model_as_transformers(tmp_path
     assert outcome["hf"][1] in (torch.float16, torch.bfloat16)
 
 
+def test_memory_metrics_carry_transformers_keys(tmp_path: Path):
+    keys = {}
+    for kind, factory in FACTORIES.items():
+        args = _args(tmp_path / kind, max_steps=2, skip_memory_metrics=False)
+        trainer = _quiet(
+            lambda f=factory, a=args: f(RegressionModel(), a, train_dataset=RegressionDataset(8))
+        )
+        trained = _quiet(trainer.train).metrics
+        evaluated = _quiet(lambda t=trainer: t.evaluate(RegressionDataset(8)))
+        predicted = _quiet(lambda t=trainer: t.predict(RegressionDataset(8))).metrics
+        logged = trainer.state.log_history[-1]
+        keys[kind] = [sorted(k for k in d if "mem" in k)
+                      for d in (trained, evaluated, predicted, logged)]  # fmt: skip
+    assert keys["hookloop"] == keys["hf"]
+    assert (
+        "train_mem_cpu_alloc_delta" in keys["hf"][0] and "init_mem_cpu_alloc_delta" in keys["hf"][0]
+    )
+
+
 def test_overrides_of_the_hf_step_are_refused_with_a_native_loss(tmp_path: Path):
     custom = _override_points(hf.Trainer, [])
     with pytest.raises(ValueError, match="training_step, prediction_step apply when"):

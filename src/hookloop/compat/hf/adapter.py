@@ -145,6 +145,7 @@ class HFSession:
         self.model_preparation_time: float | None = None
         self.trained = False
         self.evaluating = False  # inside evaluate(): Trainer.log leaves the metrics to on_eval_end
+        self.before_summary: Callable[[dict[str, Any]], None] | None = None  # adds to the summary
         self.loss_poisoned = False  # a logged loss was NaN/Inf (see HFLogBook.log)
         # HF's compute_metrics(EvalPrediction): predictions and labels of one evaluation
         self.compute_metrics: Callable[[Any], dict[str, Any]] | None = None

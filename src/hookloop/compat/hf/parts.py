@@ -314,6 +314,8 @@ class HFLogBook(LogBook):
         )
         session.refresh(self.ctx, "on_log")
         summary["epoch"] = session.state.epoch
+        if session.before_summary is not None:  # the memory metrics, when asked for
+            session.before_summary(summary)
         session.summary = summary
         self.emit(summary)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import inspect
 import logging
 import os
@@ -35,6 +36,7 @@ from hookloop.compat.hf.adapter import HFSession
 from hookloop.compat.hf.evaluation import PredictionOutput
 from hookloop.compat.hf.handler import CallbackHandler, DefaultFlowCallback, PrinterCallback
 from hookloop.compat.hf.loss import HFLoss, loss_of
+from hookloop.compat.hf.memory import MemoryTracker
 from hookloop.compat.hf.types import CONTROL_FLAGS, TrainingArguments
 from hookloop.config import Config, TrainConfig
 from hookloop.loop import Trainer as Loop
@@ -93,6 +95,9 @@ class Trainer:
         **native: Any,
     ) -> None:
         refuse_unhonoured_overrides(type(self))
+        skip_memory = args is None or bool(hf_optim.arg(args, "skip_memory_metrics", True))
+        self._memory = MemoryTracker(not skip_memory)
+        self._memory.start("init")
         # What hyperparameter_search builds each trial's trainer from.
         self.given = dict(
             args=args,
@@ -229,6 +234,8 @@ class Trainer:
         handler.listener = self._mirror  # each edit of the list after construction reaches the loop
         if session.drives_loop and getattr(loop.model, "config", None) is not None:
             loop.model.config.use_cache = hf_optim.arg(args, "use_cache", False)  # as HF's init
+        self._memory.stop_and_update("init")
+        session.before_summary = functools.partial(self._memory.stop_and_update, "train")
         if isinstance(loop.evaluation, hf_parts.HFEvaluation):
             loop.evaluation.prediction_step = self.prediction_step
             loop.evaluation.preprocess_logits = preprocess_logits_for_metrics
@@ -477,6 +484,7 @@ class Trainer:
         evaluation = self.loop.evaluation
         if isinstance(evaluation, hf_parts.HFEvaluation):
             evaluation.ignore_keys_in_training = ignore_keys_for_eval
+        self._memory.start("train")
         result = self.loop.train()
         fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
         fields["metrics"] = {**fields["metrics"], **self.hf.summary}
@@ -514,6 +522,7 @@ class Trainer:
             )
         if ignore_keys is not None and not all(isinstance(k, str) for k in ignore_keys):
             raise ValueError(f"ignore_keys must be a list of output names, got {ignore_keys!r}")
+        self._memory.start("eval")
         evaluation = self.loop.evaluation
         hf_evaluation = isinstance(evaluation, hf_parts.HFEvaluation)
         if hf_evaluation:
@@ -529,6 +538,7 @@ class Trainer:
                 evaluation.prefix = evaluation.ignore_keys = None
         if self.hf.drives_loop:  # HF's log() adds the epoch to the dict evaluate returns
             metrics["epoch"] = self.hf.state.epoch
+        self._memory.stop_and_update("eval", metrics)
         return metrics
 
     def test(self, data: Iterable[Any] | None = None) -> dict[str, float]:
@@ -561,11 +571,13 @@ class Trainer:
             return self.loop.predict(loader)  # type: ignore[arg-type]
         evaluation.prefix, evaluation.ignore_keys = metric_key_prefix, ignore_keys
         evaluation.keep_predictions = True
+        self._memory.start("test")
         try:
             metrics = self.loop.test(loader)
         finally:
             evaluation.prefix = evaluation.ignore_keys = None
             evaluation.keep_predictions = False
+        self._memory.stop_and_update("test", metrics)
         collected, evaluation.last = evaluation.last, None
         predictions, label_ids = collected.predictions() if collected else (None, None)
         return PredictionOutput(predictions, label_ids, metrics)

@@ -102,6 +102,7 @@ class TrainingArguments:
     batch_eval_metrics: bool = False
     fp16_full_eval: bool = False
     bf16_full_eval: bool = False
+    skip_memory_metrics: bool = True
     use_cache: bool = False
     # Passed to the DataLoader (hookloop.compat.hf.data).
     dataloader_pin_memory: bool = True
@@ -171,7 +172,6 @@ class TrainingArguments:
     fsdp_config: Any = _theirs(None)
     deepspeed: Any = _theirs(None)
     debug: str = _theirs("")
-    skip_memory_metrics: bool = _theirs(True)
     local_rank: int = _theirs(-1)
 
     def __post_init__(self) -> None:
