@@ -564,7 +564,7 @@ def test_transformers_arguments_the_dialect_would_not_carry_out_are_refused_by_n
         max_steps=1,
         ignore_data_skip=True,
         save_only_model=True,
-        skip_memory_metrics=False,
+        full_determinism=True,
     )
     with pytest.raises(ValueError) as caught:
         hf.Trainer(RegressionModel(), args, train_dataset=RegressionDataset(8))
@@ -572,7 +572,7 @@ def test_transformers_arguments_the_dialect_would_not_carry_out_are_refused_by_n
     for name in (
         "ignore_data_skip",
         "save_only_model",
-        "skip_memory_metrics",
+        "full_determinism",
     ):
         assert f"{name}=" in message
     assert "\n" not in message
