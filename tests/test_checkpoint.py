@@ -424,6 +424,30 @@ def test_save_request_from_a_callback_writes_a_checkpoint_at_that_step(tmp_path)
     ]  # fmt: skip
 
 
+def test_a_save_asked_inside_a_step_before_its_update_resumes_that_step_again(tmp_path):
+    def run(out: Path, resume: str | None = None, save_in_step: int | None = None) -> Trainer:
+        cfg = Config(train=TrainConfig(max_steps=5, log_every=0), data=DataConfig(batch_size=4))
+        trainer = Trainer(TinyModel(), train_data=ToyData(n=32), loss_fn=TinyModel.loss_fn,
+                          config=cfg, out_dir=str(out), resume=resume)  # fmt: skip
+        if save_in_step is not None:
+            trainer.callbacks.register(
+                "on_train_step_start",
+                lambda ctx: trainer.save_checkpoint() if ctx.state.step == save_in_step else None,
+            )
+        trainer.train()
+        return trainer
+
+    whole = run(tmp_path / "whole", save_in_step=3)  # saved before step 3's update
+    saved = tmp_path / "whole" / "checkpoints" / "step-00000002"
+    assert json.loads((saved / "manifest.json").read_text())["step"] == 2
+    run(tmp_path / "resumed", resume=str(saved))  # runs step 3 again, then 4 and 5
+    assert_same_checkpoint(
+        tmp_path / "whole" / "checkpoints" / "step-00000005",
+        tmp_path / "resumed" / "checkpoints" / "step-00000005",
+    )
+    assert whole.state.step == 5
+
+
 def test_on_checkpoint_save_says_how_long_the_save_took(tmp_path):
     trainer = toy_trainer(tmp_path, max_steps=4)
     seen = []

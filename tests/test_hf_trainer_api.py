@@ -12,6 +12,7 @@ import contextlib
 import copy
 import io
 import json
+import signal
 import warnings
 from pathlib import Path
 from typing import Any
@@ -413,6 +414,48 @@ def test_memory_metrics_carry_transformers_keys(tmp_path: Path):
     )
 
 
+def test_neftune_noise_trains_as_in_transformers_and_is_removed_after(tmp_path: Path):
+    runs = {}
+    for kind in FACTORIES:  # one after the other: new arguments reset accelerate's state
+        trainer = _lm_trainer(kind, tmp_path / kind, save_strategy="no", max_steps=3,
+                              neftune_noise_alpha=5.0)  # fmt: skip
+        _quiet(trainer.train)
+        assert not trainer.model.get_input_embeddings()._forward_hooks
+        runs[kind] = trainer
+    _assert_same_run(runs["hf"], runs["hookloop"])
+    plain = _lm_trainer("hookloop", tmp_path / "plain", save_strategy="no", max_steps=3)
+    _quiet(plain.train)
+    assert _losses(plain) != pytest.approx(_losses(runs["hookloop"]), rel=1e-6)  # noise applied
+
+
+def test_jit_checkpoint_saves_and_stops_when_asked_as_in_transformers(tmp_path: Path):
+    from transformers.trainer_jit_checkpoint import JITCheckpointCallback
+
+    class AskAtStepTwo(transformers.TrainerCallback):  # as a SIGTERM's timer would
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                jit = next(c for c in self.trainer.callback_handler.callbacks
+                           if isinstance(c, JITCheckpointCallback))  # fmt: skip
+                jit.jit_manager.is_checkpoint_requested = True
+
+    outcome = {}
+    for kind, factory in FACTORIES.items():
+        ask = AskAtStepTwo()
+        args = _args(tmp_path / kind, max_steps=6, enable_jit_checkpoint=True)
+        trainer = _quiet(lambda f=factory, a=args, c=ask: f(
+            RegressionModel(), a, train_dataset=RegressionDataset(32), callbacks=[c]))  # fmt: skip
+        ask.trainer = trainer
+        try:
+            _quiet(trainer.train)
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the callback's handler, put back
+        folders = sorted(p.name for p in (tmp_path / kind).glob("checkpoint-*"))
+        saved = json.loads((tmp_path / kind / folders[0] / "trainer_state.json").read_text())
+        outcome[kind] = (trainer.state.global_step, folders, saved["global_step"])
+    # asked at step 2's end, saved at step 3's start (the state after step 2), then stopped
+    assert outcome["hookloop"] == outcome["hf"] == (3, ["checkpoint-2"], 2)
+
+
 def test_overrides_of_the_hf_step_are_refused_with_a_native_loss(tmp_path: Path):
     custom = _override_points(hf.Trainer, [])
     with pytest.raises(ValueError, match="training_step, prediction_step apply when"):
@@ -618,9 +661,9 @@ def test_every_transformers_argument_is_classified_and_no_name_is_stale():
         assert getattr(defaults, name) == getattr(default, "value", default), name
     # each one not carried out is refused by name when set, on our dataclass too
     with pytest.raises(
-        ValueError, match=r"does not carry out torch_compile=True, fsdp='full_shard'"
+        ValueError, match=r"does not carry out full_determinism=True, fsdp='full_shard'"
     ):
-        hf.Trainer(RegressionModel(), TrainingArguments(torch_compile=True, fsdp="full_shard"))
+        hf.Trainer(RegressionModel(), TrainingArguments(full_determinism=True, fsdp="full_shard"))
     assert set(arguments.NO_EFFECT) <= theirs and set(arguments.LOADER_FIELDS) <= theirs
     # HfArgumentParser reads a script's command line into ours as into transformers'
     parser = transformers.HfArgumentParser(TrainingArguments)

@@ -64,6 +64,7 @@ class Progress:
         "micro_step",
         "nonfinite_steps",
         "num_epochs",
+        "open_step",
         "rank",
         "rewinds",
         "samples",
@@ -103,6 +104,9 @@ class Progress:
         self.steps_per_epoch: int | None = None
         self.skipped_steps = 0
         self.nonfinite_steps = 0
+        #: While a step is begun and its update not applied: the samples and FLOPs it
+        #: added to the counters (a save then records the state as of the step before).
+        self.open_step: tuple[int, float] | None = None
         self.rank = 0
         self.local_rank = 0
         self.world_size = 1

@@ -10,8 +10,9 @@ divergence. It fires ``on_checkpoint_save`` once a save is committed and
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -109,6 +110,31 @@ class Checkpointer:
         """
         if self.persistent is None:
             raise ValueError("save_checkpoint() needs a run directory: pass out_dir to Trainer")
+        with self._as_of_last_update():
+            return self._save()
+
+    @contextlib.contextmanager
+    def _as_of_last_update(self) -> Iterator[None]:
+        """Asked inside a step before its update (from ``on_train_step_start``, say), a
+        save records the state it holds: the counters as of the step before, so a resume
+        runs this step again."""
+        st = self.progress
+        opened = st.open_step
+        if opened is None:
+            yield
+            return
+        samples, flops = opened
+        st.step, st.epoch_step, st.samples, st.flops = (
+            st.step - 1, st.epoch_step - 1, st.samples - samples, st.flops - flops)  # fmt: skip
+        st.open_step = None
+        try:
+            yield
+        finally:
+            st.step, st.epoch_step, st.samples, st.flops = (
+                st.step + 1, st.epoch_step + 1, st.samples + samples, st.flops + flops)  # fmt: skip
+            st.open_step = opened
+
+    def _save(self) -> Path | None:
         st = self.progress
         self.log.sync_tokens()
         self.timer.start()

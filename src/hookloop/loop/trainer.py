@@ -314,10 +314,11 @@ class Trainer:
         per_rank = batch_size_of(group[0]) if len(group) == 1 else sum(map(batch_size_of, group))
         samples = per_rank * st.world_size
         st.samples += samples
-        if self.flops_per_sample:
-            st.flops += self.flops_per_sample * samples
+        flops = self.flops_per_sample * samples if self.flops_per_sample else 0.0
+        st.flops += flops
         if st.step in self.schedule.skip_steps:
             return  # train.iterations_to_skip: data consumed, nothing computed
+        st.open_step = (samples, flops)  # until the update: a save records the step before
         if hooks["on_train_step_start"]:
             self.callbacks.fire("on_train_step_start", ctx)
         stepper.forward_backward(group)  # fires on_micro_step_start / _end per micro-batch
@@ -326,6 +327,7 @@ class Trainer:
         if hooks["on_before_optimizer_step"]:
             self.callbacks.fire("on_before_optimizer_step", ctx)
         skipped = stepper.update(loss_dict, grad_norm)  # or skip it; scheduler; clear grads
+        st.open_step = None
         self.logbook.add_step(loss_dict, grad_norm, skipped, stepper.tokens, stepper.zeros)
         ctx.skipped_iter = skipped
         if hooks["on_after_optimizer_step"]:

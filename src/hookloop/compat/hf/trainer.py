@@ -208,8 +208,10 @@ class Trainer:
         if args is not None and native.get("out_dir") is None:
             native["out_dir"] = getattr(args, "output_dir", None)
         members = _as_list(callbacks)
+        jit = _jit_checkpoint(args) if session.drives_loop else None
         if session.drives_loop:  # HF's list: the flow, the reporters, yours, the progress
-            members = [DefaultFlowCallback(), *reporting.loggers(args), *members, _progress(args)]
+            defaults = [DefaultFlowCallback(), *reporting.loggers(args), *([jit] if jit else [])]
+            members = [*defaults, *members, _progress(args)]
         self.callback_handler = handler = CallbackHandler(members)
         session.trainer = self  # what HF callbacks get as ``trainer=``
         self.loop = loop = Loop(
@@ -234,6 +236,8 @@ class Trainer:
         handler.listener = self._mirror  # each edit of the list after construction reaches the loop
         if session.drives_loop and getattr(loop.model, "config", None) is not None:
             loop.model.config.use_cache = hf_optim.arg(args, "use_cache", False)  # as HF's init
+        if jit is not None:  # transformers' own callback: SIGTERM, then a save and a stop
+            jit.set_trainer(self)
         self._memory.stop_and_update("init")
         session.before_summary = functools.partial(self._memory.stop_and_update, "train")
         if isinstance(loop.evaluation, hf_parts.HFEvaluation):
@@ -276,6 +280,8 @@ class Trainer:
             config.train.log_every = _NO_NATIVE_LOG
         # HF saves where the flags say and on_save clears should_save: at the save step.
         config.checkpoint.async_save = False
+        if hf_optim.arg(args, "enable_jit_checkpoint", False):
+            config.train.handle_signals = False  # SIGTERM is transformers' JIT callback's
         # HF applies a step whose loss or gradients are NaN/Inf (it only keeps such a loss
         # out of the logged mean, with logging_nan_inf_filter): no step is skipped.
         config.train.skip_nonfinite = False
@@ -485,10 +491,34 @@ class Trainer:
         if isinstance(evaluation, hf_parts.HFEvaluation):
             evaluation.ignore_keys_in_training = ignore_keys_for_eval
         self._memory.start("train")
-        result = self.loop.train()
+        neftune = self._neftune_on()
+        try:
+            result = self.loop.train()
+        finally:
+            if neftune is not None:
+                from transformers.integrations import deactivate_neftune
+
+                deactivate_neftune(self.model, neftune)
         fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
         fields["metrics"] = {**fields["metrics"], **self.hf.summary}
         return TrainOutput(**fields)
+
+    def _neftune_on(self) -> Any:
+        """``neftune_noise_alpha``: transformers' NEFTune hook on the input embeddings for
+        this train() (its handle; None when off)."""
+        alpha = (
+            hf_optim.arg(self.args, "neftune_noise_alpha", None) if self.hf.drives_loop else None
+        )
+        if alpha is None:
+            return None
+        if not hasattr(self.model, "get_input_embeddings"):
+            raise ValueError(
+                "neftune_noise_alpha adds noise to the model's input embeddings: the model "
+                f"({type(self.model).__name__}) has no get_input_embeddings()"
+            )
+        from transformers.integrations import activate_neftune
+
+        return activate_neftune(self.model, alpha)
 
     def _resume_from_transformers(self, folder: Path) -> None:
         """Load a folder transformers' Trainer wrote (:mod:`hookloop.compat.hf.foreign`)."""
@@ -847,6 +877,15 @@ class Trainer:
     def is_local_process_zero(self) -> bool:
         return results.local_rank() == 0
 
+    def _get_output_dir(self, trial: Any = None) -> str | os.PathLike[str]:
+        """Where checkpoints go (what transformers' JIT checkpoint callback asks for)."""
+        return self._output_dir(None)
+
+    def _save_checkpoint(self, model: Any, trial: Any = None) -> None:
+        """A checkpoint of this exact state, now (what transformers' JIT checkpoint
+        callback calls on SIGTERM)."""
+        self.loop.save_checkpoint()
+
     def _output_dir(self, given: str | os.PathLike[str] | None) -> str | os.PathLike[str]:
         out = given if given is not None else getattr(self.args, "output_dir", None)
         if out is None:
@@ -1119,6 +1158,15 @@ def _progress(args: Any) -> Any:
     from hookloop.compat.hf.seed004 import ProgressCallback
 
     return ProgressCallback()
+
+
+def _jit_checkpoint(args: Any) -> Any:
+    """transformers' ``JITCheckpointCallback`` for ``enable_jit_checkpoint`` (None when off)."""
+    if not hf_optim.arg(args, "enable_jit_checkpoint", False):
+        return None
+    from transformers.trainer_jit_checkpoint import JITCheckpointCallback
+
+    return JITCheckpointCallback()
 
 
 def _as_list(callbacks: Any) -> list[Any]:

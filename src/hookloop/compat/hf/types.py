@@ -103,6 +103,9 @@ class TrainingArguments:
     fp16_full_eval: bool = False
     bf16_full_eval: bool = False
     skip_memory_metrics: bool = True
+    neftune_noise_alpha: float | None = None
+    torch_compile: bool = False
+    enable_jit_checkpoint: bool = False
     use_cache: bool = False
     # Passed to the DataLoader (hookloop.compat.hf.data).
     dataloader_pin_memory: bool = True
@@ -129,12 +132,10 @@ class TrainingArguments:
     activation_checkpointing_kwargs: Any = _theirs(None)
     gradient_checkpointing: Any = _theirs(None)
     gradient_checkpointing_kwargs: Any = _theirs(None)
-    torch_compile: bool = _theirs(False)
     torch_compile_backend: Any = _theirs(None)
     torch_compile_mode: Any = _theirs(None)
     use_liger_kernel: bool = _theirs(False)
     liger_kernel_config: Any = _theirs(None)
-    neftune_noise_alpha: Any = _theirs(None)
     torch_empty_cache_steps: Any = _theirs(None)
     auto_find_batch_size: bool = _theirs(False)
     log_on_each_node: bool = _theirs(True)
@@ -149,7 +150,6 @@ class TrainingArguments:
     eval_use_gather_object: bool = _theirs(False)
     save_only_model: bool = _theirs(False)
     save_on_each_node: bool = _theirs(False)
-    enable_jit_checkpoint: bool = _theirs(False)
     push_to_hub: bool = _theirs(False)
     hub_token: Any = _theirs(None)
     hub_private_repo: Any = _theirs(None)
@@ -398,6 +398,7 @@ class TrainingArguments:
             c.monitor = eval_key(self.metric_for_best_model)
             c.mode = "max" if self.greater_is_better else "min"
         config.seed = self.seed
+        t.compile = bool(self.torch_compile)
         t.precision = "fp16" if self.fp16 else "bf16" if self.bf16 else "fp32"
         if self.use_cpu:
             t.device = "cpu"
