@@ -1,57 +1,80 @@
-"""DiLoCo across machines: the server, its workers, and what they survive (127.0.0.1 only)."""
+"""DiLoCo across machines in Forgather's protocol: server, client, worker, callback
+(127.0.0.1 only; every wait is bounded)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
-import types
+import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import _zygote as zygote
-import hookloop.compat.hf as hf
 from hookloop.app.cli import main as cli_main
-from hookloop.callbacks import DiLoCo
+from hookloop.diloco import storage
 from hookloop.diloco.callback import DiLoCoCallback
 from hookloop.diloco.client import DiLoCoClient, ServerRefused, ServerUnavailable
-from hookloop.diloco.server import ServerSettings, ServerThread
-from hookloop.diloco.wire import split_fragments
+from hookloop.diloco.server import DiLoCoServer
+from hookloop.diloco.wire import fragment_due, pack, split_fragments, unpack
 from hookloop.diloco.worker import DiLoCoWorker
+from hookloop.testing import TinyModel
 
 JOB = str(Path(__file__).with_name("_diloco_job.py"))
 TOKEN = "diloco-test-token-0123456789"
 
 
-# -- in one process ----------------------------------------------------------------------
-def test_without_a_server_the_seed_callback_does_nothing_and_reads_the_environment(
+def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layer{i}.weight": torch.randn(4, 4, generator=g) for i in range(3)}
+
+
+def _server(tmp_path: Path, weights=None, **kwargs) -> DiLoCoServer:
+    start = tmp_path / "start"
+    if not storage.is_checkpoint(start):
+        start.mkdir(parents=True, exist_ok=True)
+        from safetensors.torch import save_file
+
+        save_file(weights or _weights(), start / storage.SAFE_WEIGHTS)
+    settings = {"port": 0, "token": TOKEN, "save_every_n_rounds": 0, **kwargs}
+    return DiLoCoServer(str(tmp_path / "out"), 1, str(start), **settings).start()
+
+
+@pytest.fixture
+def server(tmp_path):
+    srv = _server(tmp_path)
+    yield srv
+    srv.stop()
+
+
+def _client(srv: DiLoCoServer, **kwargs) -> DiLoCoClient:
+    return DiLoCoClient(srv.address, **{"timeout": 20, "token": TOKEN, **kwargs})
+
+
+# -- settings and encoding ------------------------------------------------------------
+def test_the_callback_reads_the_environment_keeps_the_address_and_is_idle_without_one(
     monkeypatch,
 ):
-    for name in ("DILOCO_SERVER", "DILOCO_SYNC_EVERY", "DILOCO_BF16_COMM", "DILOCO_NUM_FRAGMENTS"):
+    for name in ("DILOCO_SERVER", "DILOCO_SYNC_EVERY", "DILOCO_HEARTBEAT_INTERVAL"):
         monkeypatch.delenv(name, raising=False)
-    idle = hf.DiLoCoCallback()
+    idle = DiLoCoCallback()
     assert not idle.active and idle.sync_every == 500 and idle.bf16_comm is True
     assert idle.state_dict() == {}
     monkeypatch.setenv("DILOCO_SERVER", "127.0.0.1:9")
-    monkeypatch.setenv("DILOCO_SYNC_EVERY", "8")
-    monkeypatch.setenv("DILOCO_BF16_COMM", "false")
-    monkeypatch.setenv("DILOCO_NUM_FRAGMENTS", "4")
-    configured = DiLoCoCallback()
-    assert configured.active and configured.server_addr == "http://127.0.0.1:9"
-    assert (configured.sync_every, configured.bf16_comm, configured.num_fragments) == (8, False, 4)
-    assert DiLoCoCallback(sync_every=2, num_fragments=1).sync_every == 2  # arguments win
-    monkeypatch.setenv("DILOCO_SYNC_EVERY", "often")
-    with pytest.raises(ValueError, match="DILOCO_SYNC_EVERY='often': expected int"):
-        DiLoCoCallback()
+    monkeypatch.setenv("DILOCO_HEARTBEAT_INTERVAL", "0")  # 0: no heartbeats, as Forgather
+    configured = DiLoCoCallback(sync_every=2, num_fragments=4)
+    assert configured.server_addr == "127.0.0.1:9"  # as given, not turned into a URL
+    assert configured.heartbeat_interval == 0.0 and configured.num_fragments == 4
 
 
 @pytest.mark.parametrize(
@@ -59,10 +82,9 @@ def test_without_a_server_the_seed_callback_does_nothing_and_reads_the_environme
     [
         ({"server_addr": "nowhere"}, "server_addr must be 'host:port'"),
         ({"sync_every": 0}, "sync_every must be an int >= 1"),
-        ({"sync_every": 2, "num_fragments": 4}, r"num_fragments \(4\) must be <= sync_every"),
-        ({"heartbeat_interval": -1}, "heartbeat_interval must be seconds > 0"),
+        ({"heartbeat_interval": -1}, r"heartbeat_interval must be 0 \(no heartbeats\) or"),
+        ({"heartbeat_interval": 1e9}, r"seconds in \(0, 3600\]"),
         ({"bf16_comm": "yes"}, "bf16_comm must be True or False"),
-        ({"max_sync_retries": -1}, "max_sync_retries must be an int >= 0"),
     ],
 )
 def test_bad_worker_settings_are_refused_with_what_is_allowed(kwargs, message):
@@ -70,371 +92,291 @@ def test_bad_worker_settings_are_refused_with_what_is_allowed(kwargs, message):
         DiLoCoCallback(**{"server_addr": "127.0.0.1:9", **kwargs})
 
 
-def test_fragments_are_contiguous_nonempty_and_cover_the_model():
-    sizes = [(f"p{i}", n) for i, n in enumerate([1000, 10, 10, 500, 500, 20, 3000, 5])]
-    for count in range(1, len(sizes) + 1):
-        groups = split_fragments(sizes, count)
-        assert len(groups) == count and all(groups)
-        assert [n for g in groups for n in g] == [n for n, _ in sizes]
-    with pytest.raises(ValueError, match="more than the model's 8 parameter tensors"):
-        split_fragments(sizes, 9)
+def test_a_submission_is_a_length_prefixed_header_and_a_weights_only_state_dict():
+    body = pack({"worker_id": "w", "fragment_id": 1}, {"a": torch.ones(2)})
+    assert struct.unpack("!I", body[:4])[0] == len(b'{"worker_id": "w", "fragment_id": 1}')
+    header, tensors = unpack(body)
+    assert header == {"worker_id": "w", "fragment_id": 1} and torch.equal(
+        tensors["a"], torch.ones(2)
+    )
+    buf = io.BytesIO()
+    torch.save({"a": torch.ones(1), "run": print}, buf)  # a callable: not weights-only
+    head = b'{"worker_id": "w"}'
+    with pytest.raises(ValueError, match=r"not a torch.save'd state dict"):
+        unpack(struct.pack("!I", len(head)) + head + buf.getvalue())
+    with pytest.raises(ValueError, match=r"header length 999 is more than the body holds"):
+        unpack(struct.pack("!I", 999) + b"{}")
 
 
-@pytest.fixture
-def server(tmp_path):
-    thread = ServerThread(
-        ServerSettings(port=0, token=TOKEN, checkpoint_dir=str(tmp_path / "server"))
-    ).start()
-    yield thread
-    thread.stop()
+def test_fragments_are_cut_by_tensor_count_and_sent_in_turn_as_forgather_does():
+    names = [f"p{i}" for i in range(7)]
+    assert split_fragments(names, 3) == [["p0", "p1", "p2"], ["p3", "p4"], ["p5", "p6"]]
+    with pytest.raises(ValueError, match=r"num_fragments \(8\) is more than the model's 7"):
+        split_fragments(names, 8)
+    assert [fragment_due(s, 600, 3) for s in (200, 400, 600, 300)] == [0, 1, 2, None]
 
 
-def test_a_wrong_token_is_refused_and_an_unreachable_server_is_named(server):
+def test_the_server_starts_from_a_sharded_checkpoint_or_names_what_is_missing(tmp_path):
+    from safetensors.torch import save_file
+
+    weights = _weights()
+    ckpt = tmp_path / "sharded"
+    ckpt.mkdir()
+    names = list(weights)
+    save_file({n: weights[n] for n in names[:2]}, ckpt / "model-00001-of-00002.safetensors")
+    save_file({names[2]: weights[names[2]]}, ckpt / "model-00002-of-00002.safetensors")
+    weight_map = {
+        n: f"model-0000{1 if i < 2 else 2}-of-00002.safetensors" for i, n in enumerate(names)
+    }
+    (ckpt / storage.SAFE_INDEX).write_text(json.dumps({"weight_map": weight_map}))
+    srv = DiLoCoServer(str(tmp_path / "out"), 2, str(ckpt), port=0, disable_auth=True)
+    assert all(torch.equal(srv.get_global_params()[n], weights[n]) for n in names)
+    with pytest.raises(ValueError, match=r"no checkpoint in .*pass from_checkpoint="):
+        DiLoCoServer(str(tmp_path / "empty"), 1)
+    with pytest.raises(ValueError, match=r"needs token= .* or disable_auth=True"):
+        DiLoCoServer(str(tmp_path / "out"), 1, str(ckpt), port=0).start()
+    remote = DiLoCoServer(str(tmp_path / "out"), 1, str(ckpt), 0, host="0.0.0.0", disable_auth=True)
+    with pytest.raises(ValueError, match=r"allow_remote_without_auth=True"):
+        remote.start()
+
+
+# -- the protocol over HTTP ----------------------------------------------------------------
+def test_tokens_unreachable_servers_and_unknown_routes_are_named(server):
     with pytest.raises(ServerRefused, match=r"401.*Bearer"):
-        DiLoCoClient(server.address, token="not-the-token-at-all").status()
+        DiLoCoClient(server.address, token="not-the-token-at-all").get_status()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]
     with pytest.raises(ServerUnavailable, match=f"127.0.0.1:{closed} unreachable"):
-        DiLoCoClient(f"127.0.0.1:{closed}", timeout=2).status()
+        DiLoCoClient(f"127.0.0.1:{closed}", timeout=2).get_status()
+    with pytest.raises(
+        ServerRefused, match=r"404 .*Unknown endpoint: /v1/join.*routes: POST /register"
+    ):
+        _client(server)._json("POST", "v1/join", {})
 
 
-def test_a_worker_with_another_model_or_fragment_count_is_refused_with_the_reason(server):
-    client = DiLoCoClient(server.address, token=TOKEN, timeout=20)
-    first = dict(torch.nn.Linear(4, 2).named_parameters())
-    client.join(first, {"worker_id": "a", "heartbeat_interval": 5.0, "num_fragments": 2})
-    other = dict(torch.nn.Linear(4, 3).named_parameters())
-    mismatch = r"409.*not the server's.*other shapes \['bias', 'weight'\]"
-    with pytest.raises(ServerRefused, match=mismatch):
-        client.join(other, {"worker_id": "b", "heartbeat_interval": 5.0, "num_fragments": 2})
-    with pytest.raises(ServerRefused, match="num_fragments=1, but the server runs 2 fragments"):
-        client.join(first, {"worker_id": "b", "heartbeat_interval": 5.0, "num_fragments": 1})
-    assert server.server.status()["members"] == ["a"]
+def test_register_status_and_a_round_as_forgather_computes_them(server):
+    client = _client(server)
+    got = client.register("w0", {"hostname": "box"})
+    assert all(
+        torch.equal(got[n], w) and got[n].dtype == torch.float32 for n, w in _weights().items()
+    )
+    status = client.get_status()
+    assert status["mode"] == "sync" and status["sync_round"] == 0 and status["num_registered"] == 1
+    assert status["workers"]["w0"]["hostname"] == "box"
+    assert {"pending_submissions", "uptime_seconds", "heartbeat_timeout", "min_workers",
+            "outer_lr", "outer_momentum", "save_dir", "model_params", "model_size_mb",
+            "dashboard_enabled"} <= set(status)  # fmt: skip
+    grads = {n: torch.ones(4, 4) for n in got}
+    new = client.submit_pseudogradients("w0", grads)
+    # Nesterov SGD, lr 0.7, momentum 0.9, first step: w - 0.7 * (1 + 0.9) * g
+    for n in got:
+        torch.testing.assert_close(new[n], got[n] - 0.7 * 1.9)
+    assert client.heartbeat("w0", 3.0)["sync_round"] == 1
+    assert client.get_status()["workers"]["w0"]["sync_round"] == 1
 
 
-def test_bf16_communication_halves_the_bytes_a_worker_sends(server):
-    model = torch.nn.Linear(256, 256)  # 65,792 parameters
-    client = DiLoCoClient(server.address, token=TOKEN, timeout=20)
-    names = dict(model.named_parameters())
-    _, meta = client.join(names, {"worker_id": "solo", "heartbeat_interval": 5.0})
-    grads = {n: torch.randn_like(p) for n, p in names.items()}
-    sent = []
-    for bf16 in (False, True):
-        before, received = client.bytes_sent, server.server.bytes_received
-        _, answer = client.sync(
-            grads, {"worker_id": "solo", "fragment": 0, "round": meta["rounds"][0]}, bf16=bf16
-        )
-        meta["rounds"] = answer["rounds"]
-        sent.append(client.bytes_sent - before)
-        assert server.server.bytes_received - received == sent[-1]  # what arrived, too
-    ratio = sent[1] / sent[0]
-    assert 0.49 < ratio < 0.51, sent
+def test_a_bad_contribution_is_refused_with_the_reason(server):
+    client = _client(server)
+    client.register("w0")
+    good = {n: torch.zeros(4, 4) for n in _weights()}
+    cases = [
+        ({**good, "extra.weight": torch.zeros(1)}, "parameter name mismatch.*unexpected 1"),
+        ({**good, "layer0.weight": torch.zeros(4, 5)}, r"layer0.weight has shape \(4, 5\)"),
+        ({**good, "layer1.weight": torch.full((4, 4), float("nan"))}, "NaN or infinite"),
+        ({**good, "layer2.weight": torch.zeros(4, 4, dtype=torch.int64)}, "dtype torch.int64"),
+    ]
+    for grads, reason in cases:
+        with pytest.raises(ServerRefused, match=f"400.*{reason}"):
+            client.submit_pseudogradients("w0", grads)
+    with pytest.raises(ServerRefused, match=r"400.*fragment_id must be an int"):
+        client.submit_fragment_pseudogradients("w0", -1, {"layer0.weight": torch.zeros(4, 4)})
+    assert client.get_status()["sync_round"] == 0  # nothing was applied
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def test_admin_routes_and_dashboard(server):
+    client = _client(server)
+    client.register("w0")
+    assert client.control("update_optimizer", {"lr": 0.5}) == {"status": "ok", "lr": 0.5}
+    with pytest.raises(ServerRefused, match=r"400.*No parameters to update"):
+        client.control("update_optimizer", {})
+    with pytest.raises(ServerRefused, match=r"400.*momentum must be a number in \[0, 1\)"):
+        client.control("update_optimizer", {"momentum": 2})
+    assert client.control("update_num_workers", {"num_workers": 3})["num_workers"] == 3
+    with pytest.raises(ServerRefused, match=r"404.*Worker nobody not found"):
+        client.control("kick_worker", {"worker_id": "nobody"})
+    assert client.control("kick_worker", {"worker_id": "w0"})["worker_id"] == "w0"
+    with pytest.raises(ServerRefused, match=r"404.*Unknown control action: reboot"):
+        client.control("reboot")
+    status = client.get_status()
+    assert status["num_registered"] == 0 and status["total_worker_deaths"] == 1
+    assert status["outer_lr"] == 0.5
+    req = urllib.request.Request(f"http://{server.address}/dashboard")
+    req.add_header("Authorization", f"Bearer {TOKEN}")
+    with urllib.request.urlopen(req, timeout=10) as page:
+        assert b"<title>DiLoCo Dashboard</title>" in page.read()
 
 
-def _data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(48, 8, generator=g)
-    return x, x.sum(1, keepdim=True)
+def _both(calls) -> list:
+    """Run the calls at once (a sync barrier needs every worker inside it)."""
+    out: list = [None] * len(calls)
 
+    def run(i: int) -> None:
+        out[i] = calls[i]()
 
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-
-
-def _local_step(model, opt, rank: int, step: int) -> None:
-    x, y = _data(rank)
-    xb, yb = x[step * 4 : (step + 1) * 4], y[step * 4 : (step + 1) * 4]
-    loss = ((model(xb) - yb) ** 2).mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-
-
-def _threads(target, count: int) -> None:
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            target(rank)
-        except BaseException as err:
-            errors.append(err)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(count)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=60)
-    assert not errors, errors
+        t.join(timeout=30)
+    return out
 
 
-def test_with_every_worker_present_the_server_matches_the_all_reduce_variant(tmp_path):
-    """Three workers, no DyLU, fp32: after each round the server's global weights are the
-    all-reduce callback's, taken on three threads of one torch.distributed world."""
-    from torch.testing._internal.distributed.multi_threaded_pg import (
-        _install_threaded_pg,
-        _uninstall_threaded_pg,
-    )
-
-    workers, rounds, sync_every = 3, 3, 4
-    # Built here, one after another: torch.manual_seed is global, threads would race on it.
-    models = {kind: [_model() for _ in range(workers)] for kind in ("reduce", "server")}
-    reference: dict[int, list[torch.Tensor]] = {}
-    store = dist.HashStore()
-    torch._C._distributed_c10d._set_thread_isolation_mode(True)
-    _install_threaded_pg()
+def test_two_workers_meet_at_the_barrier_and_fragments_have_their_own(tmp_path):
+    sgd = lambda params: torch.optim.SGD(params, lr=1.0)  # noqa: E731 - plain mean, Forgather's test
+    srv = _server(tmp_path, outer_optimizer_factory=sgd)
     try:
-
-        def all_reduce_rank(rank: int) -> None:
-            dist.init_process_group("threaded", rank=rank, world_size=workers, store=store)
-            try:
-                model = models["reduce"][rank]
-                opt = torch.optim.SGD(model.parameters(), lr=0.05)
-                diloco = DiLoCo(sync_every=sync_every, outer_lr=0.7, outer_momentum=0.9)
-                ctx = types.SimpleNamespace(
-                    model=model,
-                    state=types.SimpleNamespace(world_size=workers, step=0),
-                    config=types.SimpleNamespace(train=types.SimpleNamespace(parallel="local")),
-                )
-                diloco.on_train_start(ctx)
-                reference[rank] = []
-                for step in range(rounds * sync_every):
-                    _local_step(model, opt, rank, step)
-                    ctx.state.step = step + 1
-                    diloco.on_train_step_end(ctx)
-                    if (step + 1) % sync_every == 0:
-                        reference[rank].append(
-                            torch.cat([p.detach().flatten() for p in model.parameters()])
-                        )
-            finally:
-                dist.destroy_process_group()
-
-        _threads(all_reduce_rank, workers)
-    finally:
-        torch._C._distributed_c10d._set_thread_isolation_mode(False)
-        _uninstall_threaded_pg()
-
-    server = ServerThread(ServerSettings(port=0, min_workers=workers)).start()
-    served: dict[int, list[torch.Tensor]] = {}
-    try:
-
-        def worker(rank: int) -> None:
-            model = models["server"][rank]
-            opt = torch.optim.SGD(model.parameters(), lr=0.05)
-            w = DiLoCoWorker(
-                model, server_addr=server.address, sync_every=sync_every,
-                worker_id=f"w{rank}", bf16_comm=False, dylu=False, heartbeat_interval=1.0,
-                num_fragments=1, timeout=30, max_sync_retries=0,
-            )  # fmt: skip
-            w.start()
-            served[rank] = []
-            for step in range(rounds * sync_every):
-                _local_step(model, opt, rank, step)
-                w.after_step()
-                if (step + 1) % sync_every == 0:
-                    served[rank].append(
-                        torch.cat([p.detach().flatten() for p in model.parameters()])
-                    )
-            w.stop()
-
-        _threads(worker, workers)
-        assert server.server.status()["rounds"] == [rounds]
-    finally:
-        server.stop()
-    for rank in range(workers):
-        assert len(served[rank]) == len(reference[rank]) == rounds
-        for mine, theirs in zip(served[rank], reference[rank], strict=True):
-            torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-6)
-        assert not torch.equal(served[rank][0], served[rank][1])  # the weights did move
-
-
-def _run_workers(address: str, pauses: list[float], steps: int, **settings) -> list:
-    """Workers on threads, worker i pausing ``pauses[i]`` s per local step; returns them."""
-    workers = []
-    for i in range(len(pauses)):
-        model = _model()
-        workers.append(
-            DiLoCoWorker(
-                model,
-                server_addr=address,
-                worker_id=f"w{i}",
-                bf16_comm=False,
-                heartbeat_interval=1.0,
-                timeout=30,
-                max_sync_retries=0,
-                **settings,
-            )
+        a, b = _client(srv), _client(srv)
+        start = a.register("a")
+        b.register("b")
+        ga = {n: torch.full((4, 4), 1.0) for n in start}
+        gb = {n: torch.full((4, 4), 3.0) for n in start}
+        na, nb = _both([lambda: a.submit_pseudogradients("a", ga),
+                        lambda: b.submit_pseudogradients("b", gb)])  # fmt: skip
+        for n in start:
+            assert torch.equal(na[n], nb[n])
+            torch.testing.assert_close(na[n], start[n] - 2.0)
+        one = {"layer0.weight": torch.ones(4, 4)}
+        fa, fb = _both([lambda: a.submit_fragment_pseudogradients("a", 0, one),
+                        lambda: b.submit_fragment_pseudogradients("b", 0, one)])  # fmt: skip
+        assert set(fa) == {"layer0.weight"} and torch.equal(
+            fa["layer0.weight"], fb["layer0.weight"]
         )
-    for w in workers:
-        w.start()
-    waits: dict[int, list[float]] = {i: [] for i in range(len(pauses))}
-    synced_at: dict[int, list[int]] = {i: [] for i in range(len(pauses))}
-    periods: dict[int, list[int]] = {i: [] for i in range(len(pauses))}
-
-    def run(i: int) -> None:
-        w = workers[i]
-        opt = torch.optim.SGD(w.model.parameters(), lr=0.05)
-        for step in range(steps):
-            _local_step(w.model, opt, i, step % 12)
-            time.sleep(pauses[i])
-            before = w.fragment_syncs
-            w.after_step()
-            if w.fragment_syncs > before:
-                synced_at[i].append(w.local_step)
-                waits[i].append(w.last_sync_time)
-                periods[i].append(w.sync_every)
-        w.stop()
-
-    _threads(run, len(pauses))
-    for i, w in enumerate(workers):
-        w.waits, w.synced_at, w.periods = waits[i], synced_at[i], periods[i]
-    return workers
-
-
-def test_dylu_gives_a_slower_worker_fewer_local_steps_so_the_fast_one_waits_less():
-    server = ServerThread(ServerSettings(port=0)).start()
-    try:
-        plain = _run_workers(
-            server.address, [0.002, 0.02], 48, sync_every=8, dylu=False, num_fragments=1
-        )
+        now = a.get_global_params()
+        torch.testing.assert_close(now["layer0.weight"], na["layer0.weight"] - 1.0)
+        assert torch.equal(now["layer1.weight"], na["layer1.weight"])  # untouched
+        status = a.get_status()
+        assert status["sync_round"] == 2 and status["fragment_submissions"] == 2
     finally:
-        server.stop()
-    server = ServerThread(ServerSettings(port=0)).start()
+        srv.stop()
+
+
+def test_a_silent_worker_is_evicted_and_the_barrier_lets_the_others_go(tmp_path):
+    srv = _server(tmp_path, heartbeat_timeout=0.3)
     try:
-        dylu = _run_workers(
-            server.address, [0.002, 0.02], 48, sync_every=8, dylu=True, num_fragments=1
-        )
+        a, b = _client(srv), _client(srv)
+        start = a.register("a")
+        b.register("b")  # and then never heard from again
+        done = threading.Event()
+
+        def beat() -> None:  # a real worker's heartbeat thread keeps beating while it waits
+            while not done.wait(0.05):
+                _client(srv).heartbeat("a", 1.0)
+
+        beating = threading.Thread(target=beat)
+        beating.start()
+        try:
+            new = a.submit_pseudogradients("a", {n: torch.zeros(4, 4) for n in start})
+        finally:
+            done.set()
+            beating.join(5)
+        assert set(new) == set(start)
+        status = a.get_status()
+        assert list(status["workers"]) == ["a"] and status["total_worker_deaths"] == 1
     finally:
-        server.stop()
-    fast, slow = dylu
-    # While both run, the ~10x slower worker syncs after 1 or 2 steps instead of 8 (once
-    # the fast one has left, it is the fastest and goes back to 8).
-    assert set(fast.periods) == {8} and min(slow.periods) <= 2
-    assert slow.dylu_adjustments >= 1 and fast.dylu_adjustments == 0
-    assert all(set(w.periods) == {8} for w in plain)
-    # The fast worker's time blocked in a round (after the first, which sets the speeds).
-    waited_plain = sum(plain[0].waits[1:]) / len(plain[0].waits[1:])
-    waited_dylu = sum(fast.waits[1:]) / len(fast.waits[1:])
-    assert waited_dylu < 0.5 * waited_plain, (waited_dylu, waited_plain)
+        srv.stop()
 
 
-def test_fragments_sync_staggered_through_the_period_each_with_its_own_round():
-    server = ServerThread(ServerSettings(port=0)).start()
+def test_async_with_delayed_nesterov_and_dylu(tmp_path):
+    srv = _server(tmp_path, async_mode=True, dn_buffer_size=2, dylu_enabled=True,
+                  dylu_base_sync_every=100)  # fmt: skip
     try:
-        workers = _run_workers(
-            server.address, [0, 0], 12, sync_every=4, num_fragments=2, dylu=False
-        )
-        state = server.server.status()
-        final = server.server.global_weights()
+        fast, slow = _client(srv), _client(srv)
+        start = fast.register("fast")
+        slow.register("slow")
+        g = {n: torch.ones(4, 4) for n in start}
+        first = fast.submit_pseudogradients("fast", g)  # buffered: plain lr * g, no barrier
+        for n in start:
+            torch.testing.assert_close(first[n], start[n] - 0.7)
+        second = fast.submit_pseudogradients("fast", g)  # buffer full: momentum step on the mean
+        for n in start:
+            torch.testing.assert_close(second[n], first[n] - 0.7 * 1.9)
+        fast.heartbeat("fast", 10.0)
+        assert slow.heartbeat("slow", 2.5)["recommended_sync_every"] == 25
+        status = fast.get_status()
+        assert status["mode"] == "async" and status["total_submissions"] == 2
+        assert status["dn_buffered"] == 0 and status["dylu_base_sync_every"] == 100
     finally:
-        server.stop()
-    assert state["rounds"] == [3, 3]
-    for w in workers:
-        # Fragment 0 is sent at H/2 and fragment 1 at H; each answer is taken in when the
-        # next fragment is due (training went on meanwhile), the last one when training ends.
-        assert w.synced_at == [4, 6, 8, 10, 12]
-        assert (w.fragment_syncs, w.sync_count) == (6, 3)
-        # contiguous groups of similar size, in model order: 128 values, then 16 + 16 + 1
-        assert w.fragments == [["0.weight"], ["0.bias", "2.weight", "2.bias"]]
-        # fragment 1 came back after the last step; fragment 0 took in its weights with the
-        # two steps trained since step 10 added
-        params = dict(w.model.named_parameters())
-        assert all(torch.equal(params[n].detach(), final[n]) for n in w.fragments[1])
-        assert not torch.equal(params["0.weight"].detach(), final["0.weight"])
+        srv.stop()
 
 
-def test_a_streamed_fragment_keeps_what_the_worker_learned_while_it_was_away():
-    server = ServerThread(ServerSettings(port=0)).start()
+def test_a_restarted_server_continues_with_its_round_and_momentum(tmp_path):
+    srv = _server(tmp_path, save_every_n_rounds=1)
+    client = _client(srv)
+    start = client.register("a")
+    g = {n: torch.ones(4, 4) for n in start}
+    after = client.submit_pseudogradients("a", g)
+    srv.stop()
+    saved = tmp_path / "out" / "checkpoints" / "checkpoint-1"
+    assert (saved / "model.safetensors").is_file() and (saved / "server_state.pt").is_file()
+    again = DiLoCoServer(str(tmp_path / "out"), 1, port=0, token=TOKEN).start()
     try:
-        model = _model()
-        w = DiLoCoWorker(
-            model, server_addr=server.address, sync_every=4, worker_id="solo", bf16_comm=False,
-            dylu=False, heartbeat_interval=5.0, num_fragments=2, timeout=30, max_sync_retries=0,
-        )  # fmt: skip
-        w.start()
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        weight = dict(model.named_parameters())["0.weight"]  # fragment 0
-        seen = {}
-        for step in range(1, 5):
-            _local_step(model, opt, 0, step)
-            seen[step] = weight.detach().clone()  # before after_step: what training made
-            w.after_step()
-        # Fragment 0 was sent after step 2 and taken in at step 4: the server's new weights
-        # plus the two steps trained meanwhile, not the server's weights alone.
-        fresh = server.server.global_weights(0)["0.weight"]
-        assert not torch.equal(fresh, seen[4])
-        torch.testing.assert_close(weight.detach(), fresh + (seen[4] - seen[2]))
-        w.stop()
-    finally:
-        server.stop()
-
-
-def test_a_round_closes_at_its_deadline_and_a_late_pseudo_gradient_is_answered_stale():
-    server = ServerThread(ServerSettings(port=0, round_timeout=0.5)).start()
-    try:
-        model = torch.nn.Linear(4, 2)
-        names = dict(model.named_parameters())
-        grads = {n: torch.ones_like(p) for n, p in names.items()}
-        clients = {w: DiLoCoClient(server.address, timeout=20) for w in ("fast", "late")}
-        for w, client in clients.items():  # both live: the round expects both
-            client.join(names, {"worker_id": w, "heartbeat_interval": 60.0})
-        started = time.monotonic()
-        fresh, meta = clients["fast"].sync(
-            grads, {"worker_id": "fast", "fragment": 0, "round": 0}, bf16=False
-        )
-        waited = time.monotonic() - started
-        assert 0.4 < waited < 10 and meta["round"] == 1 and meta["contributors"] == 1
-        stale, meta = clients["late"].sync(
-            grads, {"worker_id": "late", "fragment": 0, "round": 0}, bf16=False
-        )
-        assert meta["stale"] is True and meta["round"] == 1  # not applied: the weights of now
-        for n in names:
-            assert torch.equal(stale[n], fresh[n])
-        assert server.server.status()["rounds"] == [1]
-    finally:
-        server.stop()
-
-
-def test_a_restarted_server_continues_from_its_checkpoint(tmp_path):
-    settings = ServerSettings(port=0, token=TOKEN, checkpoint_dir=str(tmp_path))
-    first = ServerThread(settings).start()
-    model = torch.nn.Linear(4, 2)
-    client = DiLoCoClient(first.address, token=TOKEN, timeout=20)
-    names = dict(model.named_parameters())
-    _, meta = client.join(names, {"worker_id": "a", "heartbeat_interval": 5.0})
-    grads = {n: torch.ones_like(p) for n, p in names.items()}
-    after, _ = client.sync(grads, {"worker_id": "a", "fragment": 0, "round": 0}, bf16=False)
-    first.stop()
-    again = ServerThread(settings).start()
-    try:
-        state = DiLoCoClient(again.address, token=TOKEN).status()
-        assert state["rounds"] == [1] and state["members"] == ["a"]
-        client = DiLoCoClient(again.address, token=TOKEN, timeout=20)
-        weights, meta = client.join(names, {"worker_id": "a", "heartbeat_interval": 5.0})
-        assert meta["rounds"] == [1]
-        for n in names:
-            assert torch.equal(weights[n], after[n])
-        # the momentum came back too. Nesterov (lr 0.7, momentum 0.9) on a constant
-        # pseudo-gradient of 1 moves 0.7 * 1.9, then 0.7 * (1 + 0.9 * 1.9); without the
-        # saved momentum the second step would repeat the first.
-        second, _ = client.sync(grads, {"worker_id": "a", "fragment": 0, "round": 1}, bf16=False)
-        first_move = names["weight"].detach() - after["weight"]
-        second_move = after["weight"] - second["weight"]
-        torch.testing.assert_close(first_move, torch.full_like(first_move, 0.7 * 1.9))
-        torch.testing.assert_close(second_move, torch.full_like(second_move, 0.7 * 2.71))
+        client = _client(again)
+        assert client.get_status()["sync_round"] == 1
+        assert all(torch.equal(v, after[n]) for n, v in client.register("a").items())
+        second = client.submit_pseudogradients("a", g)
+        # with the saved momentum the second Nesterov step moves 0.7 * (1 + 0.9 * 1.9)
+        for n in start:
+            torch.testing.assert_close(after[n] - second[n], torch.full((4, 4), 0.7 * 2.71))
     finally:
         again.stop()
 
 
+def test_a_tokenless_peer_is_admitted_on_loopback_when_told(tmp_path, capsys):
+    srv = _server(tmp_path, token=None, disable_auth=True)
+    try:
+        assert "WITHOUT AUTHENTICATION (loopback only)" in capsys.readouterr().err
+        assert DiLoCoClient(srv.address).get_status()["status"] == "running"
+    finally:
+        srv.stop()
+
+
+# -- workers and the callback ----------------------------------------------------------------
+def _model_server(tmp_path: Path, **kwargs) -> DiLoCoServer:
+    storage.save_initial(tmp_path / "start", TinyModel(seed=1))
+    return _server(tmp_path, **kwargs)
+
+
+def _step(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.sub_(0.01)
+
+
+def test_a_streaming_worker_syncs_one_fragment_at_a_time(tmp_path):
+    srv = _model_server(tmp_path)
+    try:
+        model = TinyModel(seed=2)
+        worker = DiLoCoWorker(model, srv.address, sync_every=4, worker_id="s", bf16_comm=False,
+                              heartbeat_interval=0, num_fragments=2, token=TOKEN)  # fmt: skip
+        worker.start()
+        start = srv.get_global_params()
+        assert all(torch.equal(p.detach(), start[n]) for n, p in model.named_parameters())
+        for _ in range(4):
+            _step(model)
+            worker.after_step()
+        worker.stop()
+        metrics = worker.sync_metrics
+        assert metrics["diloco/fragment_syncs"] == 2 and metrics["diloco/num_fragments"] == 2
+        assert metrics["diloco/sync_count"] == 1 and metrics["diloco/last_send_mb"] > 0
+        assert srv.status()["fragment_submissions"] == 2 and srv.status()["num_registered"] == 0
+    finally:
+        srv.stop()
+
+
 def _fit(callback, out_dir, steps: int, resume=None):
     from hookloop import CallbackManager, Config, DataConfig, TrainConfig, Trainer
-    from hookloop.testing import TinyModel, ToyData
+    from hookloop.testing import ToyData
 
     logs: list[dict] = []
     manager = CallbackManager(callback)
@@ -448,37 +390,44 @@ def _fit(callback, out_dir, steps: int, resume=None):
     return trainer, logs
 
 
-def test_the_callback_logs_its_syncs_and_resumes_its_counters_and_id(server, tmp_path):
-    def worker():
-        return hf.DiLoCoCallback(
-            server.address, 2, None, False, heartbeat_interval=1.0, token=TOKEN
-        )
+def test_the_callback_logs_forgathers_metrics_and_resumes_its_counters_and_id(tmp_path):
+    srv = _model_server(tmp_path)
+    try:
 
-    _, logs = _fit(worker(), tmp_path / "run", steps=4)
-    assert [log["diloco/sync_count"] for log in logs] == [1, 2]
-    assert logs[-1]["diloco/bytes_sent"] > 0 and logs[-1]["diloco/stale_syncs"] == 0
-    saved = torch.load(
-        tmp_path / "run" / "checkpoints" / "step-00000004" / "trainer_state.pt",
-        weights_only=True,
-    )["callbacks"]["DiLoCoCallback"]
-    assert saved["sync_count"] == 2 and saved["local_step"] == 4 and saved["sync_every"] == 2
-    resumed = worker()
-    trainer, logs = _fit(resumed, tmp_path / "run", steps=8, resume="auto")
-    assert [log["diloco/sync_count"] for log in logs] == [3, 4]  # counted on from the checkpoint
-    assert resumed.state_dict()["worker_id"] == saved["worker_id"]  # rejoined under its id
-    assert server.server.status()["rounds"] == [4] and server.server.status()["members"] == []
-    # the worker ends holding the server's global weights
-    final = server.server.global_weights()
-    for name, param in trainer.model.named_parameters():
-        assert torch.equal(param.detach(), final[name])
+        def worker():
+            return DiLoCoCallback(srv.address, 2, None, False, heartbeat_interval=0, token=TOKEN)
+
+        _, logs = _fit(worker(), tmp_path / "run", steps=4)
+        assert [log["diloco/sync_count"] for log in logs] == [1, 2]
+        assert {"diloco/last_send_mb", "diloco/last_recv_mb", "diloco/local_step",
+                "diloco/steps_per_second"} <= set(logs[-1])  # fmt: skip
+        saved = torch.load(
+            tmp_path / "run" / "checkpoints" / "step-00000004" / "trainer_state.pt",
+            weights_only=True,
+        )["callbacks"]["DiLoCoCallback"]
+        assert saved["sync_count"] == 2 and saved["sync_every"] == 2
+        resumed = worker()
+        trainer, logs = _fit(resumed, tmp_path / "run", steps=8, resume="auto")
+        assert [log["diloco/sync_count"] for log in logs] == [3, 4]
+        assert resumed.state_dict()["worker_id"] == saved["worker_id"]
+        assert srv.status()["sync_round"] == 4 and srv.status()["num_registered"] == 0
+        final = srv.get_global_params()
+        for name, param in trainer.model.named_parameters():
+            assert torch.equal(param.detach(), final[name])
+    finally:
+        srv.stop()
 
 
-def test_serve_refuses_bad_settings_with_what_is_allowed(capsys):
-    code = cli_main(["diloco", "serve", "--port", "0", "--outer-momentum", "1.5"])
-    assert code == 2
-    assert "outer_momentum must lie in [0, 1), got 1.5" in capsys.readouterr().err
-    assert cli_main(["diloco", "serve", "--port", "0", "--certfile", "c.pem"]) == 2
-    assert "needs both certfile and keyfile" in capsys.readouterr().err
+def test_serve_refuses_bad_settings_with_what_is_allowed(tmp_path, capsys):
+    out = ["diloco", "serve", "-o", str(tmp_path), "-n", "1", "--port", "0"]
+    assert (
+        cli_main([*out, "--no-auth", "--recipe", "mlp-regression", "--outer-momentum", "1.5"]) == 2
+    )
+    assert "outer_momentum must be a number in [0, 1" in capsys.readouterr().err
+    assert cli_main(out) == 2
+    assert "needs --token T (or DILOCO_TOKEN) or --no-auth" in capsys.readouterr().err
+    assert cli_main([*out, "--no-auth"]) == 2
+    assert "no checkpoint in" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
@@ -490,45 +439,43 @@ def test_https_with_a_certificate_and_key(tmp_path):
          "-keyout", str(key), "-out", str(cert)],
         check=True, capture_output=True, timeout=60,
     )  # fmt: skip
-    server = ServerThread(
-        ServerSettings(port=0, token=TOKEN, certfile=str(cert), keyfile=str(key))
-    ).start()
+    srv = _server(tmp_path, certfile=str(cert), keyfile=str(key))
     try:
-        assert server.address.startswith("https://127.0.0.1:")
-        assert DiLoCoClient(server.address, token=TOKEN, cafile=str(cert)).status()["rounds"] == []
-        with pytest.raises(ServerUnavailable, match="CERTIFICATE_VERIFY_FAILED"):
-            DiLoCoClient(server.address, token=TOKEN, timeout=5).status()  # not trusted
+        url = f"https://{srv.address}"
+        assert DiLoCoClient(url, token=TOKEN, cafile=str(cert)).get_status()["sync_round"] == 0
+        with pytest.raises(ServerUnavailable, match=r"CERTIFICATE_VERIFY_FAILED"):
+            DiLoCoClient(url, token=TOKEN, timeout=5).get_status()  # not trusted
     finally:
-        server.stop()
+        srv.stop()
 
 
 # -- separate processes ------------------------------------------------------------------
-def _serve(port: int, state_dir: Path, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "hookloop", "diloco", "serve", "--port", str(port),
-           "--checkpoint-dir", str(state_dir), "--token", TOKEN, "--min-workers", "2",
-           "--round-timeout", "30", "--outer-momentum", "0.5"]  # fmt: skip
-    # A real process: its start-up is the downtime after which the workers must reconnect.
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(port: int, out: Path, log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "hookloop", "diloco", "serve", "-o", str(out), "-n", "2",
+           "--port", str(port), "--token", TOKEN, "--save-every", "1", "--outer-momentum", "0.5",
+           "--heartbeat-timeout", "30", "--recipe", "mlp-regression"]  # fmt: skip
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("ab"))
 
 
-def _worker(out: Path, index: int, workers: int, port: int, *overrides: str, sleep: float = 0):
+def _worker(out: Path, index: int, port: int, *overrides: str, sleep: float = 0):
     env = {**os.environ, "DILOCO_TOKEN": TOKEN, "DILOCO_SLEEP": str(sleep)}
-    cmd = [sys.executable, JOB, "worker", str(out), str(index), str(workers),
-           f"127.0.0.1:{port}", *overrides]  # fmt: skip
+    cmd = [sys.executable, JOB, "worker", str(out), str(index), "2", f"127.0.0.1:{port}",
+           *overrides]  # fmt: skip
     log = (out / f"worker-{index}.log").open("ab")
     return zygote.Popen(cmd, stdout=log, stderr=log, env=env, cwd=str(out))
 
 
-def _status(port: int) -> dict | None:
+def _round(port: int) -> int | None:
     try:
-        return DiLoCoClient(f"127.0.0.1:{port}", token=TOKEN, timeout=2).status()
+        return DiLoCoClient(f"127.0.0.1:{port}", token=TOKEN, timeout=2).get_status()["sync_round"]
     except (ServerUnavailable, ServerRefused):
         return None
-
-
-def _round(port: int) -> int:
-    """The server's current round (0 before the first worker joins, or while it is down)."""
-    return ((_status(port) or {}).get("rounds") or [0])[0]
 
 
 def _wait_for(predicate, timeout: float, what: str) -> None:
@@ -540,121 +487,39 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def _finish(procs, out: Path, timeout: float = 120) -> list[dict]:
-    results = []
-    for index, proc in procs:
-        code = proc.wait(timeout=timeout)
-        log = (out / f"worker-{index}.log").read_text()[-3000:]
-        assert code == 0, log
-        results.append(json.loads((out / f"result-worker-{index}.json").read_text()))
-    return results
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def _mean_loss(result: dict, first: bool) -> float:
-    """The mean of the first (or last) four logged losses."""
     ordered = [v for _, v in sorted(result["losses"].items(), key=lambda kv: int(kv[0]))]
     values = ordered[:4] if first else ordered[-4:]
     return sum(values) / len(values)
 
 
-def _server_thread(min_workers: int = 1) -> ServerThread:
-    """The server in this process (the killed-server test runs `hookloop diloco serve`)."""
-    settings = ServerSettings(port=0, token=TOKEN, outer_momentum=0.5, min_workers=min_workers)
-    return ServerThread(settings).start()
-
-
 @pytest.mark.slow
-def test_three_worker_processes_and_a_server_lower_the_loss(tmp_path):
-    server = _server_thread(min_workers=3)  # no round before all three have joined
-    port = server.port
-    try:
-        procs = [(i, _worker(tmp_path, i, 3, port, "train.max_steps=24")) for i in range(3)]
-        results = _finish(procs, tmp_path)
-        state = _status(port)
-    finally:
-        server.stop()
-    assert state is not None and state["rounds"] == [6]  # 24 steps / sync_every 4
-    for r in results:
-        assert r["step"] == 24 and r["metrics"]["diloco/sync_count"] == 6
-        assert _mean_loss(r, first=False) < 0.5 * _mean_loss(r, first=True)
-    # after the last round every worker holds the same global weights
-    assert results[0]["synced"][-1] == results[1]["synced"][-1] == results[2]["synced"][-1]
-
-
-@pytest.mark.slow
-def test_a_killed_worker_is_dropped_and_rejoins_and_the_run_finishes(tmp_path):
-    server = _server_thread()
-    port = server.port
-    steps = "train.max_steps=40"
-    try:
-        procs = {i: _worker(tmp_path, i, 2, port, steps, sleep=0.05) for i in range(2)}
-        _wait_for(lambda: _round(port) >= 2, 60, "two rounds")
-        procs[1].kill()  # SIGKILL: no leave, no goodbye
-        procs[1].wait()
-        _wait_for(lambda: "w1" not in (_status(port) or {}).get("members", ["w1"]), 10, "a drop")
-        closed = _round(port)
-        _wait_for(lambda: _round(port) > closed, 10, "a round without w1")
-        procs[1] = _worker(tmp_path, 1, 2, port, steps, sleep=0.05)  # same id, fresh process
-        results = _finish(sorted(procs.items()), tmp_path)
-        state = _status(port)
-    finally:
-        server.stop()
-    assert [r["step"] for r in results] == [40, 40]
-    assert state["members"] == []  # both left when they finished
-    assert state["rounds"][0] >= 10  # 40 / 4 rounds for worker 0, plus the rejoined worker's
-
-
-@pytest.mark.slow
-def test_a_killed_server_restarted_on_its_checkpoint_lets_the_workers_continue(tmp_path):
+def test_a_killed_server_restarted_on_its_output_dir_lets_two_workers_finish(tmp_path):
     port = _free_port()
-    state_dir = tmp_path / "server"
-    server = _serve(port, state_dir, tmp_path / "server.log")
-    steps = "train.max_steps=40"
+    server = _serve(port, tmp_path / "server", tmp_path / "server.log")
+    procs = []
     try:
-        _wait_for(lambda: _status(port) is not None, 60, "the server to listen")
-        procs = [(i, _worker(tmp_path, i, 2, port, steps, sleep=0.05)) for i in range(2)]
-        _wait_for(lambda: _round(port) >= 3, 60, "three rounds")
+        _wait_for(lambda: _round(port) is not None, 60, "the server to listen")
+        procs = [_worker(tmp_path, i, port, "train.max_steps=40", sleep=0.05) for i in range(2)]
+        _wait_for(lambda: (_round(port) or 0) >= 3, 60, "three rounds")
         before = _round(port)
         server.kill()
         server.wait()
-        server = _serve(port, state_dir, tmp_path / "server.log")
-        _wait_for(lambda: _status(port) is not None, 60, "the restarted server")
-        assert _round(port) >= before  # it continued from its checkpoint
-        results = _finish(procs, tmp_path)
-        state = _status(port)
+        server = _serve(port, tmp_path / "server", tmp_path / "server.log")
+        _wait_for(lambda: _round(port) is not None, 60, "the restarted server")
+        assert _round(port) >= before - 1  # it continued from its last checkpoint
+        results = []
+        for i, proc in enumerate(procs):
+            assert proc.wait(timeout=120) == 0, (tmp_path / f"worker-{i}.log").read_text()[-3000:]
+            results.append(json.loads((tmp_path / f"result-worker-{i}.json").read_text()))
     finally:
-        _stop(server)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=10)
     assert [r["step"] for r in results] == [40, 40]
-    # 40 steps / sync_every 4; one sync may find its round closed just before the kill
-    assert state["rounds"][0] in (9, 10)
-    assert sum(r["metrics"]["diloco/reconnections"] for r in results) >= 1
+    assert sum(r["metrics"].get("diloco/reconnections", 0) for r in results) >= 1
     assert "continuing from" in (tmp_path / "server.log").read_text()
-    assert results[0]["synced"][-1] == results[1]["synced"][-1]
-
-
-@pytest.mark.slow
-def test_a_worker_that_is_a_torchrun_job_talks_from_rank_0_and_broadcasts(server, tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           JOB, "ddp", str(tmp_path), "0", "1", server.address, "data.batch_size=4"]  # fmt: skip
-    env = {**os.environ, "DILOCO_TOKEN": TOKEN}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"result-ddp-{r}.json").read_text()) for r in (0, 1)]
-    assert [r["step"] for r in ranks] == [12, 12]
-    assert ranks[0]["synced"] == ranks[1]["synced"] and len(ranks[0]["synced"]) == 3
-    assert server.server.status()["rounds"] == [3]  # one worker: its rank 0
-    assert ranks[0]["metrics"]["diloco/bytes_sent"] > 0
-    assert ranks[1]["metrics"]["diloco/bytes_sent"] == 0  # rank 1 never talked to the server
-    assert ranks[1]["metrics"]["diloco/sync_count"] == 3  # but took every sync's weights
-    final = torch.cat([t.flatten() for t in server.server.global_weights().values()])
-    torch.testing.assert_close(torch.tensor(ranks[1]["synced"][-1]), final, rtol=0, atol=0)
+    for r in results:
+        assert _mean_loss(r, first=False) < 0.5 * _mean_loss(r, first=True)

@@ -1,10 +1,15 @@
-"""DiLoCo across machines: a server holding the global model, workers that join and leave.
+"""DiLoCo across machines, in Forgather's protocol: a server holding the global model,
+workers that register, sync and leave.
 
-- :mod:`hookloop.diloco.outer`: the outer Nesterov step (shared with the all-reduce
-  callback :class:`hookloop.callbacks.DiLoCo`).
-- :mod:`hookloop.diloco.wire`: safetensors payloads, bf16 casting, fragments.
+- :mod:`hookloop.diloco.wire`: the encoding (torch.save payloads, length-prefixed headers),
+  fragments and their schedule.
+- :mod:`hookloop.diloco.validate`: whether a submission may touch the global model.
+- :mod:`hookloop.diloco.storage`: the server's checkpoints (Forgather's layout).
 - :mod:`hookloop.diloco.server`: the aiohttp server (``hookloop diloco serve``).
-- :mod:`hookloop.diloco.client`: the worker's HTTP client, with retries.
-- :mod:`hookloop.diloco.worker`: when a worker syncs what (DyLU, streaming fragments).
-- :mod:`hookloop.diloco.callback`: :class:`DiLoCoCallback`, seed 004's constructor.
+- :mod:`hookloop.diloco.dashboard`: the page ``/dashboard`` serves.
+- :mod:`hookloop.diloco.client`: the HTTP client (Forgather's methods).
+- :mod:`hookloop.diloco.worker`: when a worker syncs what (fragments, DyLU, retries).
+- :mod:`hookloop.diloco.callback`: :class:`DiLoCoCallback`, Forgather's constructor.
+- :mod:`hookloop.diloco.outer`: the outer Nesterov step of the all-reduce variant
+  :class:`hookloop.callbacks.DiLoCo`.
 """

@@ -1,11 +1,12 @@
 """``DiLoCoCallback``: make a training run one worker of a DiLoCo server.
 
-Seed 004's constructor, parameter for parameter; each ``None`` falls back to
+Forgather's constructor, parameter for parameter; each ``None`` falls back to
 an environment variable (``DILOCO_SERVER``, ``DILOCO_SYNC_EVERY``,
 ``DILOCO_WORKER_ID``, ``DILOCO_BF16_COMM``, ``DILOCO_DYLU``,
 ``DILOCO_HEARTBEAT_INTERVAL``, ``DILOCO_NUM_FRAGMENTS``) and then to the
-seed's default. Without a server address it does nothing at all, so one
-configuration trains alone or as a worker. hookloop adds keyword-only
+default Forgather uses. Without a server address it does nothing at all, so one
+configuration trains alone or as a worker. ``server_addr`` is kept as given
+(``host:port`` or a URL). hookloop adds keyword-only
 ``token`` (``DILOCO_TOKEN``) and ``cafile`` (``DILOCO_CAFILE``) for a server
 started with ``--token`` and HTTPS.
 
@@ -21,7 +22,7 @@ from typing import Any
 
 from hookloop.callback import Callback
 from hookloop.diloco.client import parse_address
-from hookloop.diloco.worker import DiLoCoWorker, default_worker_id
+from hookloop.diloco.worker import DiLoCoWorker, check_heartbeat_interval, default_worker_id
 from hookloop.state import CallbackContext
 
 log = logging.getLogger("hookloop.diloco")
@@ -87,8 +88,9 @@ class DiLoCoCallback(Callback):
         token: str | None = None,
         cafile: str | None = None,
     ) -> None:
-        addr = server_addr or os.environ.get("DILOCO_SERVER", "").strip()
-        self.server_addr = parse_address(addr) if addr else ""
+        self.server_addr = server_addr or os.environ.get("DILOCO_SERVER", "").strip()
+        if self.server_addr:
+            parse_address(self.server_addr)  # refused now rather than at train start
         self.sync_every = _int(
             "sync_every", sync_every if sync_every is not None else
             _env("DILOCO_SYNC_EVERY", int, 500), 1
@@ -98,22 +100,16 @@ class DiLoCoCallback(Callback):
             bf16_comm = _env("DILOCO_BF16_COMM", bool, True)
         self.bf16_comm = _bool("bf16_comm", bf16_comm)
         self.dylu = _bool("dylu", dylu if dylu is not None else _env("DILOCO_DYLU", bool, False))
-        self.heartbeat_interval = _seconds(
-            "heartbeat_interval",
+        self.heartbeat_interval = check_heartbeat_interval(
             heartbeat_interval
             if heartbeat_interval is not None
-            else _env("DILOCO_HEARTBEAT_INTERVAL", float, 30.0),
+            else _env("DILOCO_HEARTBEAT_INTERVAL", float, 30.0)
         )
         self.num_fragments = _int(
             "num_fragments",
             num_fragments if num_fragments is not None else _env("DILOCO_NUM_FRAGMENTS", int, 1),
             1,
         )
-        if self.num_fragments > self.sync_every:
-            raise ValueError(
-                f"num_fragments ({self.num_fragments}) must be <= sync_every "
-                f"({self.sync_every}): each fragment syncs once per period"
-            )
         self.timeout = _seconds("timeout", timeout)
         self.max_sync_retries = _int("max_sync_retries", max_sync_retries, 0)
         self.token = token or os.environ.get("DILOCO_TOKEN") or None
@@ -138,7 +134,7 @@ class DiLoCoCallback(Callback):
         saved_id = (self._pending or {}).get("worker_id")  # a resumed worker keeps its id
         self._worker = DiLoCoWorker(
             model,
-            server_addr=self.server_addr,
+            self.server_addr,
             sync_every=self.sync_every,
             worker_id=self.worker_id or saved_id or default_worker_id(),
             bf16_comm=self.bf16_comm,
@@ -150,10 +146,10 @@ class DiLoCoCallback(Callback):
             token=self.token,
             cafile=self.cafile,
         )
-        if self._pending is not None:
+        self._worker.start()
+        if self._pending is not None:  # after start(), which begins a period, as Forgather
             self._worker.load_state_dict(self._pending)
             self._pending = None
-        self._worker.start()
         if ctx.state.is_rank_zero:
             log.info("diloco: worker %s joined %s", self._worker.worker_id, self.server_addr)
 

@@ -1,116 +1,158 @@
-"""``hookloop diloco serve``: run a DiLoCo server until interrupted.
+"""``hookloop diloco serve`` (alias ``server``) and ``hookloop diloco status``.
 
-::
+``serve`` takes Forgather's ``forgather diloco server`` options::
 
-    hookloop diloco serve --port 8512 [--host 127.0.0.1] [--outer-lr 0.7]
-        [--outer-momentum 0.9] [--min-workers 1] [--round-timeout 600]
-        [--checkpoint-dir DIR] [--token TOKEN | env DILOCO_TOKEN]
-        [--certfile CERT --keyfile KEY]
+    hookloop diloco serve -o OUTPUT_DIR -n NUM_WORKERS [--from-checkpoint DIR]
+        [--port 8512] [--host 127.0.0.1] [--outer-lr 0.7] [--outer-momentum 0.9]
+        [--no-nesterov] [--save-every 10] [--save-total-limit 3] [--async]
+        [--dn-buffer-size 0] [--dylu] [--dylu-base-sync-every 500]
+        [--heartbeat-timeout 120] [--min-workers 1] [--no-dashboard]
 
-Workers point ``DiLoCoCallback(server_addr=...)`` (or ``DILOCO_SERVER``) at it.
-Started again with the same ``--checkpoint-dir`` it continues where it stopped.
+and hookloop's: ``--token T`` (or ``DILOCO_TOKEN``) or ``--no-auth`` (admit
+tokenless peers such as Forgather's workers; off loopback only with
+``--allow-remote-without-auth``), ``--certfile``/``--keyfile`` (HTTPS), and
+``--recipe NAME [KEY=VALUE ...]`` to start from that recipe's freshly built
+model when ``OUTPUT_DIR`` holds no checkpoint yet.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
+import json
 import logging
 import os
-import signal
 import sys
+from pathlib import Path
 from typing import Any
 
-from hookloop.diloco.server import DiLoCoServer, ServerSettings, running
+from hookloop.diloco import storage
 
 
 def add_diloco_command(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``diloco`` (with ``serve``) to an ``add_subparsers()`` object."""
+    """Add ``diloco`` (``serve``, ``status``) to an ``add_subparsers()`` object."""
     parser = subparsers.add_parser(
         "diloco",
-        help="DiLoCo across machines: run the server workers sync with",
-        description="DiLoCo across machines. `serve` holds the global weights and the outer "
-        "optimizer; workers are training runs with DiLoCoCallback(server_addr=HOST:PORT).",
+        help="DiLoCo across machines: the server workers sync with (Forgather's protocol)",
+        description="DiLoCo across machines, in Forgather's protocol. `serve` holds the global "
+        "weights and the outer optimizer; workers are training runs with "
+        "DiLoCoCallback(server_addr=HOST:PORT) or Forgather's workers.",
     )
     sub = parser.add_subparsers(dest="diloco_command", required=True)
-    serve = sub.add_parser("serve", help="run the DiLoCo server until interrupted")
-    d = ServerSettings()
-    serve.add_argument("--host", default=d.host, help=f"address to bind (default {d.host})")
-    serve.add_argument("--port", type=int, required=True, help="port to listen on (0: any free)")
-    serve.add_argument("--outer-lr", type=float, default=d.outer_lr, help="outer SGD lr")
-    serve.add_argument(
-        "--outer-momentum", type=float, default=d.outer_momentum, help="outer Nesterov momentum"
-    )
-    serve.add_argument(
-        "--no-nesterov", action="store_true", help="plain momentum instead of Nesterov"
-    )
-    serve.add_argument(
-        "--min-workers",
-        type=int,
-        default=d.min_workers,
-        help="pseudo-gradients a round needs before it can close early (default 1)",
-    )
-    serve.add_argument(
-        "--round-timeout",
-        type=float,
-        default=d.round_timeout,
-        help="seconds after a round opens when it closes with what arrived (default 600)",
-    )
-    serve.add_argument("--checkpoint-dir", help="where the server keeps its state (resumable)")
-    serve.add_argument("--token", help="bearer token workers must send (default: $DILOCO_TOKEN)")
-    serve.add_argument("--certfile", help="TLS certificate (PEM): serve HTTPS")
-    serve.add_argument("--keyfile", help="TLS private key (PEM) for --certfile")
+    serve = sub.add_parser("serve", aliases=["server"], help="run the DiLoCo server")
+    a = serve.add_argument
+    a("--output-dir", "-o", type=os.path.expanduser, required=True,
+      help="where checkpoints go; the newest one there is where the server starts")  # fmt: skip
+    a("--num-workers", "-n", type=int, required=True, help="number of expected workers")
+    a("--from-checkpoint", "-c", type=os.path.expanduser, help="start from this model directory")
+    a("--recipe", help="with no checkpoint yet: start from this recipe's freshly built model")
+    a("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for --recipe")
+    a("--port", type=int, default=8512, help="port (default 8512; 0: any free)")
+    a("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    a("--outer-lr", type=float, default=0.7, help="outer SGD learning rate (default 0.7)")
+    a("--outer-momentum", type=float, default=0.9, help="outer momentum (default 0.9)")
+    a("--no-nesterov", action="store_true", help="plain momentum instead of Nesterov")
+    a("--save-every", type=int, default=10, help="save every N rounds (0: never; default 10)")
+    a("--save-total-limit", type=int, default=3, help="checkpoints kept (0: all; default 3)")
+    a("--async", dest="async_mode", action="store_true", help="asynchronous mode")
+    a("--dn-buffer-size", type=int, default=0, help="Delayed Nesterov buffer (async; 0: off)")
+    a("--dylu", action="store_true", help="recommend per-worker sync_every (DyLU)")
+    a("--dylu-base-sync-every", type=int, default=500, help="DyLU's sync_every of the fastest")
+    a("--heartbeat-timeout", type=float, default=120.0,
+      help="seconds of silence before a worker is evicted (0: never; default 120)")  # fmt: skip
+    a("--min-workers", type=int, default=1, help="floor of the expected workers (default 1)")
+    a("--no-dashboard", action="store_true", help="do not serve /dashboard")
+    a("--token", help="bearer token every peer must send (default: $DILOCO_TOKEN)")
+    a("--no-auth", action="store_true", help="admit tokenless peers (Forgather's workers)")
+    a("--allow-remote-without-auth", action="store_true",
+      help="with --no-auth on an address other than loopback: really do it")  # fmt: skip
+    a("--certfile", help="TLS certificate (PEM): serve HTTPS")
+    a("--keyfile", help="TLS private key (PEM) for --certfile")
     serve.set_defaults(run=run_serve)
+    status = sub.add_parser("status", help="print a DiLoCo server's status")
+    status.add_argument("--server", default="localhost:8512", help="host:port or URL")
+    status.add_argument("--token", help="bearer token (default: $DILOCO_TOKEN)")
+    status.add_argument("--json", action="store_true", help="the raw JSON reply")
+    status.set_defaults(run=run_status)
     return parser
 
 
+def _start_weights(args: argparse.Namespace) -> str | None:
+    """The checkpoint to start from: given, found in the output dir, or made from a recipe."""
+    if args.from_checkpoint or storage.find_latest(args.output_dir) is not None:
+        return args.from_checkpoint
+    if not args.recipe:
+        if args.overrides:
+            raise ValueError("KEY=VALUE overrides need --recipe")
+        return None  # the server names what is missing
+    from hookloop.config import apply_overrides
+    from hookloop.entry import seed_everything
+    from hookloop.recipes import default_config, get_recipe
+
+    cfg = default_config(args.recipe)
+    apply_overrides(cfg, list(args.overrides))
+    seed_everything(cfg.seed)
+    model = get_recipe(cfg.recipe).build(cfg).model
+    return str(storage.save_initial(Path(args.output_dir) / "initial", model))
+
+
 def run_serve(args: argparse.Namespace) -> int:
-    token = args.token or os.environ.get("DILOCO_TOKEN") or None
-    settings = ServerSettings(
-        host=args.host,
-        port=args.port,
-        outer_lr=args.outer_lr,
-        outer_momentum=args.outer_momentum,
-        nesterov=not args.no_nesterov,
-        min_workers=args.min_workers,
-        round_timeout=args.round_timeout,
-        checkpoint_dir=args.checkpoint_dir,
-        token=token,
-        certfile=args.certfile,
-        keyfile=args.keyfile,
-    )
     try:
         import aiohttp  # noqa: F401
     except ImportError:
         raise RuntimeError(
             "the DiLoCo server needs aiohttp: pip install 'hookloop[diloco]'"
         ) from None
+    from hookloop.diloco.server import DiLoCoServer
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
-    server = DiLoCoServer(settings)
-    if token is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
-        print(
-            f"hookloop diloco: serving on {settings.host} WITHOUT a token: anyone who can "
-            "reach it can change the model; pass --token",
-            file=sys.stderr,
-        )
-    asyncio.run(_serve(server))
+    token = args.token or os.environ.get("DILOCO_TOKEN") or None
+    if token is None and not args.no_auth:
+        raise ValueError("hookloop diloco serve needs --token T (or DILOCO_TOKEN) or --no-auth "
+                         "to admit tokenless peers such as Forgather's workers")  # fmt: skip
+    server = DiLoCoServer(
+        args.output_dir, args.num_workers, _start_weights(args), args.port, None, args.host,
+        args.save_every, args.save_total_limit, args.async_mode, True, args.dn_buffer_size,
+        args.dylu, args.dylu_base_sync_every, args.heartbeat_timeout, args.min_workers,
+        not args.no_dashboard, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+        nesterov=not args.no_nesterov, token=token, disable_auth=args.no_auth,
+        allow_remote_without_auth=args.allow_remote_without_auth,
+        certfile=args.certfile, keyfile=args.keyfile,
+    )  # fmt: skip
+
+    def ready() -> None:
+        scheme = "https" if args.certfile else "http"
+        url = f"{scheme}://{server.address}"
+        print(f"hookloop diloco: serving {url} (round {server.status()['sync_round']}); "
+              f"dashboard {url}/dashboard", file=sys.stderr, flush=True)  # fmt: skip
+
+    import asyncio
+    import contextlib
+    import signal
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(signum, server.request_stop)
+        await server.serve(ready)
+
+    asyncio.run(main())
     return 0
 
 
-async def _serve(server: DiLoCoServer) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(signum, stop.set)
-    async with running(server) as port:
-        scheme = "https" if server.ssl_context() is not None else "http"
-        state = server.status()
-        print(
-            f"hookloop diloco: serving {scheme}://{server.settings.host}:{port} "
-            f"(rounds {state['rounds'] or 'not started'})",
-            file=sys.stderr,
-            flush=True,
-        )
-        await stop.wait()
+def run_status(args: argparse.Namespace) -> int:
+    from hookloop.diloco.client import DiLoCoClient
+
+    token = args.token or os.environ.get("DILOCO_TOKEN") or None
+    status = DiLoCoClient(args.server, timeout=10, token=token).get_status()
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    print(f"DiLoCo server {args.server}: {status['status']}, mode {status['mode']}, "
+          f"round {status['sync_round']}, workers {status['num_registered']}/"
+          f"{status['num_workers']}, outer lr {status['outer_lr']} momentum "
+          f"{status['outer_momentum']}")  # fmt: skip
+    for worker_id, w in status["workers"].items():
+        print(f"  {worker_id:<30} {w['hostname']:<15} syncs {w['sync_round']:<6} "
+              f"{w['steps_per_second']:.2f} steps/s")  # fmt: skip
+    return 0

@@ -1,14 +1,19 @@
-"""A worker's requests to the DiLoCo server, on the standard library.
+"""A worker's requests to a DiLoCo server, in Forgather's protocol, on the standard library.
 
-Synchronous (the training loop has no event loop), proxies ignored (a proxy
-would see the token), HTTPS verified against the system's or a given CA
-bundle. Every byte sent and received is counted, which is what the
-``diloco/bytes_sent`` metric and the bf16 measurement report.
+:class:`DiLoCoClient` has the methods of Forgather's client (``register``,
+``submit_pseudogradients``, ``submit_fragment_pseudogradients``,
+``get_global_params``, ``heartbeat``, ``deregister``, ``get_status``) and
+talks to Forgather's server or ``hookloop diloco serve`` alike. hookloop adds
+a bearer ``token``, HTTPS verified against the system's or a given CA bundle
+(``cafile``), ``control()`` for the admin routes, and byte counters. Proxies
+are ignored (a proxy would see the token).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import platform
 import ssl
 import time
 import urllib.error
@@ -18,13 +23,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from hookloop.diloco.wire import CONTENT_TYPE, decode, encode
+from hookloop.diloco.wire import TENSOR_TYPE, load_tensors, pack
 
 T = TypeVar("T")
 
 
-class ServerUnavailable(RuntimeError):
-    """The server could not be reached or failed (worth retrying)."""
+class ServerUnavailable(ConnectionError):
+    """The server could not be reached, failed or timed out (worth retrying)."""
 
 
 class ServerRefused(RuntimeError):
@@ -46,95 +51,126 @@ def parse_address(server_addr: str) -> str:
     host, sep, port = rest.rpartition(":")
     if scheme not in ("http", "https") or not sep or not host or not port.isdigit():
         raise ValueError(
-            f"server_addr must be 'host:port', 'http://host:port' or 'https://host:port', "
+            "server_addr must be 'host:port', 'http://host:port' or 'https://host:port', "
             f"got {server_addr!r}"
         )
     return addr
 
 
 class DiLoCoClient:
-    """Requests to one server, authenticated with its token when it has one."""
+    """Requests to one server; each method is one route and blocks until answered."""
 
     def __init__(
         self,
         server_addr: str,
+        timeout: float = 600,
+        max_retries: int = 3,
+        retry_delay: float = 1.0,
         *,
         token: str | None = None,
-        timeout: float = 600.0,
         cafile: str | None = None,
     ) -> None:
-        self.url = parse_address(server_addr)
-        self.token = token
+        self.server_addr = parse_address(server_addr)
         self.timeout = timeout
+        self.max_retries = max_retries
+        self.retry_delay = retry_delay
+        self.token = token
         handlers: list[Any] = [urllib.request.ProxyHandler({})]
-        if self.url.startswith("https://"):
-            handlers.append(
-                urllib.request.HTTPSHandler(context=ssl.create_default_context(cafile=cafile))
-            )
+        if self.server_addr.startswith("https://"):
+            context = ssl.create_default_context(cafile=cafile)
+            handlers.append(urllib.request.HTTPSHandler(context=context))
         self._opener = urllib.request.build_opener(*handlers)
         self.bytes_sent = 0
         self.bytes_received = 0
 
-    def join(
-        self, weights: Mapping[str, torch.Tensor], meta: Mapping[str, Any]
-    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Send our weights (used only by the first worker); get the global ones."""
-        return decode(self._post("v1/join", encode(weights, meta), CONTENT_TYPE))
+    # -- Forgather's methods ------------------------------------------------------------
+    def register(
+        self, worker_id: str, worker_info: Mapping[str, Any] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Join (or join again) and get the global weights."""
+        info = {"worker_id": worker_id, "hostname": platform.node(), **(worker_info or {})}
+        body = json.dumps(info).encode("utf-8")
+        raw = self._retrying(
+            lambda: self._call("POST", "register", body, "application/json"), self.max_retries
+        )
+        return load_tensors(raw)
 
-    def sync(
+    def submit_pseudogradients(
+        self, worker_id: str, pseudograds: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """Send the full model's pseudo-gradients; get the round's new global weights."""
+        body = pack({"worker_id": worker_id}, pseudograds)
+        return load_tensors(self._call("POST", "submit_pseudograd", body, TENSOR_TYPE))
+
+    def submit_fragment_pseudogradients(
+        self, worker_id: str, fragment_id: int, pseudograds: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """Send one fragment's pseudo-gradients; get its new global weights."""
+        body = pack({"worker_id": worker_id, "fragment_id": fragment_id}, pseudograds)
+        return load_tensors(self._call("POST", "submit_fragment_pseudograd", body, TENSOR_TYPE))
+
+    def get_global_params(self) -> dict[str, torch.Tensor]:
+        return load_tensors(self._call("GET", "global_params"))
+
+    def heartbeat(self, worker_id: str, steps_per_second: float = 0.0) -> dict[str, Any]:
+        """Report speed; the answer may carry DyLU's ``recommended_sync_every``."""
+        return self._json("POST", "heartbeat", {"worker_id": worker_id,
+                                                "steps_per_second": steps_per_second})  # fmt: skip
+
+    def deregister(self, worker_id: str) -> dict[str, Any]:
+        return self._json("POST", "deregister", {"worker_id": worker_id})
+
+    def get_status(self) -> dict[str, Any]:
+        return self._json("GET", "status")
+
+    # -- hookloop's additions ---------------------------------------------------------
+    status = get_status
+
+    def control(self, action: str, data: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """``POST /control/<action>`` (save_state, kick_worker, update_optimizer, ...)."""
+        return self._json("POST", f"control/{action}", dict(data or {}))
+
+    def _json(self, method: str, route: str, data: Mapping[str, Any] | None = None) -> Any:
+        body = None if data is None else json.dumps(dict(data)).encode("utf-8")
+        raw = self._call(method, route, body, "application/json", timeout=min(self.timeout, 30.0))
+        return json.loads(raw)
+
+    def _retrying(self, call: Callable[[], T], retries: int) -> T:
+        return with_retries(call, retries, first_wait=self.retry_delay)
+
+    def _call(
         self,
-        pseudo_grads: Mapping[str, torch.Tensor],
-        meta: Mapping[str, Any],
+        method: str,
+        route: str,
+        body: bytes | None = None,
+        content_type: str | None = None,
         *,
-        bf16: bool,
         timeout: float | None = None,
-    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Send one fragment's pseudo-gradient; wait for the round's new weights."""
-        body = encode(pseudo_grads, meta, dtype=torch.bfloat16 if bf16 else None)
-        return decode(self._post("v1/sync", body, CONTENT_TYPE, timeout=timeout))
-
-    def heartbeat(self, worker_id: str, steps_per_sec: float | None) -> dict[str, Any]:
-        return self._json("v1/heartbeat", {"worker_id": worker_id, "steps_per_sec": steps_per_sec})
-
-    def leave(self, worker_id: str) -> dict[str, Any]:
-        return self._json("v1/leave", {"worker_id": worker_id})
-
-    def status(self) -> dict[str, Any]:
-        return json.loads(self._request("v1/status", None, None, "GET", self.timeout))
-
-    def _json(self, route: str, data: Mapping[str, Any]) -> dict[str, Any]:
-        body = json.dumps(dict(data)).encode("utf-8")
-        timeout = min(self.timeout, 30.0)
-        return json.loads(self._post(route, body, "application/json", timeout=timeout))
-
-    def _post(
-        self, route: str, body: bytes, content_type: str, *, timeout: float | None = None
     ) -> bytes:
-        self.bytes_sent += len(body)
-        raw = self._request(route, body, content_type, "POST", timeout or self.timeout)
-        self.bytes_received += len(raw)
-        return raw
-
-    def _request(
-        self, route: str, body: bytes | None, content_type: str | None, method: str, timeout: float
-    ) -> bytes:
-        req = urllib.request.Request(f"{self.url}/{route}", data=body, method=method)
+        req = urllib.request.Request(f"{self.server_addr}/{route}", data=body, method=method)
         if self.token is not None:
             req.add_header("Authorization", f"Bearer {self.token}")
-        if content_type is not None:
+        if body is not None and content_type is not None:
             req.add_header("Content-Type", content_type)
+        self.bytes_sent += len(body or b"")
         try:
-            with self._opener.open(req, timeout=timeout) as response:
-                return response.read()
+            with self._opener.open(req, timeout=timeout or self.timeout) as response:
+                raw = response.read()
         except urllib.error.HTTPError as err:
             detail = err.read()[:500].decode("utf-8", "replace")
-            with_reason = f"DiLoCo server {self.url} answered {err.code} to {route}: {detail}"
+            with contextlib.suppress(ValueError, AttributeError):
+                detail = json.loads(detail).get("error", detail)
+            message = f"DiLoCo server {self.server_addr} answered {err.code} to /{route}: {detail}"
             if err.code >= 500:
-                raise ServerUnavailable(with_reason) from None
-            raise ServerRefused(with_reason, err.code) from None
+                raise ServerUnavailable(message) from None
+            raise ServerRefused(message, err.code) from None
         except (urllib.error.URLError, OSError) as err:  # refused, reset, timed out
             reason = getattr(err, "reason", err)
-            raise ServerUnavailable(f"DiLoCo server {self.url} unreachable: {reason}") from None
+            raise ServerUnavailable(
+                f"DiLoCo server {self.server_addr} unreachable: {reason}"
+            ) from None
+        self.bytes_received += len(raw)
+        return raw
 
 
 def with_retries(
@@ -146,7 +182,7 @@ def with_retries(
     max_wait: float = 8.0,
 ) -> T:
     """``call()``, tried again up to ``retries`` times after :class:`ServerUnavailable`,
-    waiting 0.5 s, 1 s, 2 s ... (at most ``max_wait``) in between."""
+    waiting ``first_wait`` seconds and then twice as long each time (at most ``max_wait``)."""
     wait = first_wait
     for attempt in range(retries + 1):
         try:

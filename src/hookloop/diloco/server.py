@@ -1,35 +1,38 @@
-"""The DiLoCo server: global weights, the outer optimizer, and who is in the round.
+"""The DiLoCo server, speaking Forgather's protocol (``hookloop diloco serve``).
 
-Workers train on their own and, every ``sync_every`` local steps, send their
-pseudo-gradient for one fragment of the parameters (all of them when there is
-one fragment). The server averages what arrived for that fragment's round,
-takes the outer Nesterov step (:mod:`hookloop.diloco.outer`) and answers every
-waiting worker with the fragment's new weights.
+The server starts from a model checkpoint (:mod:`hookloop.diloco.storage`)
+and holds the global weights in float32 with an outer optimizer over them
+(SGD, lr 0.7, Nesterov momentum 0.9 by default). Workers register, train on
+their own, and submit *pseudo-gradients* (global minus local weights).
 
-Membership is elastic. A worker joins at any time and starts from the current
-global weights. A round expects the workers that were live when its first
-pseudo-gradient arrived; it closes once all of them still alive have sent
-(and at least ``min_workers`` have), or when ``round_timeout`` seconds have
-passed since it opened. A worker whose heartbeats stop for three of its
-heartbeat intervals is dropped, so no round waits on a dead worker. A
-pseudo-gradient for a round already closed is stale: it is not applied, and
-its sender gets the current weights to continue from.
+- **Sync mode** (default): a submission waits at a barrier until every worker
+  expected for the round has submitted; the mean is applied in one outer
+  step and every waiter gets the new weights. The round expects the workers
+  registered when it opened; a worker that joins later waits for the next
+  round; one that leaves, is kicked, or stops sending heartbeats for
+  ``heartbeat_timeout`` seconds is dropped and the barrier re-evaluated.
+- **Async mode**: each submission is applied at once and answered with the
+  current weights. With ``dn_buffer_size`` N > 0 (Delayed Nesterov) only every
+  N-th submission takes a momentum step over the buffered mean; the ones in
+  between take a plain ``lr * g`` step.
+- **Fragments** (streaming DiLoCo): a submission may carry one fragment's
+  parameters; each fragment has its own barrier, and the outer step touches
+  only its parameters.
+- **DyLU**: with ``dylu_enabled`` a heartbeat's answer recommends
+  ``sync_every = max(1, floor(own_speed / fastest_speed * dylu_base_sync_every))``.
 
-After every round the server writes its state (weights, momentum, rounds,
-members) atomically to ``checkpoint_dir``; started again on that directory it
-continues, and gives the members it remembers a heartbeat timeout's grace to
-come back before a round goes on without them.
+Every ``save_every_n_rounds`` rounds the server saves a checkpoint under
+``<output_dir>/checkpoints``; started again on the same ``output_dir`` it
+continues from the newest. Routes (Forgather's): ``POST /register``,
+``/submit_pseudograd``, ``/submit_fragment_pseudograd``, ``/heartbeat``,
+``/deregister``, ``/control/{save_state,kick_worker,update_optimizer,
+update_num_workers,shutdown}``; ``GET /status``, ``/global_params``,
+``/dashboard`` (and ``/``).
 
-Routes (each needs ``Authorization: Bearer <token>`` when a token is set):
-
-=====================  ===================================================
-``POST /v1/join``      payload: the worker's weights; answer: global weights
-``POST /v1/sync``      payload: one fragment's pseudo-gradient; answer (when
-                       the round closes): the fragment's new weights
-``POST /v1/heartbeat`` JSON ``{"worker_id", "steps_per_sec"}``
-``POST /v1/leave``     JSON ``{"worker_id"}``
-``GET  /v1/status``    JSON: rounds, members, settings
-=====================  ===================================================
+hookloop's additions, which a Forgather peer does not need: a bearer
+``token`` (or ``disable_auth=True`` to admit tokenless peers, loopback only
+unless ``allow_remote_without_auth``), HTTPS (``certfile``/``keyfile``), and
+every submission checked by :func:`hookloop.diloco.validate.check_contribution`.
 """
 
 from __future__ import annotations
@@ -39,10 +42,12 @@ import contextlib
 import hmac
 import json
 import logging
-import os
+import math
 import ssl
+import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,84 +55,28 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hookloop.control.background import run_while_serving
-from hookloop.diloco.outer import OuterOptimizer, check_outer_settings, mean_of
-from hookloop.diloco.wire import CONTENT_TYPE, decode, encode, split_fragments
+from hookloop.diloco import storage
+from hookloop.diloco.validate import check_contribution
+from hookloop.diloco.wire import TENSOR_TYPE, save_tensors, unpack
 
 if TYPE_CHECKING:
     from aiohttp import web
 
 log = logging.getLogger("hookloop.diloco")
 
-#: The server's state file inside ``checkpoint_dir``.
-STATE_FILE = "diloco-server.pt"
-ROUTES = "POST /v1/join, POST /v1/sync, POST /v1/heartbeat, POST /v1/leave, GET /v1/status"
-_REAP_EVERY_S = 0.1
-
-
-@dataclass
-class ServerSettings:
-    """What ``hookloop diloco serve`` is started with (validated by :meth:`check`)."""
-
-    host: str = "127.0.0.1"
-    port: int = 8512
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    nesterov: bool = True
-    min_workers: int = 1
-    round_timeout: float = 600.0
-    checkpoint_dir: str | None = None
-    token: str | None = None
-    certfile: str | None = None
-    keyfile: str | None = None
-    max_payload_mb: int = 8192
-
-    def check(self) -> ServerSettings:
-        check_outer_settings(self.outer_lr, self.outer_momentum, self.nesterov)
-        if not isinstance(self.host, str) or not self.host.strip():
-            raise ValueError(f"host must be an address to bind (e.g. 127.0.0.1), got {self.host!r}")
-        if isinstance(self.port, bool) or not isinstance(self.port, int):
-            raise ValueError(f"port must be an int in [0, 65535], got {self.port!r}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must lie in [0, 65535], got {self.port!r}")
-        if isinstance(self.min_workers, bool) or not isinstance(self.min_workers, int):
-            raise ValueError(f"min_workers must be an int >= 1, got {self.min_workers!r}")
-        if self.min_workers < 1:
-            raise ValueError(f"min_workers must be an int >= 1, got {self.min_workers!r}")
-        if not isinstance(self.round_timeout, (int, float)) or not self.round_timeout > 0:
-            raise ValueError(f"round_timeout must be seconds > 0, got {self.round_timeout!r}")
-        if self.token is not None and (
-            len(self.token) < 16 or not self.token.isascii() or not self.token.isprintable()
-        ):
-            raise ValueError(
-                "token must be a printable ASCII string of at least 16 characters "
-                f"(got {len(self.token)} characters)"
-            )
-        if (self.certfile is None) != (self.keyfile is None):
-            raise ValueError("HTTPS needs both certfile and keyfile (got only one)")
-        if not isinstance(self.max_payload_mb, int) or self.max_payload_mb < 1:
-            raise ValueError(f"max_payload_mb must be an int >= 1, got {self.max_payload_mb!r}")
-        return self
-
-
-@dataclass
-class Member:
-    worker_id: str
-    heartbeat_interval: float
-    last_seen: float
-    steps_per_sec: float | None = None
-
-
-@dataclass
-class Fragment:
-    """One fragment's global weights, momentum and current round."""
-
-    names: list[str]
-    outer: OuterOptimizer
-    round: int = 0
-    pending: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    waiting: dict[str, asyncio.Future[bytes]] = field(default_factory=dict)
-    expected: set[str] = field(default_factory=set)
-    opened_at: float | None = None
+CONTROL_ACTIONS = (
+    "save_state",
+    "kick_worker",
+    "update_optimizer",
+    "update_num_workers",
+    "shutdown",
+)
+ROUTES = (
+    "POST /register, /submit_pseudograd, /submit_fragment_pseudograd, /heartbeat, /deregister, "
+    f"/control/{{{','.join(CONTROL_ACTIONS)}}}; GET /status, /global_params, /dashboard"
+)
+#: The longest heartbeat timeout accepted (0 disables eviction).
+MAX_HEARTBEAT_TIMEOUT = 86400.0
 
 
 class ProtocolError(ValueError):
@@ -138,307 +87,580 @@ class ProtocolError(ValueError):
         self.status = status
 
 
+@dataclass
+class WorkerInfo:
+    """What the server knows of one registered worker (the ``workers`` of ``/status``)."""
+
+    worker_id: str
+    hostname: str
+    registered_at: float
+    last_heartbeat: float
+    sync_round: int = 0
+    last_sync_server_round: int = 0
+    steps_per_second: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def is_loopback(host: str) -> bool:
+    from hookloop.control.server import is_loopback as _is_loopback
+
+    return _is_loopback(host)
+
+
+def _number(name: str, value: Any, *, low: float, high: float | None = None) -> float:
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if not ok or value < low or (high is not None and value > high):
+        span = f"in [{low:g}, {high:g}]" if high is not None else f">= {low:g}"
+        raise ValueError(f"{name} must be a number {span}, got {value!r}")
+    return float(value)
+
+
+def _momentum(name: str, value: Any) -> float:
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    if not ok or not 0 <= value < 1:
+        raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
+    return float(value)
+
+
+def _integer(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return value
+
+
 class DiLoCoServer:
-    """The state and rules of the server; :meth:`app` serves them over aiohttp."""
+    """Forgather's ``DiLoCoServer`` (same constructor and methods) served on aiohttp.
 
-    def __init__(self, settings: ServerSettings) -> None:
-        self.settings = settings.check()
-        self.members: dict[str, Member] = {}
-        self.fragments: list[Fragment] = []
-        self.shapes: dict[str, list[int]] = {}
-        self.dtypes: dict[str, torch.dtype] = {}
-        self.rounds_closed = 0
-        self.bytes_received = 0
-        self.bytes_sent = 0
-        if settings.checkpoint_dir is not None:
-            self._load()
+    ``start()`` serves from a background thread, ``run()`` in the caller's
+    until ``/control/shutdown`` or Ctrl-C; ``address`` and ``port`` say where
+    (``port=0`` picks a free one). The keyword-only arguments are hookloop's.
+    """
 
-    # -- state --------------------------------------------------------------------
-    @property
-    def initialised(self) -> bool:
-        return bool(self.fragments)
-
-    def _init_model(
-        self, weights: dict[str, torch.Tensor], num_fragments: int, order: Any = None
+    def __init__(
+        self,
+        output_dir: str,
+        num_workers: int,
+        from_checkpoint: str | None = None,
+        port: int | None = None,
+        outer_optimizer_factory: Callable[[Any], torch.optim.Optimizer] | None = None,
+        host: str = "127.0.0.1",
+        save_every_n_rounds: int = 10,
+        save_total_limit: int = 3,
+        async_mode: bool = False,
+        safetensors: bool = True,
+        dn_buffer_size: int = 0,
+        dylu_enabled: bool = False,
+        dylu_base_sync_every: int = 500,
+        heartbeat_timeout: float = 120.0,
+        min_workers: int = 1,
+        dashboard_enabled: bool = True,
+        *,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        token: str | None = None,
+        disable_auth: bool = False,
+        allow_remote_without_auth: bool = False,
+        certfile: str | None = None,
+        keyfile: str | None = None,
+        sync_timeout: float = 600.0,
+        max_payload_mb: int = 8192,
     ) -> None:
-        # A payload's tensors come back in no particular order: use the model's, when sent.
-        names = order if isinstance(order, list) and sorted(order) == sorted(weights) else None
-        names = names or sorted(weights)
-        groups = split_fragments([(n, weights[n].numel()) for n in names], num_fragments)
-        s = self.settings
-        self.shapes = {n: list(weights[n].shape) for n in names}
-        self.dtypes = {n: weights[n].dtype for n in names}
-        self.fragments = [
-            Fragment(
-                names=g,
-                outer=OuterOptimizer(
-                    [weights[n].to(torch.float32) for n in g],
-                    lr=s.outer_lr,
-                    momentum=s.outer_momentum,
-                    nesterov=s.nesterov,
-                ),
+        self.num_workers = _integer("num_workers", num_workers, 1)
+        self.min_workers = _integer("min_workers", min_workers, 1)
+        if not isinstance(host, str) or not host.strip():
+            raise ValueError(f"host must be an address to bind (e.g. 127.0.0.1), got {host!r}")
+        port = 8512 if port is None else port
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"port must be an int in [0, 65535] (0: any free), got {port!r}")
+        self.host, self.port = host, port
+        self.output_dir = str(output_dir)
+        self.save_every_n_rounds = _integer("save_every_n_rounds", save_every_n_rounds, 0)
+        self.save_total_limit = _integer("save_total_limit", save_total_limit, 0)
+        self.async_mode = bool(async_mode)
+        self.safetensors = bool(safetensors)  # checkpoints are always safetensors here
+        self.dn_buffer_size = _integer("dn_buffer_size", dn_buffer_size, 0)
+        self.dylu_enabled = bool(dylu_enabled)
+        self.dylu_base_sync_every = _integer("dylu_base_sync_every", dylu_base_sync_every, 1)
+        self.heartbeat_timeout = _number(
+            "heartbeat_timeout", heartbeat_timeout, low=0, high=MAX_HEARTBEAT_TIMEOUT
+        )
+        self.dashboard_enabled = bool(dashboard_enabled)
+        self.sync_timeout = _number("sync_timeout", sync_timeout, low=0.001)
+        self.max_payload_mb = _integer("max_payload_mb", max_payload_mb, 1)
+        self._check_auth(token, disable_auth, allow_remote_without_auth)
+        self.token, self.disable_auth = token, disable_auth
+        self.allow_remote_without_auth = allow_remote_without_auth
+        if (certfile is None) != (keyfile is None):
+            raise ValueError("HTTPS needs both certfile and keyfile (got only one)")
+        self.certfile, self.keyfile = certfile, keyfile
+        if outer_optimizer_factory is None:
+            _number("outer_lr", outer_lr, low=1e-12)
+            _momentum("outer_momentum", outer_momentum)
+            if nesterov and outer_momentum == 0:
+                raise ValueError("nesterov=True needs outer_momentum > 0 (or pass nesterov=False)")
+
+            def outer_optimizer_factory(params: Any) -> torch.optim.Optimizer:
+                return torch.optim.SGD(
+                    params, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov
+                )
+
+        self.outer_optimizer_factory = outer_optimizer_factory
+        self._running = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_event: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._started_at: float | None = None
+        self.load_state(from_checkpoint)
+
+    @staticmethod
+    def _check_auth(token: Any, disable_auth: Any, allow_remote: Any) -> None:
+        for name, flag in (
+            ("disable_auth", disable_auth),
+            ("allow_remote_without_auth", allow_remote),
+        ):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
+        if token is not None and (
+            not isinstance(token, str) or len(token) < 16 or not token.isascii()
+            or not token.isprintable() or " " in token
+        ):  # fmt: skip
+            raise ValueError(
+                "token must be a printable ASCII string of at least 16 characters without spaces"
             )
-            for g in groups
+        if token is not None and disable_auth:
+            raise ValueError("pass either token= or disable_auth=True, not both")
+
+    # -- state ------------------------------------------------------------------------
+    def _initialize(self, weights: dict[str, torch.Tensor]) -> None:
+        for name, value in weights.items():
+            if not value.is_floating_point():
+                raise ValueError(f"checkpoint tensor {name} is {value.dtype}, not floating point")
+        self._param_names = list(weights)
+        self._index = {n: i for i, n in enumerate(self._param_names)}
+        self._params = [
+            torch.nn.Parameter(v.detach().clone().float().cpu(), requires_grad=False)
+            for v in weights.values()
         ]
+        self.outer_optimizer = self.outer_optimizer_factory(self._params)
+        self._outer_lr = float(self.outer_optimizer.param_groups[0]["lr"])
+        self._model_params = sum(v.numel() for v in weights.values())
+        self._model_size_mb = sum(v.numel() * v.element_size() for v in weights.values()) / 2**20
+        self._workers: dict[str, WorkerInfo] = {}
+        self._sync_round = 0
+        self._total_submissions = 0
+        self._fragment_submissions = 0
+        self._total_worker_deaths = 0
+        self._pending: dict[str, dict[str, torch.Tensor]] = {}
+        self._round_done: dict[int, asyncio.Future[dict[str, torch.Tensor]]] = {}
+        self._expected: set[str] | None = None
+        self._frag_pending: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
+        self._frag_rounds: dict[int, int] = {}
+        self._frag_done: dict[tuple[int, int], asyncio.Future[dict[str, torch.Tensor]]] = {}
+        self._dn_buffer: list[dict[str, torch.Tensor]] = []
+        self._dirty = False
 
-    def _check_model(self, weights: dict[str, torch.Tensor], num_fragments: int) -> None:
-        shapes = {n: list(t.shape) for n, t in weights.items()}
-        if shapes != self.shapes:
-            missing = sorted(set(self.shapes) - set(shapes))[:5]
-            extra = sorted(set(shapes) - set(self.shapes))[:5]
-            differ = sorted(n for n in shapes if n in self.shapes and shapes[n] != self.shapes[n])
-            differ = differ[:5]
-            raise ProtocolError(
-                "this worker's model is not the server's: "
-                f"missing {missing}, unexpected {extra}, other shapes {differ}",
-                409,
-            )
-        if num_fragments != len(self.fragments):
-            raise ProtocolError(
-                f"num_fragments={num_fragments}, but the server runs "
-                f"{len(self.fragments)} fragments; start every worker with the same value",
-                409,
-            )
+    def load_state(self, checkpoint_path: str | None = None) -> None:
+        """Start from ``checkpoint_path``, or the newest checkpoint in ``output_dir``."""
+        if self._running:
+            raise RuntimeError("the server cannot load a checkpoint while it runs; stop it first")
+        if checkpoint_path is None:
+            found = storage.find_latest(self.output_dir)
+            if found is None:
+                raise ValueError(
+                    f"no checkpoint in {self.output_dir} (nor under its checkpoints/): pass "
+                    "from_checkpoint= a model directory (model.safetensors, pytorch_model.bin "
+                    "or a sharded index)"
+                )
+            checkpoint_path = str(found)
+        self._initialize(storage.load_weights(checkpoint_path))
+        state = storage.load_server_state(checkpoint_path)
+        if state is None:
+            log.info("diloco: global weights from %s (no server state: round 0)", checkpoint_path)
+            return
+        names = state.get("param_names")
+        if names is not None and list(names) != self._param_names:
+            raise ValueError(f"{checkpoint_path}: server_state.pt names other parameters")
+        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        self._outer_lr = float(self.outer_optimizer.param_groups[0]["lr"])
+        self._sync_round = int(state["sync_round"])
+        self._total_submissions = int(state.get("total_submissions", 0))
+        log.info("diloco: continuing from %s at round %d", checkpoint_path, self._sync_round)
 
-    def global_weights(self, fragment: int | None = None) -> dict[str, torch.Tensor]:
-        """The current global weights (of one fragment, or all), in their own dtypes."""
-        frags = self.fragments if fragment is None else [self.fragments[fragment]]
+    def save_state(self, path: str | None = None) -> None:
+        """Save weights and server state (skipped when nothing changed since the last save)."""
+        if not self._running:
+            raise RuntimeError("the server is not running")
+        if not self._dirty:
+            log.info("diloco: nothing changed since the last save; not saving")
+            return
+        target = Path(path) if path is not None else (
+            Path(self.output_dir) / "checkpoints" / f"checkpoint-{self._sync_round}"
+        )  # fmt: skip
+        storage.save(target, self.get_global_params(), self._server_state())
+        log.info("diloco: saved %s", target)
+        if path is None:
+            storage.rotate(self.output_dir, self.save_total_limit)
+        self._dirty = False
+
+    def _server_state(self) -> dict[str, Any]:
         return {
-            n: w.to(self.dtypes[n])
-            for frag in frags
-            for n, w in zip(frag.names, frag.outer.weights, strict=True)
+            "outer_optimizer": self.outer_optimizer.state_dict(),
+            "sync_round": self._sync_round,
+            "num_workers": self.num_workers,
+            "param_names": list(self._param_names),
+            "async_mode": self.async_mode,
+            "total_submissions": self._total_submissions,
         }
 
-    def live_ids(self) -> set[str]:
-        return set(self.members)
+    def get_global_params(self) -> dict[str, torch.Tensor]:
+        """A copy of the global weights (float32)."""
+        return {n: p.detach().clone() for n, p in zip(self._param_names, self._params, strict=True)}
 
-    def fastest(self) -> float | None:
-        speeds = [m.steps_per_sec for m in self.members.values() if m.steps_per_sec]
-        return max(speeds) if speeds else None
+    def _params_named(self, names: list[str]) -> dict[str, torch.Tensor]:
+        return {n: self._params[self._index[n]].detach().clone() for n in names}
 
-    def _seen(self, worker_id: str, steps_per_sec: Any = None) -> Member:
-        member = self.members.get(worker_id)
-        if member is None:  # not joined, or dropped while it was away: it is back
-            member = self.members[worker_id] = Member(worker_id, 30.0, time.monotonic())
-            log.info("diloco: worker %s is back", worker_id)
-        member.last_seen = time.monotonic()
-        if isinstance(steps_per_sec, (int, float)) and steps_per_sec > 0:
-            member.steps_per_sec = float(steps_per_sec)
-        return member
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
 
-    # -- the protocol (called on the event loop) ----------------------------------
-    def join(self, body: bytes) -> bytes:
-        weights, meta = _payload(body)
-        worker_id = _worker_id(meta)
-        num_fragments = meta.get("num_fragments", 1)
-        interval = meta.get("heartbeat_interval", 30.0)
-        if not isinstance(interval, (int, float)) or not interval > 0:
-            raise ProtocolError(f"heartbeat_interval must be seconds > 0, got {interval!r}")
-        if not self.initialised:
+    # -- outer steps --------------------------------------------------------------------
+    @torch.no_grad()
+    def _outer_step(self, contributions: list[dict[str, torch.Tensor]]) -> None:
+        """One outer step on the mean of ``contributions`` (their names only)."""
+        for name in contributions[0]:
+            total = contributions[0][name].float().clone()
+            for other in contributions[1:]:
+                total.add_(other[name].float())
+            self._params[self._index[name]].grad = total.div_(len(contributions))
+        self.outer_optimizer.step()
+        self.outer_optimizer.zero_grad(set_to_none=True)
+        self._dirty = True
+
+    def _after_round(self) -> None:
+        if self.save_every_n_rounds > 0 and self._sync_round % self.save_every_n_rounds == 0:
             try:
-                self._init_model(weights, num_fragments, meta.get("names"))
-            except ValueError as err:
-                raise ProtocolError(str(err)) from None
-            log.info("diloco: global weights from worker %s (%d tensors)", worker_id, len(weights))
-            self._save()
-        else:
-            self._check_model(weights, num_fragments)
-        self.members[worker_id] = Member(worker_id, float(interval), time.monotonic())
-        log.info("diloco: worker %s joined (%d live)", worker_id, len(self.members))
-        return encode(self.global_weights(), self._meta(worker_id=worker_id))
+                self.save_state()
+            except Exception:  # a failed save must not fail the round
+                log.exception("diloco: saving round %d failed", self._sync_round)
 
-    async def sync(self, body: bytes) -> bytes:
-        grads, meta = _payload(body)
-        worker_id = _worker_id(meta)
-        if not self.initialised:
-            raise ProtocolError("no global weights yet: POST /v1/join first", 409)
-        index, round_ = meta.get("fragment"), meta.get("round")
-        if not isinstance(index, int) or not 0 <= index < len(self.fragments):
-            raise ProtocolError(
-                f"fragment must be an int in [0, {len(self.fragments)}), got {index!r}"
+    def _expected_count(self) -> int:
+        return len(self._expected) if self._expected is not None else self.num_workers
+
+    def _snapshot_expected(self) -> None:
+        self._expected = set(self._workers)
+
+    def _release_full(self) -> None:
+        """Close the full-model round when every expected worker has submitted."""
+        if not self._pending or len(self._pending) < self._expected_count():
+            return
+        done_round = self._sync_round
+        self._outer_step(list(self._pending.values()))
+        self._pending.clear()
+        self._sync_round += 1
+        log.info("diloco: outer step done, round %d", self._sync_round)
+        self._future(self._round_done, done_round).set_result(self.get_global_params())
+        self._snapshot_expected()
+        for old in [r for r in self._round_done if r < done_round - 1]:
+            del self._round_done[old]
+        self._after_round()
+
+    def _release_fragment(self, frag: int) -> None:
+        pending = self._frag_pending.get(frag) or {}
+        if not pending or len(pending) < self._expected_count():
+            return
+        done_round = self._frag_rounds.get(frag, 0)
+        contributions = list(pending.values())
+        self._outer_step(contributions)
+        result = self._params_named(list(contributions[0]))
+        pending.clear()
+        self._frag_rounds[frag] = done_round + 1
+        self._fragment_submissions += len(contributions)
+        self._sync_round += 1
+        self._future(self._frag_done, (frag, done_round)).set_result(result)
+        for key in [k for k in self._frag_done if k[0] == frag and k[1] < done_round - 1]:
+            del self._frag_done[key]
+
+    @staticmethod
+    def _future(table: dict[Any, asyncio.Future[Any]], key: Any) -> asyncio.Future[Any]:
+        future = table.get(key)
+        if future is None:
+            future = table[key] = asyncio.get_running_loop().create_future()
+        return future
+
+    @torch.no_grad()
+    def _apply_async(self, grads: dict[str, torch.Tensor]) -> None:
+        if self.dn_buffer_size <= 0:
+            self._outer_step([grads])
+        else:
+            self._dn_buffer.append(grads)
+            if len(self._dn_buffer) >= self.dn_buffer_size:
+                self._outer_step(self._dn_buffer)
+                self._dn_buffer = []
+            else:  # between momentum steps: plain descent, no momentum
+                for name, value in grads.items():
+                    self._params[self._index[name]].sub_(self._outer_lr * value.float())
+                self._dirty = True
+        self._sync_round += 1
+        self._total_submissions += 1
+        self._after_round()
+
+    def worker_left(self, worker_id: str) -> None:
+        """Drop a worker (left, kicked or silent) and release the barriers it held up."""
+        if self._workers.pop(worker_id, None) is None:
+            return
+        self._total_worker_deaths += 1
+        self.num_workers = max(self.min_workers, len(self._workers))
+        log.warning("diloco: worker %s gone; %d remain", worker_id, len(self._workers))
+        self._pending.pop(worker_id, None)
+        if self._expected is not None:
+            self._expected.discard(worker_id)
+        self._release_full()
+        for frag, pending in self._frag_pending.items():
+            pending.pop(worker_id, None)
+            self._release_fragment(frag)
+
+    def evict_silent(self, now: float | None = None) -> list[str]:
+        """Drop the workers whose last heartbeat is older than ``heartbeat_timeout``."""
+        if self.heartbeat_timeout <= 0:
+            return []
+        now = time.time() if now is None else now
+        silent = [
+            w for w, i in self._workers.items() if now - i.last_heartbeat > self.heartbeat_timeout
+        ]
+        for worker_id in silent:
+            log.warning(
+                "diloco: no heartbeat from %s for %.1f s", worker_id, self.heartbeat_timeout
             )
-        if not isinstance(round_, int):
-            raise ProtocolError(f"round must be an int, got {round_!r}")
-        self._seen(worker_id, meta.get("steps_per_sec"))
-        frag = self.fragments[index]
-        if round_ != frag.round:  # the round it trained for is over: start from now
-            return encode(self.global_weights(index), self._meta(index, stale=True))
-        if sorted(grads) != sorted(frag.names):
-            raise ProtocolError(
-                f"fragment {index} holds {len(frag.names)} tensors "
-                f"({', '.join(frag.names[:3])}...), the payload {len(grads)}",
-            )
-        if not frag.pending:
-            frag.opened_at = time.monotonic()
-            frag.expected = self.live_ids()
-        frag.pending[worker_id] = [grads[n] for n in frag.names]
-        future = frag.waiting.get(worker_id)
-        if future is None or future.done():
-            future = frag.waiting[worker_id] = asyncio.get_running_loop().create_future()
-        self.maybe_close(index)
-        return await asyncio.shield(future)
+            self.worker_left(worker_id)
+        return silent
+
+    def recommended_sync_every(self, worker_id: str) -> int | None:
+        """DyLU's ``sync_every`` for ``worker_id``, or None (disabled, no speeds yet)."""
+        if not self.dylu_enabled:
+            return None
+        speeds = {w: i.steps_per_second for w, i in self._workers.items() if i.steps_per_second > 0}
+        if worker_id not in speeds:
+            return None
+        return max(1, int(speeds[worker_id] / max(speeds.values()) * self.dylu_base_sync_every))
+
+    # -- the protocol ----------------------------------------------------------------------
+    def register(self, info: dict[str, Any]) -> dict[str, torch.Tensor]:
+        worker_id = _worker_id(info)
+        hostname = info.get("hostname", "unknown")
+        extra = info.get("extra", {})
+        now = time.time()
+        if worker_id in self._workers:
+            log.info("diloco: worker %s registers again", worker_id)
+        self._workers[worker_id] = WorkerInfo(
+            worker_id, str(hostname)[:200], now, now,
+            extra=extra if isinstance(extra, dict) else {},
+        )  # fmt: skip
+        self.num_workers = max(self.num_workers, len(self._workers))
+        log.info(
+            "diloco: worker %s registered (%d/%d)", worker_id, len(self._workers), self.num_workers
+        )
+        return self.get_global_params()
+
+    def _accept(self, body: bytes, *, fragment: bool) -> tuple[str, Any, dict[str, torch.Tensor]]:
+        try:
+            header, grads = unpack(body)
+        except ValueError as err:
+            raise ProtocolError(f"bad submission body: {err}") from None
+        worker_id = _worker_id(header)
+        frag = None
+        if fragment:
+            frag = header.get("fragment_id")
+            if isinstance(frag, bool) or not isinstance(frag, int) or not 0 <= frag < 4096:
+                raise ProtocolError(f"fragment_id must be an int in [0, 4096), got {frag!r}")
+        error = check_contribution(worker_id, grads, self._globals_view(), fragment=frag)
+        if error is not None:
+            log.error("diloco: %s", error)
+            raise ProtocolError(error)
+        return worker_id, frag, grads
+
+    def _globals_view(self) -> dict[str, torch.Tensor]:
+        return dict(zip(self._param_names, self._params, strict=True))
+
+    def _touch(self, worker_id: str) -> WorkerInfo | None:
+        info = self._workers.get(worker_id)
+        if info is not None:
+            info.last_heartbeat = time.time()
+        return info
+
+    async def submit(self, body: bytes) -> dict[str, torch.Tensor]:
+        worker_id, _, grads = self._accept(body, fragment=False)
+        info = self._touch(worker_id)
+        if self.async_mode:
+            if info is not None:
+                info.sync_round += 1
+                info.last_sync_server_round = self._sync_round + 1
+            self._apply_async(grads)
+            return self.get_global_params()
+        my_round = self._sync_round
+        if self._expected is None:
+            self._snapshot_expected()
+        self._pending[worker_id] = grads
+        if info is not None:
+            info.sync_round += 1
+            info.last_sync_server_round = my_round + 1
+        done = self._future(self._round_done, my_round)
+        self._release_full()
+        return await self._wait(done, "Sync timeout")
+
+    async def submit_fragment(self, body: bytes) -> dict[str, torch.Tensor]:
+        worker_id, frag, grads = self._accept(body, fragment=True)
+        self._touch(worker_id)
+        if self.async_mode:
+            self._outer_step([grads])
+            self._sync_round += 1
+            self._total_submissions += 1
+            self._fragment_submissions += 1
+            return self._params_named(list(grads))
+        my_round = self._frag_rounds.setdefault(frag, 0)
+        self._frag_pending.setdefault(frag, {})[worker_id] = grads
+        done = self._future(self._frag_done, (frag, my_round))
+        self._release_fragment(frag)
+        return await self._wait(done, "Fragment sync timeout")
+
+    async def _wait(self, done: asyncio.Future[Any], message: str) -> Any:
+        try:
+            return await asyncio.wait_for(asyncio.shield(done), self.sync_timeout)
+        except asyncio.TimeoutError:
+            raise ProtocolError(message, 504) from None
 
     def heartbeat(self, data: dict[str, Any]) -> dict[str, Any]:
-        self._seen(_worker_id(data), data.get("steps_per_sec"))
-        return {"fastest_steps_per_sec": self.fastest(), "live": len(self.members)}
-
-    def leave(self, data: dict[str, Any]) -> dict[str, Any]:
         worker_id = _worker_id(data)
-        if self.members.pop(worker_id, None) is not None:
-            log.info("diloco: worker %s left (%d live)", worker_id, len(self.members))
-        self.close_due_rounds()
-        return {"live": len(self.members)}
+        info = self._touch(worker_id)
+        speed = data.get("steps_per_second")
+        if info is not None and speed is not None:
+            info.steps_per_second = _number("steps_per_second", speed, low=0, high=1e9)
+        answer: dict[str, Any] = {
+            "status": "ok",
+            "sync_round": self._sync_round,
+            "num_workers": self.num_workers,
+            "num_registered": len(self._workers),
+        }
+        recommended = self.recommended_sync_every(worker_id)
+        if recommended is not None:
+            answer["recommended_sync_every"] = recommended
+        return answer
 
     def status(self) -> dict[str, Any]:
-        return {
-            "rounds": [f.round for f in self.fragments],
-            "rounds_closed": self.rounds_closed,
-            "num_fragments": len(self.fragments),
-            "members": sorted(self.members),
-            "pending": [sorted(f.pending) for f in self.fragments],
-            "fastest_steps_per_sec": self.fastest(),
-            "bytes_received": self.bytes_received,
-            "bytes_sent": self.bytes_sent,
-            "outer_lr": self.settings.outer_lr,
-            "outer_momentum": self.settings.outer_momentum,
-            "min_workers": self.settings.min_workers,
+        """Forgather's ``/status`` reply, key for key."""
+        group = self.outer_optimizer.param_groups[0]
+        reply: dict[str, Any] = {
+            "status": "running",
+            "mode": "async" if self.async_mode else "sync",
+            "sync_round": self._sync_round,
+            "num_workers": self.num_workers,
+            "num_registered": len(self._workers),
+            "workers": {
+                w: {
+                    "hostname": i.hostname,
+                    "registered_at": i.registered_at,
+                    "last_heartbeat": i.last_heartbeat,
+                    "sync_round": i.sync_round,
+                    "last_sync_server_round": i.last_sync_server_round,
+                    "steps_per_second": i.steps_per_second,
+                }
+                for w, i in self._workers.items()
+            },
+            "pending_submissions": [] if self.async_mode else list(self._pending),
+            "started_at": self._started_at,
+            "uptime_seconds": time.time() - self._started_at if self._started_at else 0,
         }
+        if self.async_mode:
+            reply.update(
+                total_submissions=self._total_submissions,
+                dn_buffer_size=self.dn_buffer_size,
+                dn_buffered=len(self._dn_buffer),
+                dylu_enabled=self.dylu_enabled,
+            )
+            if self.dylu_enabled:
+                reply["dylu_base_sync_every"] = self.dylu_base_sync_every
+        if self._fragment_submissions > 0:
+            reply["fragment_submissions"] = self._fragment_submissions
+        if self._total_worker_deaths > 0:
+            reply["total_worker_deaths"] = self._total_worker_deaths
+        reply.update(
+            heartbeat_timeout=self.heartbeat_timeout,
+            min_workers=self.min_workers,
+            outer_lr=group.get("lr", 0),
+            outer_momentum=group.get("momentum", 0),
+            save_dir=self.output_dir,
+            model_params=self._model_params,
+            model_size_mb=round(self._model_size_mb, 2),
+            dashboard_enabled=self.dashboard_enabled,
+        )
+        return reply
 
-    # -- rounds -------------------------------------------------------------------
-    def reap(self, now: float | None = None) -> None:
-        """Drop members whose heartbeats stopped, then close the rounds that are due."""
-        now = time.monotonic() if now is None else now
-        for worker_id, member in list(self.members.items()):
-            if now - member.last_seen > 3 * member.heartbeat_interval:
-                del self.members[worker_id]
-                log.warning(
-                    "diloco: worker %s dropped: no heartbeat for %.1f s",
-                    worker_id,
-                    now - member.last_seen,
+    # -- admin routes ------------------------------------------------------------------------
+    def control(self, action: str, data: dict[str, Any]) -> dict[str, Any]:
+        if action == "save_state":
+            self.save_state()
+            return {"status": "ok", "sync_round": self._sync_round}
+        if action == "kick_worker":
+            worker_id = data.get("worker_id")
+            if not worker_id:
+                raise ProtocolError("worker_id required")
+            if worker_id not in self._workers:
+                raise ProtocolError(f"Worker {str(worker_id)[:200]} not found", 404)
+            self.worker_left(worker_id)
+            return {"status": "ok", "worker_id": worker_id}
+        if action == "update_optimizer":
+            updated = {}
+            try:
+                if "lr" in data:
+                    updated["lr"] = _number("lr", data["lr"], low=1e-12, high=1e6)
+                if "momentum" in data:
+                    updated["momentum"] = _momentum("momentum", data["momentum"])
+            except ValueError as err:
+                raise ProtocolError(str(err)) from None
+            if not updated:
+                raise ProtocolError("No parameters to update (provide lr and/or momentum)")
+            for group in self.outer_optimizer.param_groups:
+                group.update(updated)
+            self._outer_lr = float(self.outer_optimizer.param_groups[0]["lr"])
+            log.info("diloco: outer optimizer now %s", updated)
+            return {"status": "ok", **updated}
+        if action == "update_num_workers":
+            count = data.get("num_workers")
+            if count is None:
+                raise ProtocolError("num_workers required")
+            if isinstance(count, bool) or not isinstance(count, int) or count < self.min_workers:
+                raise ProtocolError(
+                    f"num_workers must be an int >= min_workers ({self.min_workers}), got {count!r}"
                 )
-        self.close_due_rounds(now)
-
-    def close_due_rounds(self, now: float | None = None) -> None:
-        for index in range(len(self.fragments)):
-            self.maybe_close(index, now)
-
-    def maybe_close(self, index: int, now: float | None = None) -> None:
-        frag = self.fragments[index]
-        if not frag.pending or frag.opened_at is None:
-            return
-        now = time.monotonic() if now is None else now
-        awaited = (frag.expected & self.live_ids()) - set(frag.pending)
-        enough = len(frag.pending) >= self.settings.min_workers
-        if (not awaited and enough) or now - frag.opened_at >= self.settings.round_timeout:
-            self._close(index)
-
-    def _close(self, index: int) -> None:
-        frag = self.fragments[index]
-        senders = sorted(frag.pending)  # a fixed order: the sum does not depend on arrival
-        frag.outer.step(mean_of([frag.pending[w] for w in senders]))
-        frag.round += 1
-        frag.pending.clear()
-        frag.opened_at = None
-        self.rounds_closed += 1
-        self._save()
-        answer = encode(self.global_weights(index), self._meta(index, contributors=len(senders)))
-        for future in frag.waiting.values():
-            if not future.done():
-                future.set_result(answer)
-        frag.waiting.clear()
-        log.info(
-            "diloco: fragment %d round %d closed with %d of %d live workers",
-            index,
-            frag.round,
-            len(senders),
-            len(self.members),
+            self.num_workers = count
+            return {"status": "ok", "num_workers": count}
+        if action == "shutdown":
+            if self.save_every_n_rounds > 0:
+                self.save_state()
+            self.request_stop()
+            return {"status": "ok", "message": "Shutting down"}
+        raise ProtocolError(
+            f"Unknown control action: {action[:100]}; allowed: {', '.join(CONTROL_ACTIONS)}", 404
         )
 
-    def _meta(self, fragment: int | None = None, **extra: Any) -> dict[str, Any]:
-        meta = {
-            "rounds": [f.round for f in self.fragments],
-            "fragments": [f.names for f in self.fragments],
-            "fastest_steps_per_sec": self.fastest(),
-            **extra,
-        }
-        if fragment is not None:
-            meta["fragment"] = fragment
-            meta["round"] = self.fragments[fragment].round
-        return meta
+    # -- HTTP ----------------------------------------------------------------------------------
+    def _authorized(self, header: str) -> bool:
+        if self.token is None:
+            return self.disable_auth
+        scheme, _, given = header.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            given.strip().encode("utf-8", "backslashreplace"), self.token.encode("ascii")
+        )
 
-    # -- checkpoint ---------------------------------------------------------------
-    @property
-    def state_path(self) -> Path | None:
-        d = self.settings.checkpoint_dir
-        return None if d is None else Path(d) / STATE_FILE
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "version": 1,
-            "shapes": self.shapes,
-            "dtypes": {n: str(d).removeprefix("torch.") for n, d in self.dtypes.items()},
-            "fragments": [
-                {"names": f.names, "round": f.round, "outer": f.outer.state_dict()}
-                for f in self.fragments
-            ],
-            "members": {w: m.heartbeat_interval for w, m in sorted(self.members.items())},
-            "rounds_closed": self.rounds_closed,
-        }
-
-    def _save(self) -> None:
-        path = self.state_path
-        if path is None or not self.initialised:
-            return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staging = path.with_name(f".{path.name}.tmp")
-        with open(staging, "wb") as f:
-            torch.save(self.state_dict(), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(staging, path)  # readers see the old state or the new one, never half
-        with contextlib.suppress(OSError):
-            fd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-    def _load(self) -> None:
-        path = self.state_path
-        if path is None or not path.is_file():
-            return
-        state = torch.load(path, weights_only=True)
-        s = self.settings
-        self.shapes = state["shapes"]
-        self.dtypes = {n: getattr(torch, d) for n, d in state["dtypes"].items()}
-        self.fragments = []
-        for saved in state["fragments"]:
-            outer = OuterOptimizer(
-                saved["outer"]["weights"],
-                lr=s.outer_lr,
-                momentum=s.outer_momentum,
-                nesterov=s.nesterov,
-            )
-            outer.load_state_dict(saved["outer"])
-            # this start's settings, not the saved ones
-            outer.configure(lr=s.outer_lr, momentum=s.outer_momentum, nesterov=s.nesterov)
-            self.fragments.append(Fragment(names=saved["names"], outer=outer, round=saved["round"]))
-        self.rounds_closed = state["rounds_closed"]
-        now = time.monotonic()  # the remembered members get a heartbeat timeout to come back
-        self.members = {w: Member(w, float(i), now) for w, i in state["members"].items()}
-        log.info("diloco: continuing from %s (rounds %s)", path, [f.round for f in self.fragments])
-
-    # -- HTTP -----------------------------------------------------------------------
     def app(self) -> web.Application:
-        """The aiohttp application serving this state."""
+        """The aiohttp application serving this server's routes."""
         from aiohttp import web
 
         @web.middleware
         async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
             if not self._authorized(request.headers.get("Authorization", "")):
                 return _json(
-                    {"error": "missing or wrong token: send 'Authorization: Bearer <token>'"},
-                    401,
+                    {"error": "missing or wrong token: send 'Authorization: Bearer <token>'"}, 401
                 )
             try:
                 return await handler(request)
@@ -448,141 +670,182 @@ class DiLoCoServer:
                 if exc.status < 400:
                     raise
                 detail = f"; routes: {ROUTES}" if exc.status in (404, 405) else ""
-                return _json({"error": f"{exc.reason}: {request.path[:200]}{detail}"}, exc.status)
+                return _json(
+                    {"error": f"Unknown endpoint: {request.path[:200]}{detail}"}, exc.status
+                )
 
-        async def join(request: web.Request) -> web.Response:
-            body = await self._read(request)
-            return self._payload_response(self.join(body))
+        def tensors(data: dict[str, torch.Tensor]) -> web.Response:
+            return web.Response(body=save_tensors(data), content_type=TENSOR_TYPE)
 
-        async def sync(request: web.Request) -> web.Response:
-            body = await self._read(request)
-            return self._payload_response(await self.sync(body))
+        async def register(request: web.Request) -> web.Response:
+            return tensors(self.register(await _json_body(request)))
+
+        async def submit(request: web.Request) -> web.Response:
+            return tensors(await self.submit(await request.read()))
+
+        async def submit_fragment(request: web.Request) -> web.Response:
+            return tensors(await self.submit_fragment(await request.read()))
 
         async def heartbeat(request: web.Request) -> web.Response:
-            return _json(self.heartbeat(await _json_body(request)))
+            try:
+                return _json(self.heartbeat(await _json_body(request)))
+            except ValueError as err:
+                raise ProtocolError(str(err)) from None
 
-        async def leave(request: web.Request) -> web.Response:
-            return _json(self.leave(await _json_body(request)))
+        async def deregister(request: web.Request) -> web.Response:
+            self.worker_left(_worker_id(await _json_body(request)))
+            return _json({"status": "ok"})
+
+        async def control(request: web.Request) -> web.Response:
+            body = await request.read()
+            try:
+                data = json.loads(body) if body else {}
+            except ValueError:
+                raise ProtocolError("Invalid JSON") from None
+            if not isinstance(data, dict):
+                raise ProtocolError("Invalid JSON: the body must be an object")
+            return _json(self.control(request.match_info["action"], data))
+
+        async def global_params(request: web.Request) -> web.Response:
+            return tensors(self.get_global_params())
 
         async def status(request: web.Request) -> web.Response:
             return _json(self.status())
 
-        app = web.Application(
-            middlewares=[guard], client_max_size=self.settings.max_payload_mb * 2**20
-        )
-        app.router.add_post("/v1/join", join)
-        app.router.add_post("/v1/sync", sync)
-        app.router.add_post("/v1/heartbeat", heartbeat)
-        app.router.add_post("/v1/leave", leave)
-        app.router.add_get("/v1/status", status)
-        app.on_startup.append(self._start_reaper)
+        async def dashboard(request: web.Request) -> web.Response:
+            if not self.dashboard_enabled:
+                return _json({"error": "Dashboard disabled"}, 404)
+            from hookloop.diloco.dashboard import PAGE
+
+            return web.Response(text=PAGE, content_type="text/html")
+
+        app = web.Application(middlewares=[guard], client_max_size=self.max_payload_mb * 2**20)
+        for route, handler in (
+            ("/register", register),
+            ("/submit_pseudograd", submit),
+            ("/submit_fragment_pseudograd", submit_fragment),
+            ("/heartbeat", heartbeat),
+            ("/deregister", deregister),
+            ("/control/{action}", control),
+        ):
+            app.router.add_post(route, handler)
+            app.router.add_post(route + "/", handler)
+        for route, handler in (("/global_params", global_params), ("/status", status),
+                               ("/dashboard", dashboard), ("/", dashboard)):  # fmt: skip
+            app.router.add_get(route, handler)
+        app.on_startup.append(self._start_health_monitor)
         return app
 
-    async def _read(self, request: web.Request) -> bytes:
-        body = await request.read()
-        self.bytes_received += len(body)
-        return body
+    async def _start_health_monitor(self, app: web.Application) -> None:
+        if self.heartbeat_timeout <= 0:
+            return
+        period = min(self.heartbeat_timeout / 3, 30.0)
 
-    def _payload_response(self, body: bytes) -> web.Response:
-        from aiohttp import web
-
-        self.bytes_sent += len(body)
-        return web.Response(body=body, content_type=CONTENT_TYPE)
-
-    async def _start_reaper(self, app: web.Application) -> None:
-        async def reap() -> None:
+        async def monitor() -> None:
             while True:
-                await asyncio.sleep(_REAP_EVERY_S)
+                await asyncio.sleep(period)
                 try:
-                    self.reap()
-                except Exception:  # a bad round must not stop the reaper
-                    log.exception("diloco: closing a round failed")
+                    self.evict_silent()
+                except Exception:  # the monitor must outlive one bad eviction
+                    log.exception("diloco: evicting silent workers failed")
 
-        run_while_serving(app, reap)
-
-    def _authorized(self, header: str) -> bool:
-        token = self.settings.token
-        if token is None:
-            return True
-        scheme, _, given = header.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(
-            given.strip().encode("utf-8", "backslashreplace"), token.encode("ascii")
-        )
+        run_while_serving(app, monitor)
 
     def ssl_context(self) -> ssl.SSLContext | None:
-        s = self.settings
-        if s.certfile is None or s.keyfile is None:
+        if self.certfile is None or self.keyfile is None:
             return None
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.load_cert_chain(s.certfile, s.keyfile)
+        context.load_cert_chain(self.certfile, self.keyfile)
         return context
 
+    # -- running -------------------------------------------------------------------------------
+    def _announce(self) -> None:
+        if self.token is None and not self.disable_auth:
+            raise ValueError(
+                "the DiLoCo server needs token= (workers send it as a bearer token) or "
+                "disable_auth=True to admit tokenless peers such as Forgather's workers"
+            )
+        if self.disable_auth and not is_loopback(self.host) and not self.allow_remote_without_auth:
+            raise ValueError(
+                f"disable_auth=True on host {self.host!r} would let anyone who reaches it "
+                "change the model: bind to 127.0.0.1, set a token, or also pass "
+                "allow_remote_without_auth=True"
+            )
+        if self.disable_auth:
+            where = "loopback only" if is_loopback(self.host) else "REACHABLE FROM OTHER MACHINES"
+            print(
+                f"WARNING: hookloop diloco: serving on {self.host} WITHOUT AUTHENTICATION "
+                f"({where}): anyone who can reach it can change the model or shut it down",
+                file=sys.stderr, flush=True,
+            )  # fmt: skip
 
-class ServerThread:
-    """A :class:`DiLoCoServer` served from a background thread (tests, benchmarks)."""
+    async def serve(self, ready: Callable[[], None] | None = None) -> None:
+        """Serve until :meth:`stop` or ``/control/shutdown``; ``ready`` once listening."""
+        from aiohttp import web
 
-    def __init__(self, settings: ServerSettings) -> None:
-        self.server = DiLoCoServer(settings)
-        self.port: int | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=self._run, name="hookloop-diloco", daemon=True)
+        self._announce()
+        self._loop = asyncio.get_running_loop()
+        self._stop_event = asyncio.Event()
+        runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=1.0)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.port, ssl_context=self.ssl_context(),
+                           reuse_address=True)  # fmt: skip
+        try:
+            await site.start()
+            self.port = _bound_port(runner) or self.port
+            self._running, self._started_at = True, time.time()
+            mode = "async" if self.async_mode else "sync"
+            log.info("diloco: serving %s (mode=%s), %d worker(s) expected", self.address, mode,
+                     self.num_workers)  # fmt: skip
+            if ready is not None:
+                ready()
+            await self._stop_event.wait()
+        finally:
+            self._running = False
+            await runner.cleanup()
 
-    @property
-    def address(self) -> str:
-        scheme = "https" if self.server.ssl_context() is not None else "http"
-        return f"{scheme}://{self.server.settings.host}:{self.port}"
+    def run(self) -> None:
+        """Serve in this thread until shut down (Ctrl-C saves first, as Forgather)."""
+        try:
+            asyncio.run(self.serve())
+        except KeyboardInterrupt:
+            log.info("diloco: interrupted")
 
-    def start(self, timeout: float = 15.0) -> ServerThread:
+    def start(self, timeout: float = 15.0) -> DiLoCoServer:
+        """Serve from a background thread; returns once it listens."""
+        if self._running:
+            raise RuntimeError("the server is already running")
+        ready, failed = threading.Event(), []
+
+        def main() -> None:
+            try:
+                asyncio.run(self.serve(ready.set))
+            except BaseException as err:  # handed to start()
+                failed.append(err)
+                ready.set()
+
+        self._thread = threading.Thread(target=main, name="hookloop-diloco", daemon=True)
         self._thread.start()
-        if not self._ready.wait(timeout):
+        if not ready.wait(timeout):
             raise RuntimeError(f"the DiLoCo server did not start within {timeout:.0f} s")
-        if self._error is not None:
-            raise RuntimeError(f"the DiLoCo server failed to start: {self._error}")
+        if failed:
+            raise failed[0]
         return self
 
-    def _run(self) -> None:
-        loop = self._loop = asyncio.new_event_loop()
-        try:
-            loop.run_until_complete(self._serve())
-        except BaseException as err:
-            self._error = err
-            self._ready.set()
-        finally:
-            loop.close()
-
-    async def _serve(self) -> None:
-        self._stop = asyncio.Event()
-        async with running(self.server) as port:
-            self.port = port
-            self._ready.set()
-            await self._stop.wait()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        loop, stop = self._loop, self._stop
-        if loop is not None and stop is not None and not loop.is_closed():
+    def request_stop(self) -> None:
+        """Ask the server to stop (from any thread or a signal handler); returns at once."""
+        loop, event = self._loop, self._stop_event
+        if loop is not None and event is not None and not loop.is_closed():
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(stop.set)
-        self._thread.join(timeout)
+                loop.call_soon_threadsafe(event.set)
 
-
-@contextlib.asynccontextmanager
-async def running(server: DiLoCoServer):  # type: ignore[no-untyped-def]
-    """Serve ``server`` on its host and port while the block runs; yields the bound port."""
-    from aiohttp import web
-
-    runner = web.AppRunner(server.app(), access_log=None, shutdown_timeout=1.0)
-    await runner.setup()
-    s = server.settings
-    site = web.TCPSite(runner, s.host, s.port, ssl_context=server.ssl_context(), reuse_address=True)
-    try:
-        await site.start()
-        port = _bound_port(runner) or s.port
-        yield port
-    finally:
-        await runner.cleanup()
+    def stop(self) -> None:
+        """Stop serving (and wait for the background thread)."""
+        if not self._running:
+            raise RuntimeError("the server is not running")
+        self.request_stop()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(10)
 
 
 def _bound_port(runner: Any) -> int | None:
@@ -593,17 +856,11 @@ def _bound_port(runner: Any) -> int | None:
     return None
 
 
-def _payload(body: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    try:
-        return decode(body)
-    except ValueError as err:
-        raise ProtocolError(f"the request body must be a safetensors payload: {err}") from None
-
-
-def _worker_id(meta: dict[str, Any]) -> str:
-    worker_id = meta.get("worker_id")
+def _worker_id(data: dict[str, Any]) -> str:
+    worker_id = data.get("worker_id")
     if not isinstance(worker_id, str) or not worker_id or len(worker_id) > 200:
-        raise ProtocolError(f"worker_id must be a non-empty string, got {worker_id!r}")
+        raise ProtocolError(f"worker_id must be a non-empty string of at most 200 characters, "
+                            f"got {str(worker_id)[:80]!r}")  # fmt: skip
     return worker_id
 
 
@@ -611,9 +868,9 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     try:
         data = json.loads(await request.read())
     except ValueError:
-        raise ProtocolError("the request body must be a JSON object") from None
+        raise ProtocolError("Invalid JSON: the body must be a JSON object") from None
     if not isinstance(data, dict):
-        raise ProtocolError("the request body must be a JSON object")
+        raise ProtocolError("Invalid JSON: the body must be a JSON object")
     return data
 
 

@@ -1,82 +1,99 @@
-"""What travels between a DiLoCo worker and its server: safetensors payloads.
+"""What travels between a DiLoCo worker and its server, in Forgather's encoding.
 
-A payload is one safetensors file in memory: named tensors plus a small
-string-to-string metadata header (rounds, worker id, speeds). safetensors
-reads no code, so a payload from the network cannot execute anything.
-Pseudo-gradients may travel as bfloat16 (half the bytes); weights always
-travel in their own dtype so no precision is lost on the global model.
+Tensors travel as one ``torch.save`` of a ``{name: tensor}`` dict, read back
+with ``torch.load(weights_only=True)`` so that a body from the network can
+hold tensors and plain containers but never code. A pseudo-gradient
+submission is a 4-byte big-endian header length, a JSON header (the worker's
+id, the fragment's id) and then such a state dict. Forgather's workers and
+servers use exactly this, so either side can talk to the other's.
 """
 
 from __future__ import annotations
 
+import io
 import json
-from collections.abc import Mapping, Sequence
+import struct
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-from safetensors.torch import load as _load
-from safetensors.torch import save as _save
 
-#: The media type of a payload body.
-CONTENT_TYPE = "application/vnd.hookloop.safetensors"
-
-
-def encode(
-    tensors: Mapping[str, torch.Tensor],
-    meta: Mapping[str, Any] | None = None,
-    *,
-    dtype: torch.dtype | None = None,
-) -> bytes:
-    """One payload; ``meta`` values are JSON-encoded; ``dtype`` casts floating tensors."""
-    out = {}
-    for name, t in tensors.items():
-        t = t.detach()
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        out[name] = t.contiguous().cpu()
-    header = {k: json.dumps(v) for k, v in (meta or {}).items()}
-    return _save(out, metadata=header)
+#: The media type of a tensor body (Forgather sends and expects this).
+TENSOR_TYPE = "application/octet-stream"
+_LENGTH = struct.Struct("!I")
+_MAX_HEADER = 64 * 1024
 
 
-def decode(body: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """``(tensors, meta)`` of a payload; ``ValueError`` when it is not one."""
+def save_tensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
+    """``{name: tensor}`` as the bytes of one ``torch.save`` (on the CPU)."""
+    buf = io.BytesIO()
+    torch.save({n: t.detach().contiguous().cpu() for n, t in tensors.items()}, buf)
+    return buf.getvalue()
+
+
+def load_tensors(body: bytes) -> dict[str, torch.Tensor]:
+    """The ``{name: tensor}`` dict in ``body``; ``ValueError`` when it is anything else."""
     try:
-        tensors = _load(body)
-        header = _read_metadata(body)
-    except Exception as err:  # safetensors raises its own error types on bad input
-        raise ValueError(f"not a safetensors payload: {err}") from None
-    return tensors, {k: json.loads(v) for k, v in header.items()}
+        data = torch.load(io.BytesIO(body), map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises several types on bad or unsafe input
+        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        raise ValueError(f"not a torch.save'd state dict: {first}") from None
+    if not isinstance(data, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in data.items()
+    ):
+        raise ValueError("the tensor payload must be a dict of parameter name -> tensor")
+    return data
 
 
-def _read_metadata(body: bytes) -> dict[str, str]:
-    if len(body) < 8:
-        raise ValueError("payload shorter than its 8-byte header length")
-    size = int.from_bytes(body[:8], "little")
-    header = json.loads(body[8 : 8 + size])
-    return dict(header.get("__metadata__", {}))
+def pack(header: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> bytes:
+    """A submission body: length-prefixed JSON ``header``, then the tensors."""
+    head = json.dumps(dict(header)).encode("utf-8")
+    return _LENGTH.pack(len(head)) + head + save_tensors(tensors)
 
 
-def split_fragments(sizes: Sequence[tuple[str, int]], count: int) -> list[list[str]]:
-    """Cut the parameters, in model order, into ``count`` contiguous groups of similar size.
+def unpack(body: bytes) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """``(header, tensors)`` of a submission body; ``ValueError`` naming what is wrong."""
+    if len(body) < _LENGTH.size:
+        raise ValueError("the body must start with a 4-byte big-endian JSON header length")
+    (size,) = _LENGTH.unpack_from(body)
+    if size > min(_MAX_HEADER, len(body) - _LENGTH.size):
+        raise ValueError(
+            f"the header length {size} is more than the body holds or {_MAX_HEADER} bytes"
+        )
+    try:
+        header = json.loads(body[_LENGTH.size : _LENGTH.size + size].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise ValueError("the header must be a UTF-8 JSON object") from None
+    if not isinstance(header, dict):
+        raise ValueError("the header must be a JSON object")
+    return header, load_tensors(body[_LENGTH.size + size :])
 
-    Both sides call this with the same ``(name, numel)`` list, so they agree on
-    which parameters form fragment *k* without sending the partition around.
+
+def split_fragments(names: list[str], count: int) -> list[list[str]]:
+    """Cut parameter ``names`` (model order) into ``count`` contiguous groups by count.
+
+    The first ``len(names) % count`` groups get one name more, as Forgather's
+    ``FragmentManager`` cuts them, so mixed workers agree on every fragment.
     """
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"num_fragments must be an int >= 1, got {count!r}")
-    if count > len(sizes):
+    if count > len(names):
         raise ValueError(
-            f"num_fragments={count} is more than the model's {len(sizes)} parameter tensors"
+            f"num_fragments ({count}) is more than the model's {len(names)} parameter tensors"
         )
-    total = sum(n for _, n in sizes)
-    groups: list[list[str]] = [[] for _ in range(count)]
-    seen = 0
-    for i, (name, numel) in enumerate(sizes):
-        left = len(sizes) - i  # tensors still to place, this one included
-        k = min(count - 1, seen * count // max(total, 1))
-        # Leave at least one tensor for every later fragment, and never skip a fragment.
-        k = max(k, count - left)
-        k = min(k, next((j for j, g in enumerate(groups) if not g), count - 1))
-        groups[k].append(name)
-        seen += numel
+    base, extra = divmod(len(names), count)
+    groups, start = [], 0
+    for k in range(count):
+        size = base + (1 if k < extra else 0)
+        groups.append(names[start : start + size])
+        start += size
     return groups
+
+
+def fragment_due(local_step: int, sync_every: int, count: int) -> int | None:
+    """The fragment due at ``local_step`` (1-based) of a period, or None (Forgather's rule:
+    fragment k at every multiple of ``sync_every // count``, in turn)."""
+    interval = max(1, sync_every // count)
+    if local_step <= 0 or local_step % interval:
+        return None
+    return (local_step // interval - 1) % count

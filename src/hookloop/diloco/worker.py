@@ -1,49 +1,42 @@
-"""One DiLoCo worker's side: when to sync which fragment, and what to send.
+"""One DiLoCo worker: Forgather's ``DiLoCoWorker`` rules, driven by hookloop's loop.
 
-The worker counts its local optimizer steps within a period of H steps.
-With ``num_fragments`` F, fragment *k* is due at step ``(k + 1) * H // F`` of
-the period: the F fragments are spread evenly over it, in order, so a worker
-sends 1/F of the parameters F times per period instead of everything at once
-(streaming DiLoCo). With F = 1 everything syncs every H steps and the worker
-waits for the round. With F > 1 a fragment's sync runs in the background
-while training goes on, and its answer is adopted when the next fragment is
-due (at most one in flight), keeping what the worker learned meanwhile: the
-fragment becomes ``global + (local now - local when sent)``. Every worker
-goes through the fragments in the same order (a joining worker starts at the
-fragment the others sync next), so no two workers ever wait on each other in
-different fragments' rounds. A sync sends ``base - local`` for the fragment (``base``: the global
-weights this worker last received for it), waits for the round to close, and
-adopts the returned weights, which also become the new ``base``.
+After every optimizer step (:meth:`DiLoCoWorker.after_step`) the worker counts
+a local step. With one fragment it syncs when ``sync_every`` steps are done:
+it sends ``global - local`` (the pseudo-gradient, bfloat16 with
+``bf16_comm``), waits for the server's new global weights, loads them and
+starts counting again. With ``num_fragments`` F > 1 (streaming) the
+parameters are cut into F contiguous groups; fragment k is sent at every
+multiple of ``sync_every // F`` steps in turn, from a background thread, and
+its answer is loaded just before the next fragment is sent (at most one in
+flight). A sync that cannot reach the server is retried after registering
+again (``max_sync_retries`` times, 2 s, 4 s, ... apart); when all fail the
+round is skipped and training goes on, as Forgather's worker does.
 
-DyLU: each worker reports its local speed (steps per second, sync time
-excluded); the server answers with the fastest live worker's speed, and a
-worker with ``dylu`` sets ``H = round(sync_every * own / fastest)`` (at least
-F, at most ``sync_every``), so slower workers take fewer local steps and all
-reach the round at about the same time.
-
-Under ``torchrun`` (data parallel inside one worker) only rank 0 talks to the
-server; the new weights and the period are broadcast to the other ranks.
+Heartbeats (every ``heartbeat_interval`` seconds; 0 disables them) report the
+worker's steps per second; with ``dylu`` the server's ``recommended_sync_every``
+replaces ``sync_every``. Under ``torchrun`` only rank 0 talks to the server;
+new weights and DyLU changes reach the other ranks by broadcast at the sync.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
-import os
-import secrets
-import socket
+import platform
 import threading
 import time
-from dataclasses import dataclass, field
+import uuid
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from hookloop.diloco.client import DiLoCoClient, ServerUnavailable, with_retries
+from hookloop.diloco.client import DiLoCoClient, ServerRefused
+from hookloop.diloco.wire import fragment_due, split_fragments
 
 log = logging.getLogger("hookloop.diloco")
 
-#: The counters a checkpoint keeps (seed 004's names).
+#: The counters a checkpoint keeps (Forgather's ``DiLoCoCallback`` keys).
 COUNTERS = (
     "sync_count",
     "local_step",
@@ -53,335 +46,314 @@ COUNTERS = (
     "dylu_adjustments",
     "fragment_syncs",
 )
+#: The longest heartbeat interval accepted, in seconds (0 disables heartbeats).
+MAX_HEARTBEAT_INTERVAL = 3600.0
 
 
 def default_worker_id() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+    """``worker_<host>_<8 hex>``, as Forgather names its workers."""
+    return f"worker_{platform.node()}_{uuid.uuid4().hex[:8]}"
 
 
-def fragment_offset(k: int, period: int, num_fragments: int) -> int:
-    """The step of the period (1 to ``period``) at which fragment ``k`` syncs."""
-    return (k + 1) * period // num_fragments
-
-
-def next_fragment(rounds: list[int]) -> int:
-    """The fragment the workers sync next, from the server's rounds (fragment 0 runs ahead)."""
-    return next((k for k, r in enumerate(rounds) if r != rounds[0]), 0)
-
-
-def dylu_period(base: int, own: float | None, fastest: float | None, floor: int) -> int:
-    """Local steps for a worker running at ``own`` steps/s when the fastest runs ``fastest``."""
-    if not own or not fastest:
-        return base
-    return max(floor, min(base, round(base * own / fastest)))
-
-
-@dataclass
-class _Pending:
-    """One fragment's sync: sent, possibly still on its way back."""
-
-    k: int
-    started: float
-    sent: dict[str, torch.Tensor] = field(default_factory=dict)
-    answer: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
-    error: BaseException | None = None
-    thread: threading.Thread | None = None
-    blocked: float = 0.0
+def check_heartbeat_interval(value: Any) -> float:
+    """0 (no heartbeats) or seconds in (0, 3600]."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    if not ok or not 0 <= value <= MAX_HEARTBEAT_INTERVAL or value != value:
+        raise ValueError(
+            f"heartbeat_interval must be 0 (no heartbeats) or seconds in (0, "
+            f"{MAX_HEARTBEAT_INTERVAL:g}], got {value!r}"
+        )
+    return float(value)
 
 
 class DiLoCoWorker:
-    """Drives one worker: join, sync fragments when due, heartbeats, leave."""
+    """Registers, syncs when due, sends heartbeats and deregisters; see the module text."""
 
     def __init__(
         self,
         model: torch.nn.Module,
-        *,
         server_addr: str,
-        sync_every: int,
-        worker_id: str,
-        bf16_comm: bool,
-        dylu: bool,
-        heartbeat_interval: float,
-        num_fragments: int,
-        timeout: float,
-        max_sync_retries: int,
+        sync_every: int = 500,
+        worker_id: str | None = None,
+        bf16_comm: bool = True,
+        timeout: float = 600,
+        dylu: bool = False,
+        heartbeat_interval: float = 30.0,
+        num_fragments: int = 1,
+        max_sync_retries: int = 3,
+        *,
         token: str | None = None,
         cafile: str | None = None,
+        retry_delay: float = 2.0,
     ) -> None:
         self.model = model
-        self.server_addr = server_addr
-        self.base_sync_every = sync_every
         self.sync_every = sync_every
-        self.worker_id = worker_id
+        self.initial_sync_every = sync_every
+        self.worker_id = worker_id or default_worker_id()
         self.bf16_comm = bf16_comm
         self.dylu = dylu
-        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_interval = check_heartbeat_interval(heartbeat_interval)
         self.num_fragments = num_fragments
-        self.timeout = timeout
         self.max_sync_retries = max_sync_retries
+        self.retry_delay = retry_delay
         self.distributed = dist.is_available() and dist.is_initialized()
-        self.talks = not self.distributed or dist.get_rank() == 0  # rank 0 talks to the server
-        self.client = (
-            DiLoCoClient(server_addr, token=token, timeout=timeout, cafile=cafile)
-            if self.talks
-            else None
-        )
-        self._beat_client = (
-            DiLoCoClient(server_addr, token=token, timeout=timeout, cafile=cafile)
-            if self.talks
-            else None
-        )
-        self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        self.base: dict[str, torch.Tensor] = {}
-        self.fragments: list[list[str]] = []
-        self.rounds: list[int] = []
-        self.sync_count = 0
-        self.local_step = 0
-        self.cycle_step = 0  # local steps into the current period
-        self.next_fragment = 0
-        self.total_sync_time = 0.0
-        self.sync_retries = 0
-        self.reconnections = 0
-        self.dylu_adjustments = 0
-        self.fragment_syncs = 0
-        self.stale_syncs = 0
-        self.last_sync_time = 0.0
-        self.steps_per_sec: float | None = None
-        self.fastest: float | None = None
-        self._period_start = (time.monotonic(), 0)
-        self._stop = threading.Event()
+        self.talks = not self.distributed or dist.get_rank() == 0
+        self.client = DiLoCoClient(server_addr, timeout, token=token, cafile=cafile)
+        self._beat_client = DiLoCoClient(server_addr, min(timeout, 30), token=token, cafile=cafile)
+        self.params = dict(model.named_parameters())
+        self.fragments = split_fragments(list(self.params), num_fragments)
+        self.global_params: dict[str, torch.Tensor] = {}
+        self.sync_count = self.local_step = 0
+        self.total_sync_time = self.last_sync_time = 0.0
+        self.sync_retries = self.reconnections = self.dylu_adjustments = self.fragment_syncs = 0
+        self.last_send_bytes = self.last_recv_bytes = 0
+        self._steps: collections.deque[float] = collections.deque(maxlen=100_000)
+        self._recommended: int | None = None
+        self._beat_stop = threading.Event()
         self._beats: threading.Thread | None = None
-        self._in_flight: _Pending | None = None
-        self._in_flight_overlaps = num_fragments > 1  # training went on while it was away
+        self._in_flight: tuple[int, threading.Thread, list[Any]] | None = None
+        self.active = False
 
-    # -- lifecycle ----------------------------------------------------------------
+    # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
-        """Join the server and start from its global weights."""
-        meta: dict[str, Any] = {}
+        """Register, load the global weights, start the heartbeats."""
         if self.talks:
-            assert self.client is not None
-            weights = {n: p.detach() for n, p in self.params.items()}
-            join_meta = {
-                "worker_id": self.worker_id,
-                "num_fragments": self.num_fragments,
-                "heartbeat_interval": self.heartbeat_interval,
-                "names": list(self.params),  # model order, which fragments follow
-            }
-            tensors, meta = self._retrying(lambda: self.client.join(weights, join_meta))
-            self._adopt(tensors)
+            self._load(self.client.register(self.worker_id, self._info()))
+        self._share(list(self.params), ok=True)
+        self.local_step = 0
+        self.active = True
+        if self.talks and self.heartbeat_interval > 0:
+            self._beat_stop.clear()
             self._beats = threading.Thread(
-                target=self._beat, name="hookloop-diloco-heartbeat", daemon=True
+                target=self._beat, name="hookloop-diloco-beat", daemon=True
             )
             self._beats.start()
-        meta = self._share(meta, list(self.params))
-        self.fragments, self.rounds = meta["fragments"], list(meta["rounds"])
-        self.next_fragment = next_fragment(self.rounds)  # join the cycle where the others are
-        self.cycle_step = (
-            0
-            if self.next_fragment == 0
-            else fragment_offset(self.next_fragment - 1, self.sync_every, self.num_fragments)
-        )
-        self.fastest = meta.get("fastest_steps_per_sec")
-        self._period_start = (time.monotonic(), self.local_step)
 
     def stop(self) -> None:
-        """Adopt the fragment still in flight, stop the heartbeats, tell the server we left."""
-        try:
-            self.finish_in_flight()
-        except Exception as err:  # leaving anyway: the server drops us if this fails too
-            log.warning("diloco: the last fragment's sync failed: %s", err)
-        self._stop.set()
+        """Load the fragment still in flight, stop the heartbeats, deregister."""
+        if not self.active:
+            return
+        self._finish_in_flight()
+        self._beat_stop.set()
         if self._beats is not None:
-            self._beats.join(timeout=5.0)
+            self._beats.join(timeout=5)
             self._beats = None
-        if self.talks and self.client is not None:
-            try:
-                self.client.leave(self.worker_id)
-            except Exception as err:  # the server may be gone already: it will drop us
-                log.warning("diloco: could not tell the server %s left: %s", self.worker_id, err)
-
-    def after_step(self) -> None:
-        """Count one local step and sync the fragments now due."""
-        self.local_step += 1
-        self.cycle_step += 1
-        k = self.next_fragment
-        while k < self.num_fragments and self.cycle_step >= fragment_offset(
-            k, self.sync_every, self.num_fragments
-        ):
-            if self.num_fragments == 1:
-                self.sync(k)
-            else:  # streaming: the previous fragment's answer first, then send this one
-                self.finish_in_flight()
-                self._in_flight = self._send(k, background=True)
-            k = self.next_fragment = (k + 1) % self.num_fragments
-            if k == 0:  # the period is over (its length may have changed: DyLU)
-                self.cycle_step = 0
-                break
-
-    # -- one sync -------------------------------------------------------------------
-    def sync(self, k: int) -> None:
-        """Send fragment ``k``'s pseudo-gradient and adopt the round's answer (blocking)."""
-        self._complete(self._send(k, background=False))
-
-    def finish_in_flight(self) -> None:
-        """Wait for the fragment still in flight (streaming) and adopt its answer."""
-        pending, self._in_flight = self._in_flight, None
-        if pending is not None:
-            self._complete(pending)
-
-    def _send(self, k: int, *, background: bool) -> _Pending:
-        started = time.monotonic()
-        pending = _Pending(k, started)
-        if not self.talks:
-            return pending
-        assert self.client is not None
-        client = self.client
-        self._measure_speed(started)
-        names = self.fragments[k]
-        with torch.no_grad():
-            pending.sent = {n: self.params[n].detach().float().clone() for n in names}
-            grads = {n: self.base[n] - pending.sent[n] for n in names}
-        send_meta = {
-            "worker_id": self.worker_id,
-            "fragment": k,
-            "round": self.rounds[k],
-            "steps_per_sec": self.steps_per_sec,
-            "local_step": self.local_step,
-        }
-
-        def call() -> None:
-            try:
-                pending.answer = self._retrying(
-                    lambda: client.sync(grads, send_meta, bf16=self.bf16_comm)
-                )
-            except BaseException as err:  # raised again where the answer is needed
-                pending.error = err
-
-        if background:
-            pending.thread = threading.Thread(target=call, name="hookloop-diloco-sync", daemon=True)
-            pending.thread.start()
-        else:
-            call()
-        pending.blocked = time.monotonic() - started
-        return pending
-
-    def _complete(self, pending: _Pending) -> None:
-        started = time.monotonic()
-        k, names = pending.k, self.fragments[pending.k]
-        meta: dict[str, Any] = {}
         if self.talks:
-            if pending.thread is not None:
-                pending.thread.join()
-            if pending.error is not None:
-                raise pending.error
-            assert pending.answer is not None
-            tensors, meta = pending.answer
-            if meta.get("stale"):
-                self.stale_syncs += 1
-                log.warning(
-                    "diloco: fragment %d round %d closed without %s; continuing from round %d",
-                    k,
-                    self.rounds[k],
-                    self.worker_id,
-                    meta["round"],
-                )
-            self._adopt(tensors, since=pending.sent)
-            meta["period"] = self._next_period(k, meta)
-        meta = self._share(meta, names)
-        self.rounds[k] = meta["round"]
-        if meta["period"] != self.sync_every:
-            self.dylu_adjustments += 1
-            self.sync_every = meta["period"]
-        self.fragment_syncs += 1
-        if k == self.num_fragments - 1:
+            try:
+                self.client.deregister(self.worker_id)
+            except Exception as err:  # the server drops silent workers anyway
+                log.warning("diloco: could not deregister %s: %s", self.worker_id, err)
+        self.active = False
+
+    def _info(self) -> dict[str, Any]:
+        info: dict[str, Any] = {
+            "hostname": platform.node(),
+            "sync_every": self.sync_every,
+            "bf16_comm": self.bf16_comm,
+            "dylu": self.dylu,
+        }
+        if torch.cuda.is_available():
+            info["num_gpus"] = torch.cuda.device_count()
+        return info
+
+    # -- the schedule -----------------------------------------------------------------------
+    def after_step(self) -> None:
+        """Count one local step; sync (or send a fragment) when one is due."""
+        self.local_step += 1
+        self._steps.append(time.time())
+        if self.num_fragments == 1:
+            if self.local_step >= self.sync_every:
+                self.force_sync()
+            return
+        due = fragment_due(self.local_step, self.sync_every, self.num_fragments)
+        if due is not None:
+            self._finish_in_flight()
+            self._send_fragment(due)
+        if self.local_step >= self.sync_every:
+            self.local_step = 0
             self.sync_count += 1
-        self.last_sync_time = pending.blocked + time.monotonic() - started  # time not training
-        self.total_sync_time += self.last_sync_time
-        self._period_start = (time.monotonic(), self.local_step)
+            self._steps.clear()
 
-    def _measure_speed(self, now: float) -> None:
-        since, step = self._period_start
-        if self.local_step > step and now > since:
-            self.steps_per_sec = (self.local_step - step) / (now - since)
+    def force_sync(self) -> None:
+        """A full-model sync now (after the fragment in flight, if any)."""
+        self._finish_in_flight()
+        started = time.time()
+        new: dict[str, torch.Tensor] | None = None
+        if self.talks:
+            new = self._submit_with_retries()
+        if self._share(list(self.params), ok=new is not None or not self.talks, new=new):
+            self.last_sync_time = time.time() - started
+            self.total_sync_time += self.last_sync_time
+        self.local_step = 0
+        self.sync_count += 1
+        self._steps.clear()
 
-    def _next_period(self, k: int, meta: dict[str, Any]) -> int:
-        if not self.dylu or k != self.num_fragments - 1:  # the period ends with the last fragment
-            return self.sync_every
-        fastest = meta.get("fastest_steps_per_sec") or self.fastest
-        return dylu_period(self.base_sync_every, self.steps_per_sec, fastest, self.num_fragments)
+    def _submit_with_retries(self) -> dict[str, torch.Tensor] | None:
+        grads = self._pseudo_grads(list(self.params))
+        wait = self.retry_delay
+        for attempt in range(self.max_sync_retries + 1):
+            try:
+                new = self.client.submit_pseudogradients(self.worker_id, grads)
+                self.last_recv_bytes = _nbytes(new)
+                return new
+            except ServerRefused:
+                raise  # the server says the request is wrong: retrying cannot help
+            except ConnectionError as err:
+                if attempt == self.max_sync_retries:
+                    log.error("diloco: sync failed %d times (%s); skipping this round",
+                              attempt + 1, err)  # fmt: skip
+                    return None
+                self.sync_retries += 1
+                log.warning("diloco: sync failed (%s); registering again in %.0f s", err, wait)
+                time.sleep(wait)
+                wait *= 2
+                self._reconnect()
+                grads = self._pseudo_grads(list(self.params))
+        return None
+
+    def _reconnect(self) -> None:
+        try:
+            self._load(self.client.register(self.worker_id, self._info()))
+            self.reconnections += 1
+        except Exception as err:  # the next attempt tries again
+            log.warning("diloco: registering again failed: %s", err)
+
+    def _send_fragment(self, k: int) -> None:
+        result: list[Any] = [None, time.time()]
+        if self.talks:
+            grads = self._pseudo_grads(self.fragments[k])
+
+            def send() -> None:
+                try:
+                    result[0] = self.client.submit_fragment_pseudogradients(
+                        self.worker_id, k, grads
+                    )
+                except Exception as err:  # the fragment's round goes on without us
+                    log.error("diloco: fragment %d failed: %s", k, err)
+
+            thread = threading.Thread(target=send, name="hookloop-diloco-fragment", daemon=True)
+            thread.start()
+        else:
+            thread = threading.Thread(target=lambda: None)
+            thread.start()
+        self._in_flight = (k, thread, result)
+
+    def _finish_in_flight(self) -> None:
+        if self._in_flight is None:
+            return
+        k, thread, result = self._in_flight
+        thread.join()
+        self._in_flight = None
+        new, started = result
+        if self._share(self.fragments[k], ok=new is not None or not self.talks, new=new):
+            self.fragment_syncs += 1
+            self.total_sync_time += time.time() - started
+            if new is not None:
+                self.last_recv_bytes = _nbytes(new)
+
+    # -- tensors ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def _pseudo_grads(self, names: list[str]) -> dict[str, torch.Tensor]:
+        grads = {}
+        for name in names:
+            grad = self.global_params[name] - self.params[name].detach().float().cpu()
+            grads[name] = grad.to(torch.bfloat16) if self.bf16_comm else grad
+        self.last_send_bytes = _nbytes(grads)
+        return grads
 
     @torch.no_grad()
-    def _adopt(
-        self, tensors: dict[str, torch.Tensor], since: dict[str, torch.Tensor] | None = None
-    ) -> None:
-        """The server's weights become this worker's new base and its weights, plus what
-        it learned since it sent them (``since``: its weights then; streaming only)."""
-        for name, value in tensors.items():
-            param = self.params[name]
-            base = value.to(device=param.device, dtype=torch.float32)
-            self.base[name] = base
-            if since is not None and self._in_flight_overlaps:
-                base = base + (param.detach().float() - since[name])
-            param.copy_(base.to(param.dtype))
+    def _load(self, new: dict[str, torch.Tensor]) -> None:
+        for name, value in new.items():
+            param = self.params.get(name)
+            if param is None:
+                log.warning("diloco: the server sent %s, which this model lacks", name)
+                continue
+            if tuple(value.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"the server's {name} has shape {tuple(value.shape)}, this model's "
+                    f"{tuple(param.shape)}: the server runs another model"
+                )
+            param.copy_(value.to(dtype=param.dtype, device=param.device))
+            self.global_params[name] = param.detach().float().cpu().clone()
+        missing = set(self.params) - set(new)
+        if missing and len(new) == len(self.params):
+            log.warning("diloco: the server lacks %s", sorted(missing)[:5])
 
-    def _share(self, meta: dict[str, Any], names: list[str]) -> dict[str, Any]:
-        """Rank 0's answer and weights on every rank of this worker's own job."""
+    def _share(
+        self, names: list[str], *, ok: bool, new: dict[str, torch.Tensor] | None = None
+    ) -> bool:
+        """Load ``new`` (rank 0's answer) on every rank; True when there was one."""
+        if self.talks and new is not None:
+            self._load(new)
+        if self.talks and self._recommended is not None and self.distributed:
+            self._apply_recommendation(self._recommended)
         if not self.distributed or dist.get_world_size() < 2:
-            return meta
-        box = [meta]
+            return ok
+        box = [ok, self.sync_every]
         dist.broadcast_object_list(box, src=0)
-        for name in names:
-            dist.broadcast(self.params[name].data, src=0)
-        return box[0]
+        ok, sync_every = box
+        if sync_every != self.sync_every:
+            self.sync_every, self.dylu_adjustments = sync_every, self.dylu_adjustments + 1
+        if ok:
+            with torch.no_grad():
+                for name in names:
+                    dist.broadcast(self.params[name].data, src=0)
+                    self.global_params[name] = self.params[name].detach().float().cpu().clone()
+        return ok
 
-    def _retrying(self, call: Any) -> Any:
-        failed = [False]
-
-        def note(attempt: int, err: Exception) -> None:
-            failed[0] = True
-            self.sync_retries += 1
-            log.warning("diloco: %s; retry %d of %d", err, attempt, self.max_sync_retries)
-
-        result = with_retries(call, self.max_sync_retries, on_retry=note)
-        if failed[0]:
-            self.reconnections += 1
-        return result
-
+    # -- heartbeats and DyLU -----------------------------------------------------------------
     def _beat(self) -> None:
-        assert self._beat_client is not None
-        while not self._stop.wait(self.heartbeat_interval):
+        while not self._beat_stop.wait(self.heartbeat_interval):
             try:
-                answer = self._beat_client.heartbeat(self.worker_id, self.steps_per_sec)
-                self.fastest = answer.get("fastest_steps_per_sec") or self.fastest
-            except (ServerUnavailable, ValueError) as err:  # the next sync retries for real
-                log.debug("diloco: heartbeat failed: %s", err)
-            except Exception as err:
+                answer = self._beat_client.heartbeat(self.worker_id, self.get_steps_per_second())
+            except Exception as err:  # the next sync retries for real
                 log.warning("diloco: heartbeat failed: %s", err)
+                continue
+            recommended = answer.get("recommended_sync_every")
+            if self.dylu and isinstance(recommended, int) and recommended >= 1:
+                if self.distributed:  # every rank switches at the next sync
+                    self._recommended = recommended
+                else:
+                    self._apply_recommendation(recommended)
 
-    # -- reporting and checkpoints --------------------------------------------------
-    @property
-    def bytes_sent(self) -> int:
-        return 0 if self.client is None else self.client.bytes_sent
+    def _apply_recommendation(self, recommended: int) -> None:
+        self._recommended = None
+        if recommended != self.sync_every:
+            log.info("diloco: DyLU sync_every %d -> %d", self.sync_every, recommended)
+            self.sync_every = recommended
+            self.dylu_adjustments += 1
 
-    @property
-    def bytes_received(self) -> int:
-        return 0 if self.client is None else self.client.bytes_received
+    def get_steps_per_second(self) -> float:
+        """Local steps per second since the last sync (0.0 before two steps)."""
+        steps = list(self._steps)
+        if len(steps) < 2 or steps[-1] <= steps[0]:
+            return 0.0
+        return (len(steps) - 1) / (steps[-1] - steps[0])
 
+    # -- reporting and checkpoints -------------------------------------------------------------
     @property
     def sync_metrics(self) -> dict[str, float]:
-        return {
+        """Forgather's ``diloco/...`` log keys."""
+        metrics: dict[str, float] = {
             "diloco/sync_count": self.sync_count,
-            "diloco/fragment_syncs": self.fragment_syncs,
-            "diloco/sync_every": self.sync_every,
+            "diloco/local_step": self.local_step,
             "diloco/last_sync_time": self.last_sync_time,
             "diloco/total_sync_time": self.total_sync_time,
-            "diloco/sync_retries": self.sync_retries,
-            "diloco/reconnections": self.reconnections,
-            "diloco/dylu_adjustments": self.dylu_adjustments,
-            "diloco/stale_syncs": self.stale_syncs,
-            "diloco/bytes_sent": self.bytes_sent,
-            "diloco/bytes_received": self.bytes_received,
+            "diloco/last_send_mb": self.last_send_bytes / 1e6,
+            "diloco/last_recv_mb": self.last_recv_bytes / 1e6,
+            "diloco/steps_per_second": self.get_steps_per_second(),
+            "diloco/sync_every": self.sync_every,
         }
+        if self.dylu:
+            metrics["diloco/dylu_adjustments"] = self.dylu_adjustments
+        if self.num_fragments > 1:
+            metrics["diloco/num_fragments"] = self.num_fragments
+            metrics["diloco/fragment_syncs"] = self.fragment_syncs
+        if self.sync_retries:
+            metrics["diloco/sync_retries"] = self.sync_retries
+        if self.reconnections:
+            metrics["diloco/reconnections"] = self.reconnections
+        return metrics
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {c: getattr(self, c) for c in COUNTERS}
@@ -394,3 +366,7 @@ class DiLoCoWorker:
                 setattr(self, c, type(getattr(self, c))(state[c]))
         if "sync_every" in state:
             self.sync_every = int(state["sync_every"])
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())

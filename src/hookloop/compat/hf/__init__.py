@@ -38,22 +38,6 @@ from hookloop.compat.hf.handler import (
     ExportableState,
     PrinterCallback,
 )
-from hookloop.compat.hf.seed004 import (  # seed 004's constructors and files
-    DefaultMetrics,
-    DiLoCoCallback,
-    DivergenceDetector,
-    GradNormLogger,
-    InfoCallback,
-    JsonLogger,
-    ParameterNormLogger,
-    PeakMemory,
-    ProfilerCallback,
-    ProgressCallback,
-    ResumableSummaryWriter,
-    TBLogger,
-    TextgenCallback,
-    WeightNormLogger,
-)
 from hookloop.compat.hf.trainer import Trainer, TrainOutput
 from hookloop.compat.hf.types import TrainerControl, TrainerState, TrainingArguments
 
@@ -66,7 +50,32 @@ def hf_callbacks(callbacks: Any, *, args: Any = None, processing_class: Any = No
     return HFSession(args, processing_class=processing_class).wrap(callbacks)
 
 
+#: Forgather's built-ins, re-exported from :mod:`hookloop.compat.forgather` on first use.
+_FORGATHER = frozenset(
+    {
+        "DefaultMetrics",
+        "DiLoCoCallback",
+        "DivergenceDetector",
+        "GradNormLogger",
+        "InfoCallback",
+        "JsonLogger",
+        "ParameterNormLogger",
+        "PeakMemory",
+        "ProfilerCallback",
+        "ProgressCallback",
+        "ResumableSummaryWriter",
+        "TBLogger",
+        "TextgenCallback",
+        "WeightNormLogger",
+    }
+)
+
+
 def __getattr__(name: str) -> Any:
+    if name in _FORGATHER:
+        import importlib
+
+        return getattr(importlib.import_module("hookloop.compat.forgather.callbacks"), name)
     if name == "TrainerControlCallback":  # hookloop.control is imported only when asked for
         from hookloop.control import TrainerControlCallback
 

@@ -1,17 +1,19 @@
-"""Seed 004's ``DiLoCoCallback``: a training run as one worker of a DiLoCo server.
+"""Deprecated home of Forgather's ``DiLoCoCallback``: use :mod:`hookloop.compat.forgather`.
 
-The seed's class takes ``(server_addr, sync_every, worker_id, bf16_comm, dylu,
-heartbeat_interval, num_fragments, timeout, max_sync_retries)`` with
-``DILOCO_*`` environment fallbacks, is a no-op without a server, keeps its
-counters in checkpoints and adds its sync metrics to the logs. hookloop's
-native :class:`hookloop.diloco.callback.DiLoCoCallback` has exactly that
-constructor, so the seed's name is the native class; it works in the HF
-dialect's ``Trainer`` like any native callback. The server is
-``hookloop diloco serve`` (:mod:`hookloop.diloco.server`).
+Kept for one release; importing it warns.
 """
 
 from __future__ import annotations
 
+import warnings
+
 from hookloop.diloco.callback import DiLoCoCallback
 
 __all__ = ["DiLoCoCallback"]
+
+warnings.warn(
+    "hookloop.compat.hf.seed004_diloco moved to hookloop.compat.forgather; the old path goes "
+    "away in the next release",
+    DeprecationWarning,
+    stacklevel=2,
+)
