@@ -456,6 +456,25 @@ def test_jit_checkpoint_saves_and_stops_when_asked_as_in_transformers(tmp_path: 
     assert outcome["hookloop"] == outcome["hf"] == (3, ["checkpoint-2"], 2)
 
 
+def test_a_dict_of_evaluation_datasets_is_evaluated_set_by_set_as_in_transformers(tmp_path):
+    outcome = {}
+    for kind, factory in FACTORIES.items():
+        args = _args(tmp_path / kind, max_steps=4, eval_strategy="steps", eval_steps=2)
+        sets = {"near": RegressionDataset(8, seed=3), "far": RegressionDataset(8, seed=4)}
+        trainer = _quiet(lambda f=factory, a=args, e=sets: f(
+            RegressionModel(), a, train_dataset=RegressionDataset(16), eval_dataset=e))  # fmt: skip
+        _quiet(trainer.train)
+        evaluated = _quiet(trainer.evaluate)
+        loader = trainer.get_eval_dataloader("far")
+        outcome[kind] = (_history(trainer), evaluated, loader.dataset is sets["far"],
+                         loader.total_batch_size)  # fmt: skip
+    (history, evaluated, same, total), theirs = outcome["hookloop"], outcome["hf"]
+    assert [sorted(e) for e in history] == [sorted(e) for e in theirs[0]]
+    assert sorted(evaluated) == sorted(theirs[1])
+    assert evaluated["eval_far_loss"] == pytest.approx(theirs[1]["eval_far_loss"], rel=1e-5)
+    assert (same, total) == (theirs[2], theirs[3]) == (True, 8)
+
+
 def test_overrides_of_the_hf_step_are_refused_with_a_native_loss(tmp_path: Path):
     custom = _override_points(hf.Trainer, [])
     with pytest.raises(ValueError, match="training_step, prediction_step apply when"):
@@ -1205,7 +1224,9 @@ def test_save_strategy_best_saves_at_each_new_best_as_transformers(tmp_path: Pat
     folders = {k: sorted(p.name for p in (tmp_path / k).glob("checkpoint-*")) for k in FACTORIES}
     assert folders["hookloop"] == folders["hf"]
     assert 0 < len(folders["hf"]) < 6  # only the evaluations that set a new best
-    with pytest.raises(ValueError, match="save_strategy='best' needs metric_for_best_model"):
+    with pytest.raises(
+        ValueError, match="metric_for_best_model` must be provided with save_strategy='best'"
+    ):
         hf.TrainingArguments(output_dir=str(tmp_path), save_strategy="best")
 
 

@@ -187,7 +187,7 @@ def make_loader(
         common["prefetch_factor"] = arg(args, "dataloader_prefetch_factor", None)
         common["multiprocessing_context"] = arg(args, "dataloader_multiprocessing_context", None)
     if isinstance(data, IterableDataset):
-        return DataLoader(data, **common)
+        return _with_total(DataLoader(data, **common), batch_size)
     sampling = str(arg(args, "train_sampling_strategy", "random")) if train else "sequential"
     if sampling not in SAMPLING:
         raise ValueError(
@@ -206,6 +206,14 @@ def make_loader(
         world_size=world_size,
     )
     sampler.follows_torch_seed = data_seed is None
-    return DataLoader(
+    loader = DataLoader(
         data, sampler=sampler, drop_last=bool(arg(args, "dataloader_drop_last", False)), **common
     )
+    return _with_total(loader, batch_size)
+
+
+def _with_total(loader: DataLoader, batch_size: int) -> DataLoader:
+    """``total_batch_size``: the samples of one batch over every rank, as accelerate's
+    prepared loaders say it."""
+    loader.total_batch_size = batch_size * rank_info()[2]  # type: ignore[attr-defined]
+    return loader

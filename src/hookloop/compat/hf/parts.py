@@ -361,6 +361,9 @@ class HFEvaluation(Evaluation):
         #: ``super().evaluate()`` runs the pass), as transformers' loop calls it.
         self.evaluate_hook: Any = None
         self._delegated = False
+        #: A dict of evaluation datasets: name -> loader; training evaluates each in turn
+        #: (keys ``eval_<name>_*``), as transformers does.
+        self.eval_sets: dict[str, Any] = {}
 
     def default_prediction_step(
         self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None
@@ -387,17 +390,24 @@ class HFEvaluation(Evaluation):
 
     def run(self, loader: Any, kind: str) -> dict[str, float]:
         hook = self.evaluate_hook
-        if (
-            hook is not None
-            and kind == "eval"
-            and self.progress.in_training
-            and not self._delegated
-        ):
+        training = kind == "eval" and self.progress.in_training and not self._delegated
+        if hook is not None and training:
             self._delegated = True  # the override's super().evaluate() comes back here
             try:
                 return hook(ignore_keys=self.ignore_keys_in_training)
             finally:
                 self._delegated = False
+        if training and self.eval_sets and self.prefix is None:
+            merged: dict[str, float] = {}
+            self._delegated = True  # each set's pass is a plain one
+            try:
+                for name, one in self.eval_sets.items():
+                    self.prefix = f"eval_{name}"
+                    merged.update(self.run(one, kind))
+            finally:
+                self.prefix, self._delegated = None, False
+            self.step_metric_scheduler(merged)
+            return merged
         ctx, hooks, fire, model = self.ctx, self.hooks, self.fire, self.model
         args = self.session.args
         prefix = self.prefix if self.prefix is not None else kind
@@ -464,7 +474,7 @@ class HFEvaluation(Evaluation):
                 session.evaluating = False
         self.finish(kind, metrics)
         model.train(was_training)
-        if kind == "eval" and self.progress.in_training:
+        if kind == "eval" and self.progress.in_training and not self.eval_sets:
             self.step_metric_scheduler(metrics)
         return metrics
 

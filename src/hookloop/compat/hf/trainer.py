@@ -95,6 +95,8 @@ class Trainer:
         **native: Any,
     ) -> None:
         refuse_unhonoured_overrides(type(self))
+        self._eval_sets: dict[str, Any] = {}  # name -> loader, for a dict of eval datasets
+        self._eval_loaders: dict[str, Any] = {}  # kept with dataloader_persistent_workers
         skip_memory = args is None or bool(hf_optim.arg(args, "skip_memory_metrics", True))
         self._memory = MemoryTracker(not skip_memory)
         self._memory.start("init")
@@ -243,6 +245,7 @@ class Trainer:
         if isinstance(loop.evaluation, hf_parts.HFEvaluation):
             loop.evaluation.prediction_step = self.prediction_step
             loop.evaluation.preprocess_logits = preprocess_logits_for_metrics
+            loop.evaluation.eval_sets = self._eval_sets
             if self._overrides("evaluate"):
                 loop.evaluation.evaluate_hook = self.evaluate
         elif self._overrides("evaluate"):
@@ -291,8 +294,13 @@ class Trainer:
         # built; an evaluate() or predict() call asks again).
         if self._overrides("get_train_dataloader") and self.train_dataset is not None:
             datasets[0] = self.get_train_dataloader()
-        if self._overrides("get_eval_dataloader") and self.eval_dataset is not None:
-            datasets[1] = self.get_eval_dataloader()
+        if isinstance(self.eval_dataset, Mapping):  # named sets: each evaluated in turn
+            self._eval_sets = {name: self.get_eval_dataloader(name) for name in self.eval_dataset}
+            datasets[1] = next(iter(self._eval_sets.values()), None)
+        elif self._overrides("get_eval_dataloader") and self.eval_dataset is not None:
+            datasets[1] = self.get_eval_dataloader(None)  # positionally, as transformers asks
+        elif hf_optim.arg(args, "dataloader_persistent_workers", False):
+            self._eval_loaders["eval"] = datasets[1]  # the one loader transformers keeps
         # HF's create_optimizer and create_scheduler (a subclass's overrides included), called
         # before the loop exists: self.model / optimizer / lr_scheduler are the staged ones.
         self._staged = {"model": model, "optimizer": run.optimizer, "lr_scheduler": run.scheduler}
@@ -458,6 +466,8 @@ class Trainer:
                     )
                 self.loop.resume_from(layout.native_checkpoint(last))
             else:
+                if not os.path.isdir(resume_from_checkpoint):  # transformers' words
+                    raise ValueError(f"Can't find a valid checkpoint at {resume_from_checkpoint}")
                 target = layout.native_checkpoint(resume_from_checkpoint)
                 if layout.written_by_transformers(target):
                     foreign_folder = Path(target)  # read after any rebuild, as transformers
@@ -552,17 +562,20 @@ class Trainer:
             )
         if ignore_keys is not None and not all(isinstance(k, str) for k in ignore_keys):
             raise ValueError(f"ignore_keys must be a list of output names, got {ignore_keys!r}")
+        sets = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(sets, Mapping):  # each named set, its keys prefixed with its name
+            metrics: dict[str, float] = {}
+            for name, one in sets.items():
+                chosen = one if eval_dataset is not None else name
+                metrics.update(self.evaluate(chosen, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
         self._memory.start("eval")
         evaluation = self.loop.evaluation
         hf_evaluation = isinstance(evaluation, hf_parts.HFEvaluation)
         if hf_evaluation:
             evaluation.prefix, evaluation.ignore_keys = metric_key_prefix, ignore_keys
         try:
-            if self._overrides("get_eval_dataloader"):
-                loader = self.get_eval_dataloader(eval_dataset)
-            else:
-                loader = self._loader(eval_dataset, train=False)
-            metrics = self.loop.evaluate(loader)
+            metrics = self.loop.evaluate(self.get_eval_dataloader(eval_dataset))
         finally:
             if hf_evaluation:
                 evaluation.prefix = evaluation.ignore_keys = None
@@ -918,16 +931,40 @@ class Trainer:
         """Whether this Trainer's class replaces the method ``name`` of this one."""
         return getattr(type(self), name) is not getattr(Trainer, name)
 
-    def get_eval_dataloader(self, eval_dataset: Iterable[Any] | None = None) -> Any:
-        """HF's evaluation loader of ``eval_dataset`` (default: the trainer's)."""
-        if eval_dataset is not None:
-            return self._loader(eval_dataset, train=False)
-        loop = getattr(self, "loop", None)
-        if loop is not None:
-            return loop.eval_loader
-        if self.eval_dataset is None:
-            raise ValueError("Trainer: evaluation requires an eval_dataset")
-        return self._loader(self.eval_dataset, train=False)
+    def get_eval_dataloader(self, eval_dataset: Iterable[Any] | str | None = None) -> Any:
+        """HF's evaluation loader of ``eval_dataset`` (default: the trainer's; a name: that
+        one of a dict of evaluation datasets). With ``dataloader_persistent_workers`` a
+        loader is built once per name and reused, as transformers keeps it."""
+        key = eval_dataset if isinstance(eval_dataset, str) else "eval"
+        if isinstance(eval_dataset, str):
+            sets = self.eval_dataset if isinstance(self.eval_dataset, Mapping) else {}
+            if eval_dataset not in sets:
+                raise ValueError(
+                    f"get_eval_dataloader({eval_dataset!r}): the evaluation datasets are "
+                    f"{', '.join(map(repr, sets)) or 'not a dict of named datasets'}"
+                )
+            data: Any = sets[eval_dataset]
+        elif eval_dataset is not None:
+            data = eval_dataset
+        else:
+            loop = getattr(self, "loop", None)
+            if loop is not None and loop.eval_loader is not None and not self._eval_sets:
+                return loop.eval_loader
+            if self.eval_dataset is None:
+                raise ValueError("Trainer: evaluation requires an eval_dataset")
+            if isinstance(self.eval_dataset, Mapping):
+                raise ValueError(
+                    "the evaluation datasets are a dict: name one of "
+                    f"{', '.join(map(repr, self.eval_dataset))}"
+                )
+            data = self.eval_dataset
+        persistent = bool(hf_optim.arg(self.args, "dataloader_persistent_workers", False))
+        if persistent and key in self._eval_loaders:
+            return self._eval_loaders[key]
+        loader = self._loader(data, train=False)
+        if persistent:
+            self._eval_loaders[key] = loader
+        return loader
 
     def get_test_dataloader(self, test_dataset: Iterable[Any]) -> Any:
         """HF's loader for ``test_dataset`` (as an evaluation loader)."""

@@ -187,7 +187,7 @@ class TrainingArguments:
             setattr(self, name, value)
         if self.save_strategy == "best" and self.metric_for_best_model is None:
             raise ValueError(
-                "TrainingArguments.save_strategy='best' needs metric_for_best_model (the "
+                "`args.metric_for_best_model` must be provided with save_strategy='best' (the "
                 "evaluation metric whose new best is saved)"
             )
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
