@@ -742,8 +742,9 @@ def test_the_learning_rate_decays_linearly_by_default_and_is_logged_as_learning_
 
 def test_hf_optimizer_does_not_decay_biases_or_norms():
     trainer = _hf_run(max_steps=1, weight_decay=0.1)
+    assert trainer.optimizer is None  # as in transformers: made by create_optimizer / train
     names = {id(p): n for n, p in trainer.model.named_parameters()}
-    decayed, plain = trainer.optimizer.param_groups
+    decayed, plain = trainer.create_optimizer().param_groups
     assert [names[id(p)] for p in decayed["params"]] == ["linear.weight"]
     assert sorted(names[id(p)] for p in plain["params"]) == [
         "linear.bias",

@@ -475,6 +475,24 @@ def test_a_dict_of_evaluation_datasets_is_evaluated_set_by_set_as_in_transformer
     assert (same, total) == (theirs[2], theirs[3]) == (True, 8)
 
 
+def test_optimizer_and_schedule_appear_as_in_transformers(tmp_path: Path):
+    seen = {}
+    for kind, factory in FACTORIES.items():
+        args = _args(tmp_path / kind, max_steps=6, lr_scheduler_type="cosine", warmup_steps=1)
+        trainer = _quiet(lambda f=factory, a=args: f(
+            RegressionModel(), a, train_dataset=RegressionDataset(24)))  # fmt: skip
+        before = (trainer.optimizer, trainer.lr_scheduler)
+        trainer.create_optimizer_and_scheduler(num_training_steps=3)  # a schedule to look at
+        looked = [trainer.lr_scheduler.lr_lambdas[0](step) for step in range(4)]
+        _quiet(trainer.train)  # trains with its own 6-step schedule, as transformers does
+        seen[kind] = (before, looked, trainer)
+    (before, looked, ours), (their_before, their_looked, theirs) = seen["hookloop"], seen["hf"]
+    assert before == their_before == (None, None)
+    assert looked == pytest.approx(their_looked)
+    _assert_same_run(theirs, ours)
+    assert ours.lr_scheduler is not None and ours.optimizer is not None
+
+
 def test_overrides_of_the_hf_step_are_refused_with_a_native_loss(tmp_path: Path):
     custom = _override_points(hf.Trainer, [])
     with pytest.raises(ValueError, match="training_step, prediction_step apply when"):
@@ -1042,9 +1060,10 @@ def test_a_subclass_of_training_arguments_keeps_fields_of_its_own(tmp_path: Path
     assert trainer.get_num_trainable_parameters() == 4 * 3 + 3 + 3 * 2 + 2
     model[1].requires_grad_(False)
     assert trainer.get_num_trainable_parameters() == 4 * 3 + 3
-    assert trainer.get_learning_rates() == [args.learning_rate] * len(
-        trainer.optimizer.param_groups
-    )
+    with pytest.raises(ValueError, match="optimizer is None"):  # as transformers, before one
+        trainer.get_learning_rates()
+    groups = trainer.create_optimizer().param_groups
+    assert trainer.get_learning_rates() == [args.learning_rate] * len(groups)
 
 
 def test_hyperparameter_search_needs_model_init_and_optuna(tmp_path: Path):

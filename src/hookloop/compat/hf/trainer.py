@@ -71,6 +71,8 @@ class Trainer:
     #: While the loop is being built: the model, optimizer and schedule create_optimizer /
     #: create_scheduler see and set (None once the loop holds them).
     _staged: dict[str, Any] | None = None
+    _scheduler_view: Any = None  # a schedule create_scheduler() made after construction
+    _shown_by_create = False  # inside create_scheduler() after construction
     _accelerator: Any = None
     _accelerator_settings: dict[str, Any] = hf_accelerator.DEFAULTS
 
@@ -96,6 +98,13 @@ class Trainer:
     ) -> None:
         refuse_unhonoured_overrides(type(self))
         self._eval_sets: dict[str, Any] = {}  # name -> loader, for a dict of eval datasets
+        #: What transformers' attributes show of the loop's optimizer and schedule: what
+        #: was given in ``optimizers``, and later what create_*() or train() made.
+        self._shown = {
+            n
+            for n, o in zip(("optimizer", "lr_scheduler"), optimizers or (), strict=False)
+            if o is not None
+        }
         self._eval_loaders: dict[str, Any] = {}  # kept with dataloader_persistent_workers
         skip_memory = args is None or bool(hf_optim.arg(args, "skip_memory_metrics", True))
         self._memory = MemoryTracker(not skip_memory)
@@ -360,9 +369,12 @@ class Trainer:
 
     @property
     def optimizer(self) -> Any:
+        """The optimizer, as transformers shows it: None until ``create_optimizer()`` or
+        ``train()`` (unless given in ``optimizers``). The loop holds it from the start,
+        built the same way."""
         if self._staged is not None:
             return self._staged["optimizer"]
-        return self.loop.optimizer
+        return self.loop.optimizer if "optimizer" in self._shown else None
 
     @optimizer.setter
     def optimizer(self, value: Any) -> None:
@@ -370,9 +382,14 @@ class Trainer:
 
     @property
     def lr_scheduler(self) -> Any:
+        """The schedule, as transformers shows it: None until ``create_scheduler()`` (which
+        makes one for the steps it is given; ``train()`` then uses its own, as
+        transformers does) or ``train()``, unless given in ``optimizers``."""
         if self._staged is not None:
             return self._staged["lr_scheduler"]
-        return self.loop.scheduler
+        if self._scheduler_view is not None:
+            return self._scheduler_view
+        return self.loop.scheduler if "lr_scheduler" in self._shown else None
 
     @lr_scheduler.setter
     def lr_scheduler(self, value: Any) -> None:
@@ -381,13 +398,30 @@ class Trainer:
     scheduler = lr_scheduler
 
     def _set_staged(self, name: str, value: Any) -> None:
-        if self._staged is None:
+        if self._staged is not None:
+            self._staged[name] = value
+        elif name == "optimizer" and value is self.loop.optimizer:
+            self._shown.add(name)
+        elif name == "lr_scheduler" and self._shown_by_create:
+            self._scheduler_view = value  # create_scheduler()'s, until train()
+        else:
             raise AttributeError(
                 f"Trainer.{name} is set by create_optimizer / create_scheduler (override "
                 "them, or pass optimizers=(optimizer, lr_scheduler)); the loop already holds "
                 f"its {name}"
             )
-        self._staged[name] = value
+
+    def _show_training_objects(self) -> None:
+        """From ``train()`` on, the optimizer and schedule the loop trains with are shown;
+        a schedule ``create_scheduler()`` made for inspection is dropped (and the rates it
+        set back to the loop's), as transformers' ``train()`` makes its own."""
+        if self._scheduler_view is not None and self.loop.scheduler is not None:
+            for group, lr in zip(
+                self.loop.optimizer.param_groups, self.loop.scheduler.get_last_lr(), strict=False
+            ):
+                group["lr"] = lr
+        self._scheduler_view = None
+        self._shown.update(("optimizer", "lr_scheduler"))
 
     @property
     def callbacks(self) -> CallbackManager:
@@ -500,6 +534,7 @@ class Trainer:
         evaluation = self.loop.evaluation
         if isinstance(evaluation, hf_parts.HFEvaluation):
             evaluation.ignore_keys_in_training = ignore_keys_for_eval
+        self._show_training_objects()
         self._memory.start("train")
         neftune = self._neftune_on()
         try:
@@ -661,6 +696,9 @@ class Trainer:
         was given. A subclass may override it (it runs once, when the Trainer is built,
         where transformers runs it in ``train()``); it sets ``self.optimizer``."""
         if self.optimizer is None:
+            if self._staged is None:  # after construction: the loop's, built this way
+                self._shown.add("optimizer")
+                return self.optimizer
             self.optimizer = hf_optim.create_optimizer(
                 self.model if model is None else model,
                 self.args,
@@ -672,9 +710,15 @@ class Trainer:
         """HF's ``create_scheduler``: ``args.lr_scheduler_type`` over ``num_training_steps``,
         unless one was given; sets ``self.lr_scheduler``. A subclass may override it."""
         if self.lr_scheduler is None:
-            self.lr_scheduler = hf_optim.create_scheduler(
-                self.optimizer if optimizer is None else optimizer, self.args, num_training_steps
-            )
+            optimizer = self.optimizer if optimizer is None else optimizer
+            if optimizer is None:
+                raise ValueError("create_scheduler needs an optimizer: call create_optimizer first")
+            made = hf_optim.create_scheduler(optimizer, self.args, num_training_steps)
+            self._shown_by_create = self._staged is None
+            try:
+                self.lr_scheduler = made
+            finally:
+                self._shown_by_create = False
         return self.lr_scheduler
 
     def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
@@ -844,17 +888,24 @@ class Trainer:
 
     def get_learning_rates(self) -> list[float]:
         """Each parameter group's current learning rate."""
-        return [group["lr"] for group in self.optimizer.param_groups]
+        return [group["lr"] for group in self._optimizer_set_up().param_groups]
 
     def get_optimizer_group(self, param: Any = None) -> Any:
         """The parameter group holding ``param``, or every group without one."""
-        groups = self.optimizer.param_groups
+        groups = self._optimizer_set_up().param_groups
         if param is None:
             return groups
         for group in groups:
             if any(p is param for p in group["params"]):
                 return group
         raise ValueError(f"parameter {param!r} is in no optimizer group")
+
+    def _optimizer_set_up(self) -> Any:
+        if self.optimizer is None:  # transformers' words
+            raise ValueError(
+                "Trainer optimizer is None, please make sure you have setup the optimizer before."
+            )
+        return self.optimizer
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The model for ``from_pretrained`` (``config.json`` and ``model.safetensors``, or
