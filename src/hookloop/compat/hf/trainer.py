@@ -1243,7 +1243,7 @@ def _progress(args: Any) -> Any:
     ``ProgressCallback`` (seed 004's, which takes transformers' constructor too)."""
     if getattr(args, "disable_tqdm", False):
         return PrinterCallback()
-    from hookloop.compat.hf.seed004 import ProgressCallback
+    from hookloop.compat.forgather.callbacks import ProgressCallback
 
     return ProgressCallback()
 
