@@ -1240,7 +1240,7 @@ def _seed_everything(seed: int) -> None:
 
 def _progress(args: Any) -> Any:
     """HF's progress display: ``PrinterCallback`` with ``disable_tqdm``, else the
-    ``ProgressCallback`` (seed 004's, which takes transformers' constructor too)."""
+    ``ProgressCallback`` (Forgather's, which takes transformers' constructor too)."""
     if getattr(args, "disable_tqdm", False):
         return PrinterCallback()
     from hookloop.compat.forgather.callbacks import ProgressCallback
