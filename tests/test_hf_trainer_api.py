@@ -869,14 +869,17 @@ def test_a_non_finite_loss_is_applied_and_filtered_from_the_log_as_in_transforme
         torch.testing.assert_close(runs["hookloop"].model.state_dict()[name], value)
 
 
-def test_reduce_lr_on_plateau_steps_after_each_evaluation_as_in_transformers(tmp_path: Path):
+@pytest.mark.parametrize("schedule", ["reduce_lr_on_plateau", "greedy"])
+def test_a_metric_driven_schedule_steps_after_each_evaluation_as_in_transformers(
+    tmp_path: Path, schedule: str
+):
     settings = {
         "max_steps": 12,
         "eval_strategy": "steps",
         "eval_steps": 2,
         "logging_steps": 1,
         "learning_rate": 0.05,
-        "lr_scheduler_type": "reduce_lr_on_plateau",
+        "lr_scheduler_type": schedule,
         "lr_scheduler_kwargs": {"patience": 0, "factor": 0.5},
     }
     runs = {
@@ -891,7 +894,7 @@ def test_reduce_lr_on_plateau_steps_after_each_evaluation_as_in_transformers(tmp
         for kind in FACTORIES
     }
     assert rates["hookloop"] == pytest.approx(rates["hf"])
-    assert min(rates["hf"]) < 0.05  # the plateau cut the rate at least once
+    assert len(set(rates["hf"])) > 1  # the metric changed the rate at least once
 
 
 def test_the_native_loop_refuses_a_plateau_scheduler_it_cannot_step(tmp_path: Path):

@@ -15,6 +15,7 @@ native one is.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -383,6 +384,21 @@ def _evaluation(p: Parts) -> Evaluation:
     return Evaluation(**evaluation_inputs(p))
 
 
+def steps_on_a_metric(scheduler: Any) -> bool:
+    """Whether ``scheduler.step`` takes a metric (``ReduceLROnPlateau``, transformers'
+    ``GreedyLR``): stepped after evaluations, not once a step."""
+    if scheduler is None:
+        return False
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        return True
+    try:
+        params = list(inspect.signature(scheduler.step).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    first = params[0] if params else None
+    return first is not None and first.name == "metrics" and first.default is first.empty
+
+
 def _stepper(p: Parts) -> Stepper:
     cfg, dialect = p.config.train, p.dialect
     micro_step = (
@@ -391,10 +407,10 @@ def _stepper(p: Parts) -> Stepper:
         else MicroStep(p.forward, p.state, p.precision)
     )
     clipping = dialect.clipping(p) if dialect.clipping is not None else Clipping(cfg.clip_grad_norm)
-    on_metric = isinstance(p.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    on_metric = steps_on_a_metric(p.scheduler)
     if on_metric and not dialect.steps_metric_scheduler:
         raise ValueError(
-            "a ReduceLROnPlateau scheduler steps on a metric, not once a step: pass "
+            f"a {type(p.scheduler).__name__} scheduler steps on a metric, not once a step: pass "
             "scheduler=None and step it in a callback's on_eval_end "
             "(ctx.scheduler is None then; keep your own reference)"
         )

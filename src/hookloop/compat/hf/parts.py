@@ -47,7 +47,7 @@ from hookloop.compat.hf.loss import HFLoss
 from hookloop.compat.hf.types import eval_key
 from hookloop.loop.evaluation import Evaluation
 from hookloop.loop.logbook import LogBook
-from hookloop.loop.parts import Dialect, Parts, evaluation_inputs
+from hookloop.loop.parts import Dialect, Parts, evaluation_inputs, steps_on_a_metric
 from hookloop.loop.parts import plan_budget as native_budget
 from hookloop.loop.schedule import Action, Schedule, abort, passed_through
 from hookloop.loop.stepper import Clipping, MicroStep
@@ -482,13 +482,13 @@ class HFEvaluation(Evaluation):
         """HF steps a ``ReduceLROnPlateau`` after each evaluation in training, on
         ``metric_for_best_model`` (``eval_``-prefixed), once ``on_evaluate`` has run."""
         scheduler = self.scheduler
-        if not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        if not steps_on_a_metric(scheduler):
             return
         key = eval_key(hf_optim.arg(self.session.args, "metric_for_best_model", None) or "loss")
         if key not in metrics:
             raise KeyError(
                 f"metric_for_best_model names {key!r}, which the evaluation did not report "
-                f"(it reported {', '.join(sorted(metrics))}); the ReduceLROnPlateau "
+                f"(it reported {', '.join(sorted(metrics))}); the {type(scheduler).__name__} "
                 "scheduler steps on it"
             )
         scheduler.step(metrics[key])

@@ -195,10 +195,10 @@ class TrainingArguments:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TrainingArguments.{name} must be an int >= 1, got {value!r}")
         self._check_training_fields()
-        if self.lr_scheduler_type == "reduce_lr_on_plateau":  # as transformers' own rule
+        if self.lr_scheduler_type in ("reduce_lr_on_plateau", "greedy"):  # transformers' rule
             if self.eval_strategy == "no":
                 raise ValueError(
-                    "lr_scheduler_type='reduce_lr_on_plateau' steps after evaluations: set "
+                    f"lr_scheduler_type={self.lr_scheduler_type!r} steps after evaluations: set "
                     "eval_strategy to 'steps' or 'epoch'"
                 )
             if self.metric_for_best_model is None:
