@@ -493,6 +493,41 @@ def test_optimizer_and_schedule_appear_as_in_transformers(tmp_path: Path):
     assert ours.lr_scheduler is not None and ours.optimizer is not None
 
 
+def test_log_level_governs_transformers_training_summary_on_its_logger(tmp_path: Path):
+    import logging
+
+    class Lines(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage().split("=")[0].strip())
+
+    said = {}
+    hf_logger = logging.getLogger("transformers.trainer")
+    try:
+        for kind, factory in FACTORIES.items():
+            for level in ("info", "error"):
+                args = _args(tmp_path / kind, max_steps=1, log_level=level)
+                trainer = _quiet(lambda f=factory, a=args: f(
+                    RegressionModel(), a, train_dataset=RegressionDataset(8)))  # fmt: skip
+                seen = Lines()
+                hf_logger.addHandler(seen)
+                try:
+                    _quiet(trainer.train)
+                finally:
+                    hf_logger.removeHandler(seen)
+                last = "Number of trainable parameters"  # the summary's end
+                lines = seen.lines
+                said[kind, level] = lines[: lines.index(last) + 1] if last in lines else lines
+    finally:
+        logging.getLogger("transformers").setLevel(logging.WARNING)
+    assert said["hookloop", "info"] == said["hf", "info"]
+    assert said["hf", "info"][0] == "***** Running training *****"
+    assert "***** Running training *****" not in said["hookloop", "error"]
+
+
 def test_overrides_of_the_hf_step_are_refused_with_a_native_loss(tmp_path: Path):
     custom = _override_points(hf.Trainer, [])
     with pytest.raises(ValueError, match="training_step, prediction_step apply when"):

@@ -53,7 +53,8 @@ from hookloop.compat.mapping import dialect_event_names, dialect_events
 from hookloop.result import is_abort
 from hookloop.state import CallbackContext
 
-logger = logging.getLogger(__name__)
+# transformers' own logger: its verbosity settings (and log_level) govern these messages
+logger = logging.getLogger("transformers.trainer")
 
 #: native event -> the HF events it fires, in order (read from the one table).
 NATIVE_TO_HF = dialect_events("hf")

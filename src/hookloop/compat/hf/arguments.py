@@ -38,7 +38,6 @@ NO_EFFECT: dict[str, str] = {
     "do_predict": "read by example scripts, not by transformers' Trainer",
     "resume_from_checkpoint": "read by example scripts; train(resume_from_checkpoint=) resumes",
     "local_rank": "set by the launcher; the rank is torch.distributed's",
-    "log_level": "transformers' own logger's verbosity (the dialect logs to hookloop's)",
     "log_level_replica": "transformers' own logger's verbosity on other ranks",
     "log_on_each_node": "transformers' own logger on other nodes",
     "optim_target_modules": "read only by GaLore/APOLLO optimizers, which are refused",

@@ -23,7 +23,8 @@ from hookloop.callback import Callback
 from hookloop.compat.hf import flow
 from hookloop.compat.hf.callback import TrainerCallback
 
-logger = logging.getLogger(__name__)
+# transformers' own logger: its verbosity settings (and log_level) govern these messages
+logger = logging.getLogger("transformers.trainer_callback")
 
 
 class DefaultFlowCallback(TrainerCallback):

@@ -45,6 +45,8 @@ from hookloop.result import TrainResult
 from hookloop.step import move_to
 
 log = logging.getLogger(__name__)
+#: transformers' Trainer logger: the messages transformers' Trainer writes go there too
+hf_log = logging.getLogger("transformers.trainer")
 
 
 class Trainer:
@@ -97,6 +99,7 @@ class Trainer:
         **native: Any,
     ) -> None:
         refuse_unhonoured_overrides(type(self))
+        _apply_log_level(args)
         self._eval_sets: dict[str, Any] = {}  # name -> loader, for a dict of eval datasets
         #: What transformers' attributes show of the loop's optimizer and schedule: what
         #: was given in ``optimizers``, and later what create_*() or train() made.
@@ -535,6 +538,7 @@ class Trainer:
         if isinstance(evaluation, hf_parts.HFEvaluation):
             evaluation.ignore_keys_in_training = ignore_keys_for_eval
         self._show_training_objects()
+        self._announce_training()
         self._memory.start("train")
         neftune = self._neftune_on()
         try:
@@ -547,6 +551,33 @@ class Trainer:
         fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
         fields["metrics"] = {**fields["metrics"], **self.hf.summary}
         return TrainOutput(**fields)
+
+    def _announce_training(self) -> None:
+        """transformers' start-of-training summary, at info level on its logger."""
+        if not self.hf.drives_loop or not hf_log.isEnabledFor(logging.INFO):
+            return
+        args, loader = self.args, self.loop.train_loader
+        k = int(hf_optim.arg(args, "gradient_accumulation_steps", 1))
+        per_device = int(hf_optim.arg(args, "per_device_train_batch_size", 8))
+        world = self.loop.progress.world_size
+        plan = hf_parts.plan_of(args, loader, k) if loader is not None else None
+        examples = (
+            len(loader.dataset) if hasattr(getattr(loader, "dataset", None), "__len__") else "?"
+        )
+        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        for line in (
+            "***** Running training *****",
+            f"  Num examples = {examples:,}" if examples != "?" else "  Num examples = ?",
+            f"  Num Epochs = {plan.num_epochs if plan and plan.num_epochs else '?'}",
+            f"  Num update steps per epoch = {plan.steps_per_epoch if plan else '?'}",
+            f"  Instantaneous batch size per device = {per_device:,}",
+            f"  Total train batch size (w. parallel, distributed & accumulation) = "
+            f"{per_device * k * world:,}",
+            f"  Gradient Accumulation steps = {k}",
+            f"  Total optimization steps = {plan.max_steps if plan else '?'}",
+            f"  Number of trainable parameters = {trainable:,}",
+        ):
+            hf_log.info(line)
 
     def _neftune_on(self) -> Any:
         """``neftune_noise_alpha``: transformers' NEFTune hook on the input embeddings for
@@ -1246,6 +1277,24 @@ def _progress(args: Any) -> Any:
     from hookloop.compat.forgather.callbacks import ProgressCallback
 
     return ProgressCallback()
+
+
+_LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+               "error": logging.ERROR, "critical": logging.CRITICAL}  # fmt: skip
+
+
+def _apply_log_level(args: Any) -> None:
+    """``log_level``: the verbosity of transformers' loggers (and so of the dialect's
+    messages on them); ``"passive"`` leaves it alone, as transformers does."""
+    level = hf_optim.arg(args, "log_level", "passive") if args is not None else "passive"
+    if level == "passive":
+        return
+    if level not in _LOG_LEVELS:
+        raise ValueError(
+            f"TrainingArguments.log_level must be one of passive, {', '.join(_LOG_LEVELS)}; "
+            f"got {level!r}"
+        )
+    logging.getLogger("transformers").setLevel(_LOG_LEVELS[level])
 
 
 def _jit_checkpoint(args: Any) -> Any:
