@@ -528,6 +528,30 @@ def test_log_level_governs_transformers_training_summary_on_its_logger(tmp_path:
     assert "***** Running training *****" not in said["hookloop", "error"]
 
 
+def test_label_smoothing_trains_a_causal_lm_as_in_transformers(tmp_path: Path):
+    runs = {}
+    for kind in FACTORIES:
+        trainer = _lm_trainer(kind, tmp_path / kind, save_strategy="no", max_steps=2,
+                              label_smoothing_factor=0.1)  # fmt: skip
+        _quiet(trainer.train)
+        runs[kind] = trainer
+    _assert_same_run(runs["hf"], runs["hookloop"])
+    plain = _lm_trainer("hookloop", tmp_path / "plain", save_strategy="no", max_steps=2)
+    _quiet(plain.train)
+    assert _losses(plain) != pytest.approx(_losses(runs["hookloop"]), rel=1e-4)
+
+
+def test_resuming_with_other_intervals_warns_as_transformers(saved, tmp_path, caplog):
+    import logging
+
+    trainer = _lm_trainer("hookloop", tmp_path, save_steps=3, per_device_train_batch_size=3)
+    with caplog.at_level(logging.WARNING, logger="transformers.trainer"):
+        _quiet(lambda: trainer.train(str(saved["root"] / "hookloop" / "checkpoint-2")))
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "save_steps: 3 (from args) != 2 (from trainer_state.json)" in said
+    assert "per_device_train_batch_size: 3 (from args) != 2 (from trainer_state.json)" in said
+
+
 def test_overrides_of_the_hf_step_are_refused_with_a_native_loss(tmp_path: Path):
     custom = _override_points(hf.Trainer, [])
     with pytest.raises(ValueError, match="training_step, prediction_step apply when"):

@@ -16,9 +16,11 @@ import copy
 import dataclasses
 import functools
 import inspect
+import json
 import logging
 import os
 import random
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -73,6 +75,7 @@ class Trainer:
     #: While the loop is being built: the model, optimizer and schedule create_optimizer /
     #: create_scheduler see and set (None once the loop holds them).
     _staged: dict[str, Any] | None = None
+    label_smoother: Any = None  # transformers' LabelSmoother with label_smoothing_factor
     _scheduler_view: Any = None  # a schedule create_scheduler() made after construction
     _shown_by_create = False  # inside create_scheduler() after construction
     _accelerator: Any = None
@@ -184,8 +187,9 @@ class Trainer:
         self._hf_loss = hf_loss
         if hf_loss is not None:
             own = type(self).compute_loss is not Trainer.compute_loss
-            if own or compute_loss_func is not None:  # HF's training_step calls compute_loss
-                hf_loss.compute_loss = self.compute_loss
+            self.label_smoother = _label_smoother(args, model)
+            if own or compute_loss_func is not None or self.label_smoother is not None:
+                hf_loss.compute_loss = self.compute_loss  # HF's training_step calls it
             hf_loss.has_loss_func = compute_loss_func is not None
             hf_loss.group_size = int(hf_optim.arg(args, "gradient_accumulation_steps", 1))
             if self._overrides("training_step"):
@@ -501,10 +505,12 @@ class Trainer:
                     raise ValueError(
                         f"No valid checkpoint found in output directory ({output_dir})"
                     )
+                _compare_with_checkpoint(self.args, last)
                 self.loop.resume_from(layout.native_checkpoint(last))
             else:
                 if not os.path.isdir(resume_from_checkpoint):  # transformers' words
                     raise ValueError(f"Can't find a valid checkpoint at {resume_from_checkpoint}")
+                _compare_with_checkpoint(self.args, Path(resume_from_checkpoint))
                 target = layout.native_checkpoint(resume_from_checkpoint)
                 if layout.written_by_transformers(target):
                     foreign_folder = Path(target)  # read after any rebuild, as transformers
@@ -710,13 +716,19 @@ class Trainer:
         it for every training micro-batch and every evaluation batch with labels."""
         inputs = dict(inputs)
         labels = None
-        if self.compute_loss_func is not None and "labels" in inputs:
+        taken = self.compute_loss_func is not None or self.label_smoother is not None
+        if taken and "labels" in inputs:
             labels = inputs.pop("labels")
         if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
             inputs["num_items_in_batch"] = num_items_in_batch
         outputs = model(**inputs)
         if self.compute_loss_func is not None:
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+        elif labels is not None:  # label_smoothing_factor: transformers' LabelSmoother
+            shift = _is_causal_lm(model)
+            loss = self.label_smoother(
+                outputs, labels, shift_labels=shift, num_items_in_batch=num_items_in_batch
+            )
         else:
             loss = loss_of(outputs, inputs)
         return (loss, outputs) if return_outputs else loss
@@ -1295,6 +1307,65 @@ def _apply_log_level(args: Any) -> None:
             f"got {level!r}"
         )
     logging.getLogger("transformers").setLevel(_LOG_LEVELS[level])
+
+
+def _compare_with_checkpoint(args: Any, folder: Path) -> None:
+    """transformers' warning when the arguments' intervals or batch size differ from those
+    in the checkpoint's ``trainer_state.json`` (a resume goes on with the arguments')."""
+    try:
+        saved = json.loads((folder / layout.TRAINER_STATE_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # no readable trainer_state.json: the resume itself says what is wrong
+    if not isinstance(saved, dict):
+        return
+    differ = []
+    for name in ("logging_steps", "eval_steps", "save_steps"):
+        ours, theirs = getattr(args, name, None), saved.get(name)
+        if ours is not None and theirs is not None and ours != theirs:
+            differ.append((name, ours, theirs))
+    batch = getattr(args, "per_device_train_batch_size", None)
+    if isinstance(saved.get("train_batch_size"), int) and batch != saved["train_batch_size"]:
+        differ.append(("per_device_train_batch_size", batch, saved["train_batch_size"]))
+    if differ:
+        hf_log.warning(
+            "The arguments differ from the checkpoint's trainer_state.json: "
+            + "; ".join(
+                f"{k}: {a} (from args) != {b} (from trainer_state.json)" for k, a, b in differ
+            )
+        )
+
+
+def _is_causal_lm(model: torch.nn.Module) -> bool:
+    """Whether transformers lists the model's class as a causal LM (its label smoothing then
+    shifts the labels by one)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+
+
+def _label_smoother(args: Any, model: torch.nn.Module) -> Any:
+    """transformers' ``LabelSmoother`` for ``label_smoothing_factor`` (None when 0, or, with a
+    warning as transformers gives, for a multi-label classifier)."""
+    epsilon = float(hf_optim.arg(args, "label_smoothing_factor", 0.0) or 0.0)
+    if not epsilon:
+        return None
+    problem = getattr(getattr(model, "config", None), "problem_type", None)
+    if problem == "multi_label_classification":
+        warnings.warn(
+            "Label smoothing is not compatible with multi-label classification: training "
+            "this run without it (label_smoothing_factor ignored, as transformers does)",
+            UserWarning,
+            stacklevel=4,
+        )
+        return None
+    try:
+        from transformers.trainer_pt_utils import LabelSmoother
+    except ImportError:
+        raise ValueError(
+            "label_smoothing_factor uses transformers' LabelSmoother: install transformers, "
+            "or leave label_smoothing_factor=0"
+        ) from None
+    return LabelSmoother(epsilon=epsilon)
 
 
 def _jit_checkpoint(args: Any) -> Any:

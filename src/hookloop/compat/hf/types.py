@@ -106,6 +106,7 @@ class TrainingArguments:
     neftune_noise_alpha: float | None = None
     torch_compile: bool = False
     enable_jit_checkpoint: bool = False
+    label_smoothing_factor: float = 0.0
     use_cache: bool = False
     # Passed to the DataLoader (hookloop.compat.hf.data).
     dataloader_pin_memory: bool = True
@@ -126,7 +127,6 @@ class TrainingArguments:
     # those it lists as without effect here.
     optim_target_modules: Any = _theirs(None)
     average_tokens_across_devices: bool = _theirs(True)
-    label_smoothing_factor: float = _theirs(0.0)
     tf32: Any = _theirs(None)
     activation_checkpointing: Any = _theirs(None)
     activation_checkpointing_kwargs: Any = _theirs(None)
