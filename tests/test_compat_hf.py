@@ -857,9 +857,9 @@ def test_transformers_arguments_the_dialect_does_not_reproduce_are_refused():
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     args = transformers.TrainingArguments(
-        output_dir="unused", use_cpu=True, report_to="none", label_smoothing_factor=0.1
+        output_dir="unused", use_cpu=True, report_to="none", auto_find_batch_size=True
     )
-    with pytest.raises(ValueError, match=r"label_smoothing_factor=0.1; leave them at .*=0.0"):
+    with pytest.raises(ValueError, match=r"auto_find_batch_size=True; leave them at .*=False"):
         Trainer(TupleModel(), args, train_dataset=PlainRegression(8))
 
 
