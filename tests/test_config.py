@@ -26,6 +26,8 @@ BASE_KEYS = {
     "callbacks.divergence",
     "callbacks.textgen",
     "callbacks.early_stopping_patience",
+    "control.allow_remote_without_auth",
+    "control.disable_auth",
     "control.enabled",
     "control.host",
     "control.port",

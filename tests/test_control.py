@@ -66,14 +66,18 @@ def test_parse_command_rejects_bad_bodies_listing_valid_commands(body):
         assert command in str(info.value)
 
 
-def test_constructor_validates_and_seed_name_is_an_alias():
+def test_constructor_validates_and_forgather_name_is_an_alias():
     assert TrainerControlCallback is ControlServer
     with pytest.raises(ValueError, match="job_id"):
         ControlServer(job_id="../etc")
     with pytest.raises(ValueError, match="port"):
         ControlServer(port=70000)
-    with pytest.raises(ValueError, match="auth_token"):
-        ControlServer(auth_token="short")
+    for bad in ("two words", "tab\there", "caf\u00e9", 42, "x" * 5000):
+        with pytest.raises(ValueError, match="auth_token must be a string of printable ASCII"):
+            ControlServer(auth_token=bad)
+    # Forgather takes any token, short ones too; "" asks for a fresh one, as there
+    assert ControlServer(auth_token="short")._fixed_token == "short"
+    assert ControlServer(auth_token="")._fixed_token is None
     assert ControlServer(job_id="a.b_c-1", port=None).port == 0
 
 
@@ -322,6 +326,17 @@ def test_auth_401_without_or_with_a_wrong_token_200_with_it(shared):
             body = b'{"command": "abort"}' if method == "POST" else None
             headers = {"Authorization": token} if token else {}
             code, answer, got = shared.request(method, route, body, token="", headers=headers)
+            if not token and route == "/jobs":
+                # no header at all: Forgather's `control list --remote` learns where each job
+                # listens, and nothing more
+                assert code == 200 and answer["jobs"][0] == {
+                    "job_id": "shared-job",
+                    "host": "127.0.0.1",
+                    "port": shared.record.port,
+                    "pid": shared.record.pid,
+                    "started_at": shared.record.started,
+                }, answer
+                continue
             assert code == 401, (token, route, code, answer)
             assert "bearer token" in answer["error"] and got["WWW-Authenticate"].startswith(
                 "Bearer"
@@ -330,7 +345,7 @@ def test_auth_401_without_or_with_a_wrong_token_200_with_it(shared):
     assert code == 200 and answer["job_id"] == "shared-job" and answer["phase"] == "training"
     assert {"step", "epoch", "max_steps", "metrics", "eta_s", "steps_per_s"} <= set(answer)
     code, answer, _ = shared.request("GET", "/jobs")
-    # Seed 004: every live job in the jobs directory, this one first (the module's fleet
+    # Forgather's listing: every live job in the jobs directory, this one first (the module's fleet
     # shares one directory, so the others still running are listed too).
     assert code == 200 and answer["jobs"][0]["job_id"] == "shared-job"
     assert {j["job_id"] for j in answer["jobs"]} <= {

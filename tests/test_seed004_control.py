@@ -1,7 +1,7 @@
-"""Seed 004's control protocol, spoken to a live job the way a seed client does.
+"""Forgather's control protocol, spoken to a live job the way Forgather's client does.
 
 The job is an HF-dialect training with ``TrainerControlCallback`` built with
-the seed's parameters; the client is plain ``urllib`` (no hookloop client): it
+Forgather's parameters; the client is plain ``urllib`` (no hookloop client): it
 finds the job's ``endpoint.json`` and ``auth_token`` in the jobs directory,
 lists ``GET /jobs``, reads ``GET /jobs/{id}/status`` for ``global_step``,
 ``status`` and the flat log keys, and posts ``{"command": ...}`` to
@@ -97,7 +97,7 @@ def jobs(tmp_path, monkeypatch):
     return path
 
 
-def test_a_seed_client_stops_a_live_job_over_raw_http(tmp_path, jobs):
+def test_a_forgather_client_stops_a_live_job_over_raw_http(tmp_path, jobs):
     control = TrainerControlCallback(
         job_id=None, port=None, enable_http=True, host="127.0.0.1", auth_token=None
     )
@@ -178,12 +178,12 @@ def test_disable_auth_off_loopback_needs_an_explicit_second_yes():
         TrainerControlCallback(disable_auth="yes")
 
 
-def test_hookloop_jobs_lists_an_endpoint_written_by_a_seed_trainer(jobs, capsys):
+def test_hookloop_jobs_lists_an_endpoint_written_by_a_forgather_trainer(jobs, capsys):
     from hookloop.control.cli import main_jobs
 
     job_dir = jobs / "job_1700000000_host_42"
     job_dir.mkdir(parents=True, mode=0o700)
-    seed_endpoint = {  # the fields a seed-004 trainer writes, and no more
+    forgather_endpoint = {  # the fields Forgather's trainer writes, and no more
         "job_id": job_dir.name,
         "host": "127.0.0.1",
         "port": 8900,
@@ -192,14 +192,14 @@ def test_hookloop_jobs_lists_an_endpoint_written_by_a_seed_trainer(jobs, capsys)
         "output_dir": "/runs/x",
         "logging_dir": "/runs/x/logs",
     }
-    (job_dir / "endpoint.json").write_text(json.dumps(seed_endpoint))
+    (job_dir / "endpoint.json").write_text(json.dumps(forgather_endpoint))
     assert main_jobs(["--json"]) == 0
     [listed] = json.loads(capsys.readouterr().out)
     assert listed["job_id"] == job_dir.name and listed["url"] == "http://127.0.0.1:8900"
     assert listed["out_dir"] == "/runs/x"
 
 
-def test_job_ids_are_the_seeds_and_stay_unique_within_a_second():
+def test_job_ids_are_forgathers_and_stay_unique_within_a_second():
     from hookloop.control.registry import new_job_id, valid_job_id
 
     ids = [new_job_id() for _ in range(3)]

@@ -339,6 +339,16 @@ class ControlConfig:
     enabled: bool = opt(True, "Serve status, commands and a dashboard over HTTP.")
     host: str = opt("127.0.0.1", "Address to bind; anything but loopback gets a warning.")
     port: int = opt(0, "Port (0: pick a free one).")
+    disable_auth: bool = opt(
+        False,
+        "Serve without a bearer token (Forgather's older clients send none); loopback only "
+        "unless allow_remote_without_auth is also true.",
+    )
+    allow_remote_without_auth: bool = opt(
+        False,
+        "With disable_auth: allow a host other than loopback (anyone reaching it can stop "
+        "the job).",
+    )
 
     def validate(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int):
@@ -347,6 +357,24 @@ class ControlConfig:
             raise ValueError(f"control.port must lie in [0, 65535] (0: any), got {self.port}")
         if not self.host:
             raise ValueError("control.host must be a non-empty address")
+        for name in ("disable_auth", "allow_remote_without_auth"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"control.{name} must be true or false, got {getattr(self, name)!r}"
+                )
+        if self.disable_auth and not self.allow_remote_without_auth:
+            import ipaddress
+
+            try:
+                loopback = self.host == "localhost" or ipaddress.ip_address(self.host).is_loopback
+            except ValueError:
+                loopback = False
+            if not loopback:
+                raise ValueError(
+                    f"control.disable_auth=true on control.host={self.host} would let anyone who "
+                    "reaches it stop the job: use 127.0.0.1, keep authentication, or also set "
+                    "control.allow_remote_without_auth=true"
+                )
 
 
 #: The largest seed: the data order seeds torch with ``seed * 100_003 + epoch``, which

@@ -356,7 +356,14 @@ def _callbacks(cfg: Config, run_dir: Path, changes: dict[str, Any]) -> list[Call
     if cfg.control.enabled:  # prints its URL and where the token is once training starts
         from hookloop.control import ControlServer
 
-        callbacks.append(ControlServer(host=cfg.control.host, port=cfg.control.port))
+        callbacks.append(
+            ControlServer(
+                host=cfg.control.host,
+                port=cfg.control.port,
+                disable_auth=cfg.control.disable_auth,
+                allow_remote_without_auth=cfg.control.allow_remote_without_auth,
+            )
+        )
     return callbacks
 
 

@@ -29,6 +29,7 @@ from hookloop.control.registry import (
     find_job,
     jobs_dir,
     list_jobs,
+    registries,
 )
 from hookloop.control.server import COMMANDS
 from hookloop.processes import process_alive
@@ -42,7 +43,10 @@ def add_jobs_command(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "jobs",
         help="list the training jobs running on this machine",
-        description="List live hookloop jobs of this user (stale entries are removed).",
+        description=(
+            "List live hookloop and Forgather jobs of this user, from hookloop's registry and "
+            "Forgather's (stale hookloop entries are removed)."
+        ),
     )
     parser.add_argument("--json", action="store_true", help="print a JSON list of objects")
     _common(parser)
@@ -88,7 +92,9 @@ def add_ctl_command(subparsers: Any) -> argparse.ArgumentParser:
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--jobs-dir", help=f"where jobs register (default: {jobs_dir()}; env HOOKLOOP_JOBS_DIR)"
+        "--jobs-dir",
+        help=f"the one registry to use (default: {jobs_dir()} and Forgather's; env "
+        "HOOKLOOP_JOBS_DIR)",
     )
     parser.add_argument(
         "--timeout", type=float, default=5.0, metavar="S", help="HTTP timeout in seconds"
@@ -115,7 +121,9 @@ def run_jobs(args: argparse.Namespace) -> int:
         }
         try:
             status = JobClient.from_record(record, timeout=args.timeout).status()
-            for key in ("step", "max_steps", "phase", "steps_per_s"):
+            row["step"] = status_step(status)
+            row["phase"] = status_phase(status)
+            for key in ("max_steps", "steps_per_s"):
                 row[key] = status.get(key)
         except (ControlError, RegistryError) as err:
             row["error"] = str(err)
@@ -124,7 +132,8 @@ def run_jobs(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return OK
     if not rows:
-        print(f"no running hookloop jobs (in {args.jobs_dir or jobs_dir()})")
+        where = " or ".join(str(p) for p in registries(args.jobs_dir))
+        print(f"no running hookloop or Forgather jobs (in {where})")
         return OK
     table = [("JOB", "PID", "STEP", "PHASE", "URL", "OUT")]
     for r in rows:
@@ -164,13 +173,17 @@ def run_ctl(args: argparse.Namespace) -> int:
     except RegistryError as err:
         return _error(str(err), FAILED)
     if args.action == "token":
+        if not token:
+            print(f"job {record.job_id} serves without authentication (no token)", file=sys.stderr)
+            return OK
         print(token)
         return OK
     client = JobClient(record.url, record.job_id, token, timeout=args.timeout)
     try:
         if args.action == "status":
             answer = client.status()
-            print(json.dumps(answer, indent=2) if args.json else format_status(answer, record.url))
+            shown = format_status(answer, record.url, pid=record.pid)
+            print(json.dumps(answer, indent=2) if args.json else shown)
             return OK
         known = None
         if args.action not in ACTIONS and args.action not in COMMANDS:
@@ -195,7 +208,11 @@ def run_ctl(args: argparse.Namespace) -> int:
 def _unknown(action: str, commands: list[str]) -> str:
     valid = [
         *ACTIONS,
-        *(c for c in dict.fromkeys([*COMMANDS, *commands]) if c not in ALIASES.values()),
+        *(
+            c
+            for c in dict.fromkeys([*COMMANDS, *commands])
+            if c not in ALIASES.values() and c not in ACTIONS
+        ),
     ]
     return f"unknown action {action!r}; valid: {', '.join(valid)}"
 
@@ -214,8 +231,34 @@ def _parse_values(pairs: list[str]) -> dict[str, Any]:
     return values
 
 
-def format_status(st: dict[str, Any], url: str | None = None) -> str:
-    """A few human lines for ``hookloop ctl JOB status``."""
+#: Keys of a Forgather job's status that are not logged metrics.
+_STATUS_FIELDS = frozenset({"job_id", "status", "timestamp", "global_step", "epoch", "max_steps"})
+
+
+def status_step(st: dict[str, Any]) -> Any:
+    """The step a status reports: hookloop's ``step`` or Forgather's ``global_step``."""
+    return st.get("step", st.get("global_step"))
+
+
+def status_phase(st: dict[str, Any]) -> Any:
+    """hookloop's ``phase``, else Forgather's ``status`` (``running``)."""
+    return st.get("phase") or st.get("status")
+
+
+def format_status(st: dict[str, Any], url: str | None = None, *, pid: int | None = None) -> str:
+    """A few human lines for ``hookloop ctl JOB status``, from hookloop's keys or from a
+    Forgather job's (``global_step``, ``status`` and the latest log's keys at the top level);
+    ``pid``: the registry's, for a status that does not carry one."""
+    hookloop = "phase" in st
+    if not hookloop:  # a Forgather job: its flat log keys are the metrics
+        st = {
+            **st,
+            "step": status_step(st),
+            "phase": status_phase(st) or "?",
+            "pid": st.get("pid", pid),
+            "metrics": {k: v for k, v in st.items() if k not in _STATUS_FIELDS},
+            "metrics_step": status_step(st),
+        }
 
     def num(v: Any) -> str:
         if isinstance(v, float):
@@ -228,7 +271,8 @@ def format_status(st: dict[str, Any], url: str | None = None) -> str:
         progress += f"   {st['steps_per_s']:.1f} steps/s"
     if st.get("eta_s") is not None:
         progress += f"   ETA {_duration(st['eta_s'])}"
-    phase = st.get("phase", "?") + (f" ({st['stopping']} filed)" if st.get("stopping") else "")
+    phase = str(st.get("phase") or "?")
+    phase += f" ({st['stopping']} filed)" if st.get("stopping") else ""
     lines = [
         f"job         {st.get('job_id')} (pid {st.get('pid')}), {phase}",
         f"progress    {progress}",
@@ -245,7 +289,7 @@ def format_status(st: dict[str, Any], url: str | None = None) -> str:
     if ckpt:
         lines.append(f"checkpoint  step {ckpt.get('step')}: {ckpt.get('path')}")
     if url:
-        lines.append(f"dashboard   {url}")
+        lines.append(f"{'dashboard' if hookloop else 'url':<11} {url}")
     return "\n".join(lines)
 
 

@@ -66,7 +66,8 @@ class JobClient:
         """``(status, decoded JSON)`` of one request; ``ControlError`` if unreachable."""
         data = None if body is None else json.dumps(body).encode("utf-8")
         req = urllib.request.Request(self.url + route.lstrip("/"), data=data, method=method)
-        req.add_header("Authorization", f"Bearer {self.token}")
+        if self.token:  # "": a job serving without authentication (Forgather's older ones)
+            req.add_header("Authorization", f"Bearer {self.token}")
         req.add_header("Accept", "application/json")
         if data is not None:
             req.add_header("Content-Type", "application/json")
@@ -89,7 +90,12 @@ class JobClient:
     def _checked(self, method: str, route: str, body: Any = None) -> Any:
         status, decoded = self.request(method, route, body)
         if status >= 400:
-            message = decoded.get("error") if isinstance(decoded, dict) else decoded
+            # hookloop says "error"; Forgather's 401 says "detail"
+            message = (
+                decoded.get("error") or decoded.get("detail")
+                if isinstance(decoded, dict)
+                else decoded
+            )
             raise ControlError(f"job {self.job_id}: HTTP {status}: {message}", status, decoded)
         return decoded
 

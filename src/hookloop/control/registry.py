@@ -5,11 +5,20 @@ Each job that serves a control endpoint owns one directory::
     <jobs dir>/<job_id>/        mode 0700
         auth_token              mode 0600: the bearer token, nothing else
         endpoint.json           job_id, pid, url, host, port, started, out_dir ...
-                                and seed 004's started_at, output_dir, logging_dir
+                                and Forgather's started_at, output_dir, logging_dir
 
 ``<jobs dir>`` is ``$HOOKLOOP_JOBS_DIR`` when set (tests use it), else
 ``$XDG_RUNTIME_DIR/hookloop/jobs`` (a per-user tmpfs on systemd machines,
 emptied at logout), else ``~/.config/hookloop/jobs``.
+
+Forgather's registries are read and announced in too, so that each side's
+tools see the other's jobs with nothing to configure: Forgather's current
+clients look in ``<Forgather config dir>/jobs`` (``$XDG_CONFIG_HOME/forgather/jobs``
+or ``~/.config/forgather/jobs`` on Linux), its older ones in ``~/.forgather/jobs``.
+A job writes the same ``endpoint.json`` (and token) into each of them and removes
+them all when it ends; :func:`list_jobs` reads all three, hookloop's first. A
+registry named explicitly (``$HOOKLOOP_JOBS_DIR``, ``--jobs-dir``, ``jobs_dir=``)
+is the only one used, for both reading and announcing.
 
 The token is only ever written into a file this process has just created
 (``O_EXCL``, mode 0600, ``fchmod`` and checked through the open descriptor)
@@ -64,6 +73,43 @@ def jobs_dir() -> Path:
     return Path.home() / ".config" / "hookloop" / "jobs"
 
 
+def forgather_jobs_dirs() -> list[Path]:
+    """Forgather's job registries: ``<its config dir>/jobs``, then the older ``~/.forgather/jobs``.
+
+    The config dir is platformdirs' ``user_config_dir("forgather", <user>)``, as
+    Forgather computes it (``$XDG_CONFIG_HOME/forgather`` or ``~/.config/forgather`` on Linux).
+    """
+    config: Path | None = None
+    try:
+        import getpass
+
+        from platformdirs import user_config_dir
+
+        config = Path(user_config_dir("forgather", getpass.getuser()))
+    except Exception:  # platformdirs missing, or no user name to be found
+        xdg = os.environ.get("XDG_CONFIG_HOME", "")
+        root = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".config"
+        config = root / "forgather"
+    return [config / "jobs", Path.home() / ".forgather" / "jobs"]
+
+
+def registries(base: str | Path | None = None) -> list[Path]:
+    """Where jobs are looked for and announced, the first being hookloop's own.
+
+    ``base`` (or ``$HOOKLOOP_JOBS_DIR``) names the only registry; otherwise hookloop's
+    default one and Forgather's two (:func:`forgather_jobs_dirs`).
+    """
+    if base is not None:
+        return [Path(base)]
+    if os.environ.get(JOBS_DIR_ENV):
+        return [jobs_dir()]
+    places: list[Path] = []
+    for place in (jobs_dir(), *forgather_jobs_dirs()):
+        if place not in places:
+            places.append(place)
+    return places
+
+
 def valid_job_id(job_id: object) -> bool:
     """Letters, digits, ``.``, ``_``, ``-``; at most 128; not starting with a dot or dash."""
     return isinstance(job_id, str) and _JOB_ID.fullmatch(job_id) is not None
@@ -82,7 +128,7 @@ _issued: set[str] = set()
 
 
 def new_job_id() -> str:
-    """Seed 004's ``job_<unix time>_<host>_<pid>``; a second id in the same second gets ``_<n>``.
+    """Forgather's ``job_<unix time>_<host>_<pid>``; a second id in the same second gets ``_<n>``.
 
     The host name keeps only the characters a job id allows.
     """
@@ -122,13 +168,24 @@ class JobRecord:
         """Absolute URL of ``/jobs/<job_id>/<route>``."""
         return f"{self.url.rstrip('/')}/jobs/{self.job_id}/{route}"
 
+    @property
+    def foreign(self) -> bool:
+        """Written by Forgather's trainer (hookloop's records name the hookloop version)."""
+        return self.hookloop is None
+
     def read_token(self) -> str:
-        """The bearer token (readable only by the user who runs the job); "" without auth."""
+        """The bearer token (readable only by the user who runs the job); "" without auth.
+
+        A Forgather job without a token file serves without authentication (its older
+        trainers have none), so "" is its token; a hookloop job says so in its record.
+        """
         if self.auth_disabled:
             return ""
         try:
-            token = self.token_path.read_text(encoding="ascii").strip()
+            raw = self.token_path.read_bytes()
         except FileNotFoundError:
+            if self.foreign:
+                return ""
             raise RegistryError(
                 f"job {self.job_id} has no token file at {self.token_path} "
                 "(the job has ended, or it runs without authentication)"
@@ -137,12 +194,23 @@ class JobRecord:
             raise RegistryError(
                 f"cannot read {self.token_path}: the job belongs to another user"
             ) from None
+        try:
+            token = raw.decode("ascii").strip()
+        except UnicodeDecodeError:
+            raise RegistryError(
+                f"the token file {self.token_path} is not ASCII; a token is printable ASCII"
+            ) from None
         if not token:
             raise RegistryError(f"the token file {self.token_path} is empty")
+        if not token.isprintable() or any(c.isspace() for c in token):
+            raise RegistryError(
+                f"the token file {self.token_path} holds spaces or control characters; a token "
+                "is printable ASCII without spaces"
+            )
         return token
 
     def to_json(self) -> dict[str, Any]:
-        """hookloop's fields and seed 004's names for the same facts."""
+        """hookloop's fields and Forgather's names for the same facts."""
         data = asdict(self)
         data.pop("dir")
         data["started_at"] = self.started
@@ -155,7 +223,7 @@ class JobRecord:
         data = json.loads((job_dir / ENDPOINT_FILE).read_text(encoding="utf-8"))
         if not isinstance(data, dict):
             raise ValueError("endpoint.json does not hold an object")
-        try:  # a seed-004 trainer writes started_at / output_dir and no url
+        try:  # Forgather's trainer writes started_at / output_dir and no url
             host, port = str(data["host"]), int(data["port"])
             record = cls(
                 job_id=str(data["job_id"]),
@@ -174,6 +242,11 @@ class JobRecord:
             )
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"endpoint.json is incomplete: {err!r}") from None
+        if not 0 < record.port <= 65535 or record.pid <= 0:
+            raise ValueError(
+                f"endpoint.json has port {record.port} and pid {record.pid}; a port lies in "
+                "[1, 65535] and a pid is positive"
+            )
         if record.job_id != job_dir.name:
             raise ValueError(f"endpoint.json names job {record.job_id!r}, not {job_dir.name!r}")
         return record
@@ -268,11 +341,21 @@ def _write_private(path: Path, data: bytes) -> None:
 
 
 def list_jobs(base: str | Path | None = None, *, clean: bool = True) -> list[JobRecord]:
-    """Live jobs, oldest first. With ``clean``, directories of dead jobs are removed."""
-    root = Path(base) if base is not None else jobs_dir()
+    """Live jobs, oldest first, from every registry (:func:`registries`); a job announced in
+    several is listed once, from the first. With ``clean``, leftovers of dead jobs are
+    removed: anything in hookloop's registry, and only hookloop's own entries in Forgather's
+    (its ``forgather control cleanup`` tidies the rest)."""
+    records: dict[str, JobRecord] = {}
+    for n, root in enumerate(registries(base)):
+        for record in _scan(root, clean=clean, own=n == 0):
+            records.setdefault(record.job_id, record)
+    return sorted(records.values(), key=lambda r: (r.started, r.job_id))
+
+
+def _scan(root: Path, *, clean: bool, own: bool) -> list[JobRecord]:
     try:
         entries = sorted(root.iterdir())
-    except (FileNotFoundError, NotADirectoryError):
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
         return []
     records = []
     for job_dir in entries:
@@ -280,19 +363,14 @@ def list_jobs(base: str | Path | None = None, *, clean: bool = True) -> list[Job
             continue
         try:
             record = JobRecord.load(job_dir)
-        except FileNotFoundError:
-            if clean and _older_than(job_dir, STARTING_GRACE_S):
-                _remove_tree(job_dir)
-            continue
-        except (OSError, ValueError):
-            if clean and _older_than(job_dir, STARTING_GRACE_S):
+        except (OSError, ValueError):  # missing (a job still starting), torn or malformed
+            if own and clean and _older_than(job_dir, STARTING_GRACE_S):
                 _remove_tree(job_dir)
             continue
         if process_alive(record.pid, record.pid_start):
             records.append(record)
-        elif clean:
+        elif clean and (own or not record.foreign):
             _remove_tree(job_dir)
-    records.sort(key=lambda r: (r.started, r.job_id))
     return records
 
 
@@ -310,7 +388,7 @@ def find_job(ref: str, base: str | Path | None = None) -> JobRecord:
     if len(matches) == 1:
         return matches[0]
     live = ", ".join(j.job_id for j in jobs) or "none"
-    where = Path(base) if base is not None else jobs_dir()
+    where = " and ".join(str(p) for p in registries(base))
     if len(matches) > 1:
         raise LookupError(
             f"{ref!r} matches {len(matches)} jobs: {', '.join(j.job_id for j in matches)}; "

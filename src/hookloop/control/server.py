@@ -1,28 +1,33 @@
 """The control server: see and steer a running job over authenticated HTTP.
 
-:class:`ControlServer` (seed-004 name: ``TrainerControlCallback``) starts an
+:class:`ControlServer` (Forgather's name: ``TrainerControlCallback``) starts an
 aiohttp server in a background thread on rank 0 when training starts and
 stops it when training ends. It never touches the loop's state: a command only
 files a request on ``ctx.control`` (thread-safe), and the loop acts on it at
 the end of the step in progress, on every rank alike (the loop agrees control
 requests across ranks).
 
-Routes (every one but the dashboard page needs ``Authorization: Bearer <token>``):
+Routes (each needs ``Authorization: Bearer <token>`` unless said otherwise):
 
 ==========================  =====================================================
-``GET  /``                  the live dashboard (a self-contained page, no secrets)
-``GET  /jobs``              ``{"jobs": [...]}``: every live job of this user
+``GET  /``                  the live dashboard (a self-contained page, no secrets;
+                            no token)
+``GET  /jobs``              ``{"jobs": [...]}``: every live job of this user; without
+                            an ``Authorization`` header only where each listens
+                            (job_id, host, port, pid, started_at), for Forgather's
+                            ``control list --remote``
 ``GET  /jobs/{id}/status``  step, epoch, max_steps, latest metrics, rate, ETA ...
 ``GET  /jobs/{id}/history`` logged metrics since ``?after=<seq>`` (for charts)
 ``POST /jobs/{id}/control`` ``{"command": "graceful_stop" | "save_checkpoint" |
-                            "save_and_stop" | "abort" | "evaluate_now",
-                            "values": {...}}`` (values: for a command that takes them)
+                            "save_and_stop" | "abort" | "evaluate_now" | "status",
+                            "values": {...}}`` (values: for a command that takes them;
+                            Forgather's clients call them ``"data"``)
 ==========================  =====================================================
 
-Replies speak seed 004's protocol and hookloop's at once. A status carries the
-seed's ``global_step``, ``status`` (``running`` while the job trains) and the
+Replies speak Forgather's protocol and hookloop's at once. A status carries
+Forgather's ``global_step``, ``status`` (``running`` while the job trains) and the
 latest log's keys at the top level, beside hookloop's ``step``, ``phase`` and
-nested ``metrics``. A command is answered ``200`` with the seed's
+nested ``metrics``. A command is answered ``200`` with Forgather's
 ``{"status": "acknowledged", "command", "timestamp", "message"}`` plus
 hookloop's ``accepted``, ``job_id`` and ``step``, once filed. A malformed body or an
 unknown command gets ``400`` with the list of valid commands; a command the job
@@ -68,6 +73,7 @@ from hookloop.control.registry import (
     JobRecord,
     check_job_id,
     new_job_id,
+    registries,
 )
 from hookloop.processes import process_start_ticks
 from hookloop.profile import current_profile
@@ -89,7 +95,8 @@ class Command:
     values the command reads from the body's ``"values"`` object (none: it takes none)
     and ``check(values)`` refuses bad ones with a :class:`CommandError`. ``needs`` is
     what the job must have (``"checkpoints"``, ``"eval data"``); ``ends``: the job
-    is ending once it is filed (no command is taken after it).
+    is ending once it is filed (no command is taken after it). A command that files
+    nothing (``status``) is acknowledged in any phase.
     """
 
     doc: str
@@ -129,6 +136,8 @@ SERVER_COMMANDS: dict[str, Command] = {
         lambda v: [("evaluate", {})],
         needs="eval data",
     ),
+    # Forgather's clients may post it; it changes nothing (GET .../status reads the status)
+    "status": Command("change nothing: acknowledge (GET /jobs/{id}/status reads it)", lambda v: []),
 }
 #: The commands ``POST /jobs/{id}/control`` accepts, with what each does.
 COMMANDS: dict[str, str] = {name: c.doc for name, c in SERVER_COMMANDS.items()}
@@ -149,6 +158,8 @@ ROUTES = (
     "GET /, GET /jobs, GET /jobs/{job_id}/status, GET /jobs/{job_id}/history?after=SEQ, "
     "POST /jobs/{job_id}/control"
 )
+#: What ``GET /jobs`` tells a client without the token: the fields Forgather's client reads.
+PUBLIC_JOB_FIELDS = ("job_id", "host", "port", "pid", "started_at")
 #: Largest request body read; bigger ones get 413 without being parsed.
 MAX_BODY = 16 * 1024
 #: Logged records kept for the dashboard's charts.
@@ -200,15 +211,20 @@ def parse_request(body: bytes) -> tuple[str, dict[str, Any]]:
     if not isinstance(command, str) or command not in SERVER_COMMANDS:
         shown = repr(command) if len(repr(command)) <= 60 else repr(command)[:57] + "..."
         raise CommandError(f"unknown command {shown}; valid commands: {valid}")
-    return command, _values(command, data.get("values"))
+    key = "values"
+    if "data" in data:  # Forgather's clients send {"command", "data": {}}
+        if "values" in data:
+            raise CommandError('send the command\'s values as "values" or as "data", not both')
+        key = "data"
+    return command, _values(command, data.get(key), key)
 
 
-def _values(command: str, values: Any) -> dict[str, Any]:
+def _values(command: str, values: Any, key: str = "values") -> dict[str, Any]:
     spec = SERVER_COMMANDS[command]
     if values is None or (values == {} and not spec.takes):
         values = {}
     elif not isinstance(values, dict):
-        raise CommandError(f'"values" must be a JSON object, got {type(values).__name__}')
+        raise CommandError(f'"{key}" must be a JSON object, got {type(values).__name__}')
     unknown = sorted(set(values) - set(spec.takes))
     if unknown:
         takes = ", ".join(spec.takes) if spec.takes else "none"
@@ -306,17 +322,19 @@ class ControlServer(Callback):
     ``host`` defaults to loopback; any other address draws a warning, because
     the token then travels over the network in clear text. ``port=0`` (or None)
     picks a free port. ``auth_token`` defaults to a fresh
-    ``secrets.token_urlsafe(32)``. ``jobs_dir`` overrides where the per-job
-    directory goes (default: :func:`hookloop.control.registry.jobs_dir`).
+    ``secrets.token_urlsafe(32)``; any printable ASCII token without spaces is taken,
+    short ones too, as Forgather takes them. ``jobs_dir`` names the one registry the
+    job announces itself in (default: hookloop's and Forgather's, see
+    :mod:`hookloop.control.registry`).
     When the server cannot start (aiohttp missing, port taken, directory not
     private) training goes on without it after a warning, unless
     ``required=True``. ``announce`` prints the URL and how to get the token.
 
-    The parameters are seed 004's, in its order: ``enable_http=None`` serves
+    The parameters are Forgather's, in its order: ``enable_http=None`` serves
     when aiohttp is installed (and warns, naming the extra, when it is not).
     ``disable_auth=True`` serves without a token (a
     loud warning at start); on an address other than loopback it is refused
-    unless ``allow_remote_without_auth=True`` says so as well (the seed only
+    unless ``allow_remote_without_auth=True`` says so as well (Forgather only
     warns). Only rank 0 serves; the loop agrees the requests it files across ranks.
     """
 
@@ -346,16 +364,19 @@ class ControlServer(Callback):
         host = "127.0.0.1" if host is None else host
         if not isinstance(host, str) or not host:
             raise ValueError(f"host must be an address to bind, e.g. '127.0.0.1', got {host!r}")
+        if auth_token == "":  # Forgather: an empty token means "make one"
+            auth_token = None
         if auth_token is not None and (
             not isinstance(auth_token, str)
-            or len(auth_token) < 16
             or not auth_token.isascii()
             or not auth_token.isprintable()
             or " " in auth_token
+            or len(auth_token) > 4096
         ):
+            shown = repr(auth_token) if not isinstance(auth_token, str) else "that string"
             raise ValueError(
-                "auth_token must be a printable ASCII string of at least 16 characters without "
-                "spaces (or None for a fresh random one)"
+                "auth_token must be a string of printable ASCII without spaces, at most 4096 "
+                f"characters (or None or '' for a fresh random one), got {shown}"
             )
         for name, flag in (
             ("disable_auth", disable_auth),
@@ -374,7 +395,7 @@ class ControlServer(Callback):
                 "abort the job: bind to 127.0.0.1, keep authentication, or also pass "
                 "allow_remote_without_auth=True"
             )
-        if enable_http is None:  # the seed's "when aiohttp is installed": without it the
+        if enable_http is None:  # Forgather's "when aiohttp is installed": without it the
             enable_http = True  # start fails with a warning naming the extra, training goes on
         self.job_id = job_id or new_job_id()
         self.host = host
@@ -389,6 +410,7 @@ class ControlServer(Callback):
         self.required = required
         self.url: str | None = None
         self.job_dir: JobDir | None = None
+        self._mirrors: list[JobDir] = []
         self._state: TrainState | None = None
         self._control: Control | None = None
         self._snapshot = _Snapshot()
@@ -477,6 +499,7 @@ class ControlServer(Callback):
             self.job_dir.create()
             if self.token is not None:
                 self.job_dir.write_token(self.token)
+            self._mirrors = self._announce_in_forgather()
             atexit.register(self._atexit)
             bound_host, bound_port = sock.getsockname()[:2]
             self.url = _base_url(bound_host, bound_port)
@@ -503,6 +526,11 @@ class ControlServer(Callback):
             dir=self.job_dir.path,
         )
         self.job_dir.write_endpoint(self._record)
+        for mirror in self._mirrors:
+            try:
+                mirror.write_endpoint(self._record)
+            except Exception as err:
+                self._mirror_failed(mirror, err)
         if self.announce:
             print(
                 f"hookloop: control server {self.url} (job {self.job_id}); token: "
@@ -511,20 +539,50 @@ class ControlServer(Callback):
                 flush=True,
             )
 
+    def _announce_in_forgather(self) -> list[JobDir]:
+        """Directories for this job in Forgather's registries, with the token (none when
+        a registry was named explicitly); one that cannot be made is skipped with a warning."""
+        mirrors = []
+        for base in registries(self.jobs_dir)[1:]:
+            mirror = JobDir(self.job_id, base)
+            try:
+                mirror.create()
+                if self.token is not None:
+                    mirror.write_token(self.token)
+            except Exception as err:
+                self._mirror_failed(mirror, err)
+                continue
+            mirrors.append(mirror)
+        return mirrors
+
+    @staticmethod
+    def _mirror_failed(mirror: JobDir, err: Exception) -> None:
+        mirror.remove()
+        message = (
+            f"hookloop: job not announced in Forgather's registry {mirror.base} ({err}); "
+            "Forgather's client will not list it"
+        )
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
     def _stop_server(self) -> None:
         self._record = None
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.stop()
-        if self.job_dir is not None:
-            self.job_dir.remove()
+        self._remove_dirs()
         with contextlib.suppress(Exception):
             atexit.unregister(self._atexit)
 
-    def _atexit(self) -> None:
-        """Best effort at interpreter exit (e.g. train() never reached its end)."""
+    def _remove_dirs(self) -> None:
+        for mirror in self._mirrors:
+            mirror.remove()
+        self._mirrors = []
         if self.job_dir is not None:
             self.job_dir.remove()
+
+    def _atexit(self) -> None:
+        """Best effort at interpreter exit (e.g. train() never reached its end)."""
+        self._remove_dirs()
 
     @property
     def record(self) -> JobRecord | None:
@@ -544,8 +602,11 @@ class ControlServer(Callback):
         @web.middleware
         async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
             try:
-                public = request.method in ("GET", "HEAD") and request.path == "/"
-                if not public and not self._authorized(request.headers.get("Authorization", "")):
+                header = request.headers.get("Authorization")
+                public = request.method in ("GET", "HEAD") and (
+                    request.path == "/" or (request.path == "/jobs" and header is None)
+                )
+                if not public and not self._authorized(header or ""):
                     return _json(
                         {
                             "error": "missing or wrong bearer token; send the header "
@@ -576,7 +637,12 @@ class ControlServer(Callback):
             )
 
         async def jobs(request: web.Request) -> web.Response:
-            return _json({"jobs": self._jobs()})
+            listing = self._jobs()
+            if not self._authorized(request.headers.get("Authorization", "")):
+                # Forgather's `control list --remote` sends no token: it gets where each
+                # job listens, and nothing else (status and commands still need the token)
+                listing = [{k: j.get(k) for k in PUBLIC_JOB_FIELDS} for j in listing]
+            return _json({"jobs": listing})
 
         async def status(request: web.Request) -> web.Response:
             return self._wrong_job(request) or _json(self._status())
@@ -610,7 +676,11 @@ class ControlServer(Callback):
                     "status": "acknowledged",
                     "command": command,
                     "timestamp": time.time(),
-                    "message": f"{command} filed at step {step}: the loop will {COMMANDS[command]}",
+                    "message": (
+                        f"{command} filed at step {step}: the loop will {COMMANDS[command]}"
+                        if command != "status"
+                        else f"status at step {step}: nothing to do (GET .../status reads it)"
+                    ),
                     "accepted": command,
                     "job_id": self.job_id,
                     "step": step,
@@ -662,6 +732,9 @@ class ControlServer(Callback):
         """File ``command`` on the loop's Control; returns the step it was filed at."""
         snap, control, state = self._snapshot, self._control, self._state
         spec = SERVER_COMMANDS[command]
+        requests = spec.requests(values or {})
+        if not requests:  # Forgather's "status": nothing to file, whatever the phase
+            return state.step if state is not None else 0
         if control is None or state is None or snap.phase not in ("training", "evaluating"):
             raise CommandError(f"the job is not training (it is {snap.phase})", 409)
         if spec.needs == "checkpoints" and not self._can_save:
@@ -677,7 +750,7 @@ class ControlServer(Callback):
                     f"{command}: the job is already ending ({snap.stopping} was filed)", 409
                 )
             step = state.step
-            control.request_all(spec.requests(values or {}))
+            control.request_all(requests)
             if spec.ends:
                 snap.stopping = command
             snap.filed.append({"command": command, "step": step, "time": time.time()})
@@ -716,13 +789,17 @@ class ControlServer(Callback):
         if rate and max_steps is not None:
             eta = max(max_steps - step, 0) / rate
         with snap.lock:
-            out = {
+            now_s = time.time()
+            out = {  # Forgather's keys first, in its order, then hookloop's
                 "job_id": self.job_id,
+                "status": "running" if snap.phase in ("training", "evaluating") else snap.phase,
+                "timestamp": now_s,
+                "global_step": step,
+                "epoch": state.epoch if state is not None else 0,
+                "max_steps": max_steps,
                 "pid": os.getpid(),
                 "phase": snap.phase,
                 "step": step,
-                "epoch": state.epoch if state is not None else 0,
-                "max_steps": max_steps,
                 "num_epochs": state.num_epochs if state is not None else None,
                 "samples": state.samples if state is not None else 0,
                 "elapsed_s": round(time.time() - snap.started, 3),
@@ -743,20 +820,16 @@ class ControlServer(Callback):
                 "can_save": self._can_save,
                 "can_evaluate": self._can_evaluate,
                 "commands": list(COMMANDS),
-                "time": time.time(),
-                # seed 004's names for the same facts
-                "global_step": step,
-                "status": "running" if snap.phase in ("training", "evaluating") else snap.phase,
-                "timestamp": time.time(),
+                "time": now_s,
             }
-            for key, value in snap.logs.items():  # and the latest log's keys, flat, as the seed
+            for key, value in snap.logs.items():  # and the latest log's keys, flat, as Forgather
                 out.setdefault(key, value)
         profile = current_profile()  # callbacks.profile=true: the cost report per callback
         out["callback_profile"] = profile.rows() if profile is not None else None
         return out
 
 
-#: The name seed 004 uses for this callback.
+#: The name Forgather uses for this callback.
 TrainerControlCallback = ControlServer
 
 
