@@ -8,7 +8,8 @@ Both train the small regression recipe without shuffling; worker INDEX of
 WORKERS trains on the same samples as rank INDEX of an all-reduce job with
 WORKERS ranks. Each writes ``result-<mode>-<index>.json``: the weights after
 every outer step, the logged losses and its sync metrics. ``DILOCO_SLEEP``
-(seconds) slows every step so a test can kill a process mid-run.
+(seconds) slows every step so a test can kill a process mid-run; ``DILOCO_POISON=nan``
+makes the worker's weights NaN just before every sync (a faulty worker).
 """
 
 from __future__ import annotations
@@ -88,6 +89,13 @@ def main() -> None:
         metrics.update({k: v for k, v in ctx.logs.items() if k.startswith("diloco/")})
 
     trainer.callbacks.register("on_log", record)
+    if os.environ.get("DILOCO_POISON") == "nan":
+
+        def poison(ctx) -> None:
+            for param in ctx.model.parameters():
+                param.data.fill_(float("nan"))
+
+        trainer.callbacks.register("on_train_step_end", poison, every=SYNC_EVERY, priority=5)
     pause = float(os.environ.get("DILOCO_SLEEP", "0"))
     if pause:
         trainer.callbacks.register("on_train_step_end", lambda ctx: time.sleep(pause))

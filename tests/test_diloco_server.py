@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import shutil
 import signal
@@ -178,20 +179,193 @@ def test_register_status_and_a_round_as_forgather_computes_them(server):
 
 def test_a_bad_contribution_is_refused_with_the_reason(server):
     client = _client(server)
-    client.register("w0")
     good = {n: torch.zeros(4, 4) for n in _weights()}
+    sparse = torch.zeros(4, 4).to_sparse()
     cases = [
         ({**good, "extra.weight": torch.zeros(1)}, "parameter name mismatch.*unexpected 1"),
         ({**good, "layer0.weight": torch.zeros(4, 5)}, r"layer0.weight has shape \(4, 5\)"),
-        ({**good, "layer1.weight": torch.full((4, 4), float("nan"))}, "NaN or infinite"),
-        ({**good, "layer2.weight": torch.zeros(4, 4, dtype=torch.int64)}, "dtype torch.int64"),
+        ({**good, "layer1.weight": torch.full((4, 4), float("nan"))}, "16 NaN or infinite"),
+        ({**good, "layer1.weight": torch.full((4, 4), float("-inf"))}, "NaN or infinite"),
+        ({**good, "layer2.weight": torch.full((4, 4), 10**18)}, "dtype torch.int64; allowed"),
+        ({**good, "layer2.weight": torch.ones(4, 4, dtype=torch.complex64)}, "complex64"),
+        ({**good, "layer2.weight": torch.full((4, 4), 1e30)}, "magnitude 1e.30; allowed: at"),
+        ({**good, "layer2.weight": sparse}, "sparse_coo tensor; send a dense"),
     ]
-    for grads, reason in cases:
-        with pytest.raises(ServerRefused, match=f"400.*{reason}"):
-            client.submit_pseudogradients("w0", grads)
+    before = client.get_global_params()
+    for i, (grads, reason) in enumerate(cases):
+        client.register(f"w{i}")  # a new worker each time: three refusals evict one
+        buf = io.BytesIO()
+        torch.save(grads, buf)  # as sent, sparse included
+        head = json.dumps({"worker_id": f"w{i}"}).encode()
+        body = struct.pack("!I", len(head)) + head + buf.getvalue()
+        with pytest.raises(ServerRefused, match=f"400.*{reason}") as refused:
+            client._call("POST", "submit_pseudograd", body, "application/octet-stream")
+        assert "\n" not in str(refused.value)
     with pytest.raises(ServerRefused, match=r"400.*fragment_id must be an int"):
         client.submit_fragment_pseudogradients("w0", -1, {"layer0.weight": torch.zeros(4, 4)})
     assert client.get_status()["sync_round"] == 0  # nothing was applied
+    after = client.get_global_params()
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_a_repeated_offender_sits_out_then_is_evicted_and_answered_409(tmp_path):
+    srv = _server(tmp_path, heartbeat_timeout=0.3)
+    try:
+        honest, bad = _client(srv), _client(srv)
+        start = honest.register("honest")
+        bad.register("bad", {"heartbeat_interval": 1e9})  # the server keeps its own timeout
+        nan = {n: torch.full((4, 4), float("nan")) for n in start}
+        ones = {n: torch.ones(4, 4) for n in start}
+        # The honest worker waits at the barrier; the refused one sits the round out.
+        new, refusal = _both([
+            lambda: honest.submit_pseudogradients("honest", ones),
+            lambda: (time.sleep(0.1), _refused(lambda: bad.submit_pseudogradients("bad", nan)))[1],
+        ])  # fmt: skip
+        assert refusal.status == 400 and "NaN" in str(refusal)
+        for n in start:  # the honest contribution alone: w - 0.7 * 1.9 * g
+            torch.testing.assert_close(new[n], start[n] - 0.7 * 1.9)
+        for _ in range(2):
+            assert _refused(lambda: bad.submit_pseudogradients("bad", nan)).status in (400, 409)
+        for call in (lambda: bad.submit_pseudogradients("bad", ones),
+                     lambda: bad.register("bad"), lambda: bad.heartbeat("bad")):  # fmt: skip
+            err = _refused(call)
+            assert err.status == 409 and "evicted after 3 refused contributions" in str(err)
+        status = honest.get_status()
+        assert list(status["workers"]) == ["honest"] and status["sync_round"] == 1
+        again = honest.submit_pseudogradients("honest", {n: torch.zeros(4, 4) for n in start})
+        assert set(again) == set(start)  # the next round is the honest worker's alone
+    finally:
+        srv.stop()
+
+
+def _refused(call) -> ServerRefused:
+    with pytest.raises(ServerRefused) as caught:
+        call()
+    return caught.value
+
+
+class _FailsOnce(torch.optim.SGD):
+    failures = 1
+
+    def step(self, closure=None):
+        super().step(closure)  # half done, then it breaks: the server must undo it
+        if _FailsOnce.failures:
+            _FailsOnce.failures -= 1
+            raise RuntimeError("injected failure")
+
+
+def test_a_failing_outer_step_answers_every_worker_and_leaves_the_weights(tmp_path):
+    srv = _server(tmp_path, outer_optimizer_factory=lambda p: _FailsOnce(p, lr=1.0, momentum=0.9))
+    try:
+        a, b = _client(srv, max_retries=0), _client(srv, max_retries=0)
+        start = a.register("a")
+        b.register("b")
+        ones = {n: torch.ones(4, 4) for n in start}
+        errors = _both([
+            lambda: _unavailable(lambda: a.submit_pseudogradients("a", ones)),
+            lambda: _unavailable(lambda: b.submit_pseudogradients("b", ones)),
+        ])  # fmt: skip
+        for err in errors:
+            assert "500" in err and "injected failure" in err and "unchanged" in err
+        now = a.get_global_params()
+        assert all(torch.equal(now[n], start[n]) for n in start)
+        assert srv.outer_optimizer.state_dict()["state"] == {}  # no momentum was kept
+        # Fragments that name other parameters than the round's first are refused, not wedged.
+        frag = {"layer0.weight": torch.ones(4, 4)}
+        other = {"layer1.weight": torch.ones(4, 4)}
+        done, refusal = _both([
+            lambda: a.submit_fragment_pseudogradients("a", 0, frag),
+            lambda: (time.sleep(0.1),
+                     _refused(lambda: b.submit_fragment_pseudogradients("b", 0, other)))[1],
+        ])  # fmt: skip
+        assert "every worker must cut the model into the same fragments" in str(refusal)
+        torch.testing.assert_close(done["layer0.weight"], start["layer0.weight"] - 1.0)
+        new = _both([lambda: a.submit_pseudogradients("a", ones),
+                     lambda: b.submit_pseudogradients("b", ones)])  # fmt: skip
+        assert torch.equal(new[0]["layer1.weight"], new[1]["layer1.weight"])
+        assert a.get_status()["sync_round"] == 2
+    finally:
+        srv.stop()
+
+
+def _unavailable(call) -> str:
+    with pytest.raises(ServerUnavailable) as caught:
+        call()
+    return str(caught.value)
+
+
+def test_a_failed_save_keeps_the_previous_checkpoint_and_the_rounds_go_on(tmp_path, monkeypatch):
+    import errno
+
+    srv = _server(tmp_path, save_every_n_rounds=1)
+    try:
+        client = _client(srv)
+        start = client.register("w")
+        ones = {n: torch.ones(4, 4) for n in start}
+        client.submit_pseudogradients("w", ones)
+        saved = tmp_path / "out" / "checkpoints" / "checkpoint-1"
+        first = (saved / storage.SAFE_WEIGHTS).read_bytes()
+        real = storage.save_file
+
+        def full_disk(tensors, path, *args, **kwargs):
+            real(tensors, path, *args, **kwargs)
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(storage, "save_file", full_disk)
+        second = client.submit_pseudogradients("w", ones)  # answered although the save failed
+        assert client.control("save_state")  # nothing new to save? it is dirty: it fails...
+    except ServerUnavailable as err:
+        assert "500" in str(err) and "No space left on device" in str(err)
+        monkeypatch.setattr(storage, "save_file", real)
+        checkpoints = sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir())
+        assert checkpoints == ["checkpoint-1"]  # no torn checkpoint-2, no staging left
+        assert (saved / storage.SAFE_WEIGHTS).read_bytes() == first
+        third = client.submit_pseudogradients("w", ones)  # and the next round saves again
+        assert set(third) == set(second)
+        names = sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir())
+        assert names == ["checkpoint-1", "checkpoint-3"]
+    else:
+        raise AssertionError("save_state on a full disk must answer 500")
+    finally:
+        srv.stop()
+    # A damaged newest checkpoint is passed over, naming it: the server starts from the older.
+    data = (tmp_path / "out" / "checkpoints" / "checkpoint-3" / storage.SERVER_STATE).read_bytes()
+    (tmp_path / "out" / "checkpoints" / "checkpoint-3" / storage.SERVER_STATE).write_bytes(
+        data[: len(data) // 2]
+    )
+    again = DiLoCoServer(str(tmp_path / "out"), 1, port=0, token=TOKEN)
+    assert again.status()["sync_round"] == 1
+
+
+def test_the_body_cap_is_settable_and_refuses_in_one_line(tmp_path):
+    srv = _server(tmp_path, max_payload_mb=1)
+    try:
+        client = _client(srv)
+        client.register("w")
+        big = {n: torch.zeros(4, 4) for n in _weights()} | {"pad": torch.zeros(2**19)}
+        err = _refused(lambda: client.submit_pseudogradients("w", big))
+        assert err.status == 413 and "cap of 1 MB" in str(err) and "--max-payload-mb" in str(err)
+    finally:
+        srv.stop()
+    auto = _server(tmp_path)
+    auto.stop()
+    assert auto.max_payload_mb == 64 + 1  # 48 float64 values round up to 1 MB, plus 64
+
+
+def test_the_server_refuses_a_file_as_output_dir_and_names_a_missing_certificate(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    start = tmp_path / "start"
+    start.mkdir()
+    from safetensors.torch import save_file
+
+    save_file(_weights(), start / storage.SAFE_WEIGHTS)
+    with pytest.raises(NotADirectoryError, match=r"afile is a file; give a directory"):
+        DiLoCoServer(str(tmp_path / "afile"), 1, str(start), token=TOKEN)
+    with pytest.raises(FileNotFoundError, match=r"certfile .*nocert.pem does not exist"):
+        DiLoCoServer(str(tmp_path / "out"), 1, str(start), token=TOKEN,
+                     certfile=str(tmp_path / "nocert.pem"), keyfile=str(start))  # fmt: skip
+    with pytest.raises(FileNotFoundError, match=r"cafile .*noca.pem does not exist"):
+        DiLoCoClient("https://127.0.0.1:1", cafile=str(tmp_path / "noca.pem"))
 
 
 def test_admin_routes_and_dashboard(server):
@@ -523,3 +697,41 @@ def test_a_killed_server_restarted_on_its_output_dir_lets_two_workers_finish(tmp
     assert "continuing from" in (tmp_path / "server.log").read_text()
     for r in results:
         assert _mean_loss(r, first=False) < 0.5 * _mean_loss(r, first=True)
+
+
+def test_one_worker_sending_nan_is_refused_and_the_others_train_on(tmp_path, caplog):
+    """Three real workers, one of which turns its weights to NaN before every sync: its
+    pseudo-gradient is refused, it stops, and the other two finish with a lower loss."""
+    from hookloop.recipes import default_config, get_recipe
+
+    model = get_recipe("mlp-regression").build(default_config("mlp-regression")).model
+    start = storage.save_initial(tmp_path / "start", model)
+    srv = DiLoCoServer(str(tmp_path / "out"), 3, str(start), port=0, token=TOKEN,
+                       outer_momentum=0.5, save_every_n_rounds=0)  # fmt: skip
+    srv.start()
+    procs = []
+    try:
+        for i in range(3):
+            env = {**os.environ, "DILOCO_TOKEN": TOKEN, "DILOCO_POISON": "nan" if i == 2 else ""}
+            log = (tmp_path / f"worker-{i}.log").open("ab")
+            cmd = [sys.executable, JOB, "worker", str(tmp_path), str(i), "3", srv.address,
+                   "train.max_steps=24"]  # fmt: skip
+            procs.append(zygote.Popen(cmd, stdout=log, stderr=log, env=env, cwd=str(tmp_path)))
+        codes = [proc.wait(timeout=120) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        srv.stop()
+    logs = [(tmp_path / f"worker-{i}.log").read_text() for i in range(3)]
+    assert codes[:2] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
+    assert codes[2] != 0 and "answered 400" in logs[2] and "NaN or infinite" in logs[2]
+    results = [json.loads((tmp_path / f"result-worker-{i}.json").read_text()) for i in range(2)]
+    for r in results:
+        assert r["step"] == 24 and r["metrics"]["diloco/sync_count"] == 6
+        first, last = _mean_loss(r, first=True), _mean_loss(r, first=False)
+        assert math.isfinite(last) and last < 0.8 * first, (first, last)
+    final = srv.get_global_params()
+    assert all(bool(torch.isfinite(v).all()) for v in final.values())
+    assert srv.status()["sync_round"] >= 6  # more when a worker joined after a round opened
+    assert any("refused (1/3)" in r.message for r in caplog.records)

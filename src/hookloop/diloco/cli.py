@@ -7,6 +7,7 @@
         [--no-nesterov] [--save-every 10] [--save-total-limit 3] [--async]
         [--dn-buffer-size 0] [--dylu] [--dylu-base-sync-every 500]
         [--heartbeat-timeout 120] [--min-workers 1] [--no-dashboard]
+        [--max-payload-mb N]
 
 and hookloop's: ``--token T`` (or ``DILOCO_TOKEN``) or ``--no-auth`` (admit
 tokenless peers such as Forgather's workers; off loopback only with
@@ -61,6 +62,9 @@ def add_diloco_command(subparsers: Any) -> argparse.ArgumentParser:
       help="seconds of silence before a worker is evicted (0: never; default 120)")  # fmt: skip
     a("--min-workers", type=int, default=1, help="floor of the expected workers (default 1)")
     a("--no-dashboard", action="store_true", help="do not serve /dashboard")
+    a("--max-payload-mb", type=int, default=None, metavar="N",
+      help="largest request body in MB; larger ones are refused with 413 (default: the "
+           "model's size in float64 plus 64)")  # fmt: skip
     a("--token", help="bearer token every peer must send (default: $DILOCO_TOKEN)")
     a("--no-auth", action="store_true", help="admit tokenless peers (Forgather's workers)")
     a("--allow-remote-without-auth", action="store_true",
@@ -106,6 +110,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     token = args.token or os.environ.get("DILOCO_TOKEN") or None
+    storage.check_output_dir(args.output_dir)
     if token is None and not args.no_auth:
         raise ValueError("hookloop diloco serve needs --token T (or DILOCO_TOKEN) or --no-auth "
                          "to admit tokenless peers such as Forgather's workers")  # fmt: skip
@@ -116,7 +121,7 @@ def run_serve(args: argparse.Namespace) -> int:
         not args.no_dashboard, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
         nesterov=not args.no_nesterov, token=token, disable_auth=args.no_auth,
         allow_remote_without_auth=args.allow_remote_without_auth,
-        certfile=args.certfile, keyfile=args.keyfile,
+        certfile=args.certfile, keyfile=args.keyfile, max_payload_mb=args.max_payload_mb,
     )  # fmt: skip
 
     def ready() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import platform
 import ssl
 import time
@@ -32,8 +33,10 @@ class ServerUnavailable(ConnectionError):
     """The server could not be reached, failed or timed out (worth retrying)."""
 
 
-class ServerRefused(RuntimeError):
-    """The server answered that the request is wrong (retrying will not help)."""
+class ServerRefused(RuntimeError, ValueError):
+    """The server answered that the request is wrong (retrying will not help).
+
+    Also a ``ValueError``: ``hookloop train`` reports it in one line with exit code 2."""
 
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
@@ -76,6 +79,11 @@ class DiLoCoClient:
         self.retry_delay = retry_delay
         self.token = token
         handlers: list[Any] = [urllib.request.ProxyHandler({})]
+        if cafile is not None and not os.path.isfile(cafile):
+            raise FileNotFoundError(
+                f"cafile {cafile} {'is not a file' if os.path.exists(cafile) else 'does not exist'}"
+                "; give the PEM file of the CA (or the server's certificate) to trust"
+            )
         if self.server_addr.startswith("https://"):
             context = ssl.create_default_context(cafile=cafile)
             handlers.append(urllib.request.HTTPSHandler(context=context))

@@ -33,12 +33,23 @@ hookloop's additions, which a Forgather peer does not need: a bearer
 ``token`` (or ``disable_auth=True`` to admit tokenless peers, loopback only
 unless ``allow_remote_without_auth``), HTTPS (``certfile``/``keyfile``), and
 every submission checked by :func:`hookloop.diloco.validate.check_contribution`.
+
+What a faulty peer cannot do: a refused submission (another model, a wrong shape or
+dtype, NaN/Inf, a value beyond :data:`~hookloop.diloco.validate.MAX_ABS_VALUE`) is
+answered 400 with the reason, logged in one line, and its sender sits the round out so
+the others' round closes; after ``max_refusals`` refusals in a row the sender is evicted
+and every later request under its id is answered 409. An outer step that fails (or
+would make a weight non-finite) leaves the weights and the optimizer as they were and
+answers every waiting worker 500; a save that fails (a full disk) keeps the previous
+checkpoint and is tried again after the next round. Bodies are capped at
+``max_payload_mb`` (default: what the model in float64 needs, plus 64 MiB).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import hmac
 import json
 import logging
@@ -56,7 +67,7 @@ import torch
 
 from hookloop.control.background import run_while_serving
 from hookloop.diloco import storage
-from hookloop.diloco.validate import check_contribution
+from hookloop.diloco.validate import check_contribution, check_same_names
 from hookloop.diloco.wire import TENSOR_TYPE, save_tensors, unpack
 
 if TYPE_CHECKING:
@@ -77,6 +88,8 @@ ROUTES = (
 )
 #: The longest heartbeat timeout accepted (0 disables eviction).
 MAX_HEARTBEAT_TIMEOUT = 86400.0
+#: Refused submissions in a row after which a worker is evicted (and answered 409 after).
+MAX_REFUSALS = 3
 
 
 class ProtocolError(ValueError):
@@ -164,7 +177,8 @@ class DiLoCoServer:
         certfile: str | None = None,
         keyfile: str | None = None,
         sync_timeout: float = 600.0,
-        max_payload_mb: int = 8192,
+        max_payload_mb: int | None = None,
+        max_refusals: int = MAX_REFUSALS,
     ) -> None:
         self.num_workers = _integer("num_workers", num_workers, 1)
         self.min_workers = _integer("min_workers", min_workers, 1)
@@ -187,12 +201,21 @@ class DiLoCoServer:
         )
         self.dashboard_enabled = bool(dashboard_enabled)
         self.sync_timeout = _number("sync_timeout", sync_timeout, low=0.001)
-        self.max_payload_mb = _integer("max_payload_mb", max_payload_mb, 1)
+        if max_payload_mb is not None:
+            _integer("max_payload_mb", max_payload_mb, 1)
+        self.max_refusals = _integer("max_refusals", max_refusals, 1)
+        storage.check_output_dir(self.output_dir)
         self._check_auth(token, disable_auth, allow_remote_without_auth)
         self.token, self.disable_auth = token, disable_auth
         self.allow_remote_without_auth = allow_remote_without_auth
         if (certfile is None) != (keyfile is None):
             raise ValueError("HTTPS needs both certfile and keyfile (got only one)")
+        for what, file in (("certfile", certfile), ("keyfile", keyfile)):
+            if file is not None and not Path(file).is_file():
+                raise FileNotFoundError(
+                    f"{what} {file} {'is not a file' if Path(file).exists() else 'does not exist'}"
+                    "; give the PEM file for HTTPS"
+                )
         self.certfile, self.keyfile = certfile, keyfile
         if outer_optimizer_factory is None:
             _number("outer_lr", outer_lr, low=1e-12)
@@ -212,6 +235,9 @@ class DiLoCoServer:
         self._thread: threading.Thread | None = None
         self._started_at: float | None = None
         self.load_state(from_checkpoint)
+        if max_payload_mb is None:  # the largest honest body: the model in float64
+            max_payload_mb = math.ceil(self._model_params * 8 / 2**20) + 64
+        self.max_payload_mb = max_payload_mb
 
     @staticmethod
     def _check_auth(token: Any, disable_auth: Any, allow_remote: Any) -> None:
@@ -254,25 +280,42 @@ class DiLoCoServer:
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
         self._round_done: dict[int, asyncio.Future[dict[str, torch.Tensor]]] = {}
         self._expected: set[str] | None = None
+        self._excused: dict[int | None, set[str]] = {}  # refused this round (None: full)
         self._frag_pending: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
         self._frag_rounds: dict[int, int] = {}
         self._frag_done: dict[tuple[int, int], asyncio.Future[dict[str, torch.Tensor]]] = {}
         self._dn_buffer: list[dict[str, torch.Tensor]] = []
         self._dirty = False
+        self._refusals: dict[str, int] = {}
+        self._evicted: dict[str, str] = {}
 
     def load_state(self, checkpoint_path: str | None = None) -> None:
         """Start from ``checkpoint_path``, or the newest checkpoint in ``output_dir``."""
         if self._running:
             raise RuntimeError("the server cannot load a checkpoint while it runs; stop it first")
         if checkpoint_path is None:
-            found = storage.find_latest(self.output_dir)
-            if found is None:
+            found = storage.find_all(self.output_dir)
+            if not found:
                 raise ValueError(
                     f"no checkpoint in {self.output_dir} (nor under its checkpoints/): pass "
                     "from_checkpoint= a model directory (model.safetensors, pytorch_model.bin "
                     "or a sharded index)"
                 )
-            checkpoint_path = str(found)
+            skipped = []
+            for candidate in found:
+                try:
+                    self._load_from(str(candidate))
+                except ValueError as err:
+                    log.warning("diloco: skipping damaged checkpoint %s: %s", candidate, err)
+                    skipped.append(f"{candidate.name} ({err})")
+                    continue
+                return
+            raise ValueError(
+                f"no intact checkpoint in {self.output_dir}: {'; '.join(skipped)}"[:1000]
+            )
+        self._load_from(checkpoint_path)
+
+    def _load_from(self, checkpoint_path: str) -> None:
         self._initialize(storage.load_weights(checkpoint_path))
         state = storage.load_server_state(checkpoint_path)
         if state is None:
@@ -281,7 +324,12 @@ class DiLoCoServer:
         names = state.get("param_names")
         if names is not None and list(names) != self._param_names:
             raise ValueError(f"{checkpoint_path}: server_state.pt names other parameters")
-        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        try:
+            self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        except (ValueError, KeyError, TypeError, RuntimeError) as err:
+            raise ValueError(
+                f"{checkpoint_path}: server_state.pt's outer_optimizer does not fit: {err}"
+            ) from None
         self._outer_lr = float(self.outer_optimizer.param_groups[0]["lr"])
         self._sync_round = int(state["sync_round"])
         self._total_submissions = int(state.get("total_submissions", 0))
@@ -327,35 +375,72 @@ class DiLoCoServer:
     # -- outer steps --------------------------------------------------------------------
     @torch.no_grad()
     def _outer_step(self, contributions: list[dict[str, torch.Tensor]]) -> None:
-        """One outer step on the mean of ``contributions`` (their names only)."""
-        for name in contributions[0]:
-            total = contributions[0][name].float().clone()
-            for other in contributions[1:]:
-                total.add_(other[name].float())
-            self._params[self._index[name]].grad = total.div_(len(contributions))
-        self.outer_optimizer.step()
-        self.outer_optimizer.zero_grad(set_to_none=True)
+        """One outer step on the mean of ``contributions`` (their names only).
+
+        All or nothing: when the step raises or leaves a weight non-finite, the weights
+        and the optimizer's state are put back as they were and ``RuntimeError`` says why.
+        """
+        names = list(contributions[0])
+        touched = [self._params[self._index[n]] for n in names]
+        saved = [p.detach().clone() for p in touched]
+        saved_opt = copy.deepcopy(self.outer_optimizer.state_dict())
+        try:
+            for name, param in zip(names, touched, strict=True):
+                total = contributions[0][name].float().clone()
+                for other in contributions[1:]:
+                    total.add_(other[name].float())
+                param.grad = total.div_(len(contributions))
+            self.outer_optimizer.step()
+            bad = [n for n, p in zip(names, touched, strict=True) if not p.isfinite().all()]
+            if bad:
+                raise RuntimeError(f"the step made {bad[:3]} non-finite")
+        except Exception as err:
+            for param, value in zip(touched, saved, strict=True):
+                param.copy_(value)
+            self.outer_optimizer.load_state_dict(saved_opt)
+            raise RuntimeError(
+                f"the outer step failed ({' '.join(str(err).split())[:200]}); the global "
+                "weights and the outer optimizer are unchanged"
+            ) from None
+        finally:
+            self.outer_optimizer.zero_grad(set_to_none=True)
         self._dirty = True
 
     def _after_round(self) -> None:
         if self.save_every_n_rounds > 0 and self._sync_round % self.save_every_n_rounds == 0:
             try:
                 self.save_state()
-            except Exception:  # a failed save must not fail the round
-                log.exception("diloco: saving round %d failed", self._sync_round)
+            except Exception as err:  # a failed save must not fail the round
+                log.error(
+                    "diloco: saving round %d failed (%s); the previous checkpoint is kept and "
+                    "the next round tries again", self._sync_round, _line(err)
+                )  # fmt: skip
 
-    def _expected_count(self) -> int:
-        return len(self._expected) if self._expected is not None else self.num_workers
+    def _expected_count(self, key: int | None = None) -> int:
+        """How many submissions close the round ``key`` (None: full model, else a fragment):
+        the expected workers less those whose contribution was refused in it."""
+        excused = self._excused.get(key, set())
+        if self._expected is None:
+            return self.num_workers - len(excused)
+        return len(self._expected - excused)
 
     def _snapshot_expected(self) -> None:
         self._expected = set(self._workers)
 
     def _release_full(self) -> None:
         """Close the full-model round when every expected worker has submitted."""
-        if not self._pending or len(self._pending) < self._expected_count():
+        if not self._pending or len(self._pending) < self._expected_count(None):
             return
         done_round = self._sync_round
-        self._outer_step(list(self._pending.values()))
+        self._excused.pop(None, None)
+        try:
+            self._outer_step(list(self._pending.values()))
+        except Exception as err:  # every waiter is answered; the next round starts clean
+            log.error("diloco: round %d: %s", done_round, _line(err))
+            self._pending.clear()
+            self._fail(self._round_done.pop(done_round, None), err)
+            self._snapshot_expected()
+            return
         self._pending.clear()
         self._sync_round += 1
         log.info("diloco: outer step done, round %d", self._sync_round)
@@ -367,11 +452,18 @@ class DiLoCoServer:
 
     def _release_fragment(self, frag: int) -> None:
         pending = self._frag_pending.get(frag) or {}
-        if not pending or len(pending) < self._expected_count():
+        if not pending or len(pending) < self._expected_count(frag):
             return
+        self._excused.pop(frag, None)
         done_round = self._frag_rounds.get(frag, 0)
         contributions = list(pending.values())
-        self._outer_step(contributions)
+        try:
+            self._outer_step(contributions)
+        except Exception as err:  # every waiter is answered; the next round starts clean
+            log.error("diloco: fragment %d round %d: %s", frag, done_round, _line(err))
+            pending.clear()
+            self._fail(self._frag_done.pop((frag, done_round), None), err)
+            return
         result = self._params_named(list(contributions[0]))
         pending.clear()
         self._frag_rounds[frag] = done_round + 1
@@ -380,6 +472,12 @@ class DiLoCoServer:
         self._future(self._frag_done, (frag, done_round)).set_result(result)
         for key in [k for k in self._frag_done if k[0] == frag and k[1] < done_round - 1]:
             del self._frag_done[key]
+
+    @staticmethod
+    def _fail(future: asyncio.Future[Any] | None, err: BaseException) -> None:
+        if future is not None and not future.done():
+            future.set_exception(ProtocolError(f"DiLoCo server error: {_line(err)}", 500))
+            future.add_done_callback(lambda f: f.exception())  # retrieved: no warning
 
     @staticmethod
     def _future(table: dict[Any, asyncio.Future[Any]], key: Any) -> asyncio.Future[Any]:
@@ -395,11 +493,19 @@ class DiLoCoServer:
         else:
             self._dn_buffer.append(grads)
             if len(self._dn_buffer) >= self.dn_buffer_size:
-                self._outer_step(self._dn_buffer)
-                self._dn_buffer = []
+                buffered, self._dn_buffer = self._dn_buffer, []
+                self._outer_step(buffered)
             else:  # between momentum steps: plain descent, no momentum
                 for name, value in grads.items():
-                    self._params[self._index[name]].sub_(self._outer_lr * value.float())
+                    param = self._params[self._index[name]]
+                    new = param - self._outer_lr * value.float()
+                    if not new.isfinite().all():
+                        self._dn_buffer.pop()
+                        raise RuntimeError(
+                            f"the step would make {name} non-finite; the global weights are "
+                            "unchanged"
+                        )
+                    param.copy_(new)
                 self._dirty = True
         self._sync_round += 1
         self._total_submissions += 1
@@ -415,6 +521,8 @@ class DiLoCoServer:
         self._pending.pop(worker_id, None)
         if self._expected is not None:
             self._expected.discard(worker_id)
+        for excused in self._excused.values():
+            excused.discard(worker_id)
         self._release_full()
         for frag, pending in self._frag_pending.items():
             pending.pop(worker_id, None)
@@ -445,8 +553,42 @@ class DiLoCoServer:
         return max(1, int(speeds[worker_id] / max(speeds.values()) * self.dylu_base_sync_every))
 
     # -- the protocol ----------------------------------------------------------------------
+    def _check_not_evicted(self, worker_id: str) -> None:
+        reason = self._evicted.get(worker_id)
+        if reason is not None:
+            raise ProtocolError(
+                f"worker {worker_id} was evicted after {self.max_refusals} refused "
+                f"contributions (last: {reason[:300]}); fix the worker and start it under "
+                "a new worker id",
+                409,
+            )
+
+    def _refuse(self, worker_id: str, error: str, fragment: Any = None) -> ProtocolError:
+        """Count a refused contribution: its sender sits this round out; evicted at the limit."""
+        count = self._refusals[worker_id] = self._refusals.get(worker_id, 0) + 1
+        log.error("diloco: refused (%d/%d): %s", count, self.max_refusals, error)
+        if worker_id in self._workers and count >= self.max_refusals:
+            self._evicted[worker_id] = error
+            log.error("diloco: evicting %s after %d refused contributions", worker_id, count)
+            self.worker_left(worker_id)
+        elif not self.async_mode and worker_id in self._workers:
+            # The others' round goes on without it (it may still send a valid one).
+            valid = fragment is None or (
+                isinstance(fragment, int) and not isinstance(fragment, bool) and fragment >= 0
+            )
+            key = fragment if valid else None
+            pending = self._pending if key is None else self._frag_pending.get(key, {})
+            if valid and worker_id not in pending:
+                self._excused.setdefault(key, set()).add(worker_id)
+                if key is None:
+                    self._release_full()
+                else:
+                    self._release_fragment(key)
+        return ProtocolError(error)
+
     def register(self, info: dict[str, Any]) -> dict[str, torch.Tensor]:
         worker_id = _worker_id(info)
+        self._check_not_evicted(worker_id)
         hostname = info.get("hostname", "unknown")
         extra = info.get("extra", {})
         now = time.time()
@@ -468,15 +610,23 @@ class DiLoCoServer:
         except ValueError as err:
             raise ProtocolError(f"bad submission body: {err}") from None
         worker_id = _worker_id(header)
+        self._check_not_evicted(worker_id)
         frag = None
         if fragment:
             frag = header.get("fragment_id")
             if isinstance(frag, bool) or not isinstance(frag, int) or not 0 <= frag < 4096:
-                raise ProtocolError(f"fragment_id must be an int in [0, 4096), got {frag!r}")
+                raise self._refuse(
+                    worker_id, f"fragment_id must be an int in [0, 4096), got {frag!r}", frag
+                )
         error = check_contribution(worker_id, grads, self._globals_view(), fragment=frag)
+        others = (self._frag_pending.get(frag) or {}) if frag is not None else {}
+        if error is None and others and not self.async_mode:
+            first = next(iter(others.values()))
+            error = check_same_names(worker_id, frag, set(grads), set(first))
         if error is not None:
-            log.error("diloco: %s", error)
-            raise ProtocolError(error)
+            raise self._refuse(worker_id, error, frag)
+        self._refusals.pop(worker_id, None)
+        self._excused.get(frag, set()).discard(worker_id)
         return worker_id, frag, grads
 
     def _globals_view(self) -> dict[str, torch.Tensor]:
@@ -495,7 +645,11 @@ class DiLoCoServer:
             if info is not None:
                 info.sync_round += 1
                 info.last_sync_server_round = self._sync_round + 1
-            self._apply_async(grads)
+            try:
+                self._apply_async(grads)
+            except RuntimeError as err:
+                log.error("diloco: %s", _line(err))
+                raise ProtocolError(f"DiLoCo server error: {_line(err)}", 500) from None
             return self.get_global_params()
         my_round = self._sync_round
         if self._expected is None:
@@ -512,7 +666,11 @@ class DiLoCoServer:
         worker_id, frag, grads = self._accept(body, fragment=True)
         self._touch(worker_id)
         if self.async_mode:
-            self._outer_step([grads])
+            try:
+                self._outer_step([grads])
+            except RuntimeError as err:
+                log.error("diloco: %s", _line(err))
+                raise ProtocolError(f"DiLoCo server error: {_line(err)}", 500) from None
             self._sync_round += 1
             self._total_submissions += 1
             self._fragment_submissions += 1
@@ -531,6 +689,7 @@ class DiLoCoServer:
 
     def heartbeat(self, data: dict[str, Any]) -> dict[str, Any]:
         worker_id = _worker_id(data)
+        self._check_not_evicted(worker_id)
         info = self._touch(worker_id)
         speed = data.get("steps_per_second")
         if info is not None and speed is not None:
@@ -669,10 +828,18 @@ class DiLoCoServer:
             except web.HTTPException as exc:
                 if exc.status < 400:
                     raise
+                if exc.status == 413:
+                    return _json({"error": (
+                        f"the body is larger than the server's cap of {self.max_payload_mb} MB "
+                        "(hookloop diloco serve --max-payload-mb)")}, 413)  # fmt: skip
                 detail = f"; routes: {ROUTES}" if exc.status in (404, 405) else ""
                 return _json(
                     {"error": f"Unknown endpoint: {request.path[:200]}{detail}"}, exc.status
                 )
+            except Exception as err:  # a server error is one line, never a wedge
+                log.error("diloco: %s %s failed: %s", request.method, request.path[:200],
+                          _line(err))  # fmt: skip
+                return _json({"error": f"DiLoCo server error: {_line(err)}"}, 500)
 
         def tensors(data: dict[str, torch.Tensor]) -> web.Response:
             return web.Response(body=save_tensors(data), content_type=TENSOR_TYPE)
@@ -689,6 +856,8 @@ class DiLoCoServer:
         async def heartbeat(request: web.Request) -> web.Response:
             try:
                 return _json(self.heartbeat(await _json_body(request)))
+            except ProtocolError:
+                raise
             except ValueError as err:
                 raise ProtocolError(str(err)) from None
 
@@ -746,8 +915,8 @@ class DiLoCoServer:
                 await asyncio.sleep(period)
                 try:
                     self.evict_silent()
-                except Exception:  # the monitor must outlive one bad eviction
-                    log.exception("diloco: evicting silent workers failed")
+                except Exception as err:  # the monitor must outlive one bad eviction
+                    log.error("diloco: evicting silent workers failed: %s", _line(err))
 
         run_while_serving(app, monitor)
 
@@ -755,7 +924,13 @@ class DiLoCoServer:
         if self.certfile is None or self.keyfile is None:
             return None
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.load_cert_chain(self.certfile, self.keyfile)
+        try:
+            context.load_cert_chain(self.certfile, self.keyfile)
+        except (ssl.SSLError, OSError) as err:
+            raise ValueError(
+                f"certfile {self.certfile} / keyfile {self.keyfile}: not a PEM certificate "
+                f"and its key ({_line(err)})"
+            ) from None
         return context
 
     # -- running -------------------------------------------------------------------------------
@@ -846,6 +1021,10 @@ class DiLoCoServer:
         self.request_stop()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(10)
+
+
+def _line(err: BaseException) -> str:
+    return " ".join(str(err).split())[:500] or type(err).__name__
 
 
 def _bound_port(runner: Any) -> int | None:

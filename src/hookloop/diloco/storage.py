@@ -11,6 +11,7 @@ way round. Everything is read with ``weights_only=True``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -33,21 +34,64 @@ def is_checkpoint(path: str | Path) -> bool:
     return Path(path).is_dir() and any((Path(path) / f).is_file() for f in _WEIGHT_FILES)
 
 
+def check_output_dir(output_dir: str | Path) -> None:
+    """Refuse, at start, an output directory that is a file or cannot be written."""
+    path = Path(output_dir)
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(
+            f"output dir {output_dir} is a file; give a directory (created when missing) for "
+            "the server's checkpoints"
+        )
+    for parent in (path, *path.parents):
+        if not parent.exists():
+            continue
+        if not parent.is_dir():
+            raise NotADirectoryError(f"output dir {output_dir}: {parent} is a file")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise PermissionError(
+                f"output dir {output_dir}: {parent} is not writable; give a directory the "
+                "server can write its checkpoints to"
+            )
+        return
+
+
+def find_all(output_dir: str | Path) -> list[Path]:
+    """The checkpoints under ``output_dir/checkpoints``, newest first (by modification time),
+    else ``[output_dir]`` when it is a model directory itself, else []."""
+    root = Path(output_dir) / "checkpoints"
+    if not root.is_dir():
+        return [Path(output_dir)] if is_checkpoint(output_dir) else []
+    found = [p for p in root.glob("checkpoint-*") if is_checkpoint(p)]
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
 def find_latest(output_dir: str | Path) -> Path | None:
     """The newest checkpoint under ``output_dir/checkpoints`` (by modification time), else
     ``output_dir`` itself when it is a model directory, else None (as Forgather)."""
-    root = Path(output_dir) / "checkpoints"
-    if not root.is_dir():
-        return Path(output_dir) if is_checkpoint(output_dir) else None
-    found = [p for p in root.glob("checkpoint-*") if is_checkpoint(p)]
-    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+    found = find_all(output_dir)
+    return found[0] if found else None
+
+
+def _damaged(path: Path, err: BaseException) -> ValueError:
+    text = " ".join(str(err).split())[:200] or type(err).__name__
+    return ValueError(f"{path} is damaged or truncated ({text}); it cannot be loaded")
 
 
 def _load_torch(path: Path) -> dict[str, torch.Tensor]:
-    data = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises several types for a torn or foreign file
+        raise _damaged(path, err) from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} does not hold a state dict")
     return data
+
+
+def _load_safe(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path)
+    except Exception as err:  # safetensors' own error type for a torn header or body
+        raise _damaged(path, err) from None
 
 
 def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
@@ -57,17 +101,26 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"the checkpoint path {path} does not exist")
     if not path.is_dir():
         raise NotADirectoryError(f"the checkpoint path {path} is not a directory")
-    for index, reader in ((SAFE_INDEX, load_file), (TORCH_INDEX, _load_torch)):
+    for index, reader in ((SAFE_INDEX, _load_safe), (TORCH_INDEX, _load_torch)):
         if (path / index).is_file():
-            weight_map = json.loads((path / index).read_text())["weight_map"]
+            try:
+                weight_map = json.loads((path / index).read_text())["weight_map"]
+                assert isinstance(weight_map, dict)
+            except (ValueError, KeyError, TypeError, AssertionError, UnicodeDecodeError):
+                raise ValueError(
+                    f"{path / index} is not an index (JSON with a weight_map object)"
+                ) from None
             state: dict[str, torch.Tensor] = {}
             for shard in dict.fromkeys(weight_map.values()):
                 if Path(shard).name != shard:
                     raise ValueError(f"{path / index} names a shard outside its directory")
                 state.update(reader(path / shard))
+            missing = [n for n in weight_map if n not in state]
+            if missing:
+                raise ValueError(f"{path / index} names {missing[:3]}, which no shard holds")
             return {n: state[n] for n in weight_map}
     if (path / SAFE_WEIGHTS).is_file():
-        return load_file(path / SAFE_WEIGHTS)
+        return _load_safe(path / SAFE_WEIGHTS)
     if (path / TORCH_WEIGHTS).is_file():
         return _load_torch(path / TORCH_WEIGHTS)
     raise ValueError(f"{path} holds no model weights (expected one of {', '.join(_WEIGHT_FILES)})")
@@ -78,25 +131,55 @@ def load_server_state(path: str | Path) -> dict[str, Any] | None:
     file = Path(path) / SERVER_STATE
     if not file.is_file():
         return None
-    state = torch.load(file, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises several types for a torn or foreign file
+        raise _damaged(file, err) from None
     if not isinstance(state, dict) or "outer_optimizer" not in state or "sync_round" not in state:
         raise ValueError(f"{file} lacks outer_optimizer / sync_round")
     return state
 
 
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save(
     directory: str | Path, weights: dict[str, torch.Tensor], server_state: dict[str, Any]
 ) -> Path:
-    """Write a checkpoint to ``directory`` atomically (a torn write leaves the old one)."""
+    """Write a checkpoint to ``directory`` atomically.
+
+    The files are written and synced in a hidden staging directory that is then
+    renamed into place; a checkpoint already there under that name is moved aside
+    first and only deleted once the new one is in place. A failed write (a full disk)
+    removes the staging directory and leaves every existing checkpoint as it was.
+    """
     directory = Path(directory)
     staging = directory.with_name(f".{directory.name}.tmp")
+    aside = directory.with_name(f".{directory.name}.old")
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    save_file({n: t.contiguous() for n, t in weights.items()}, staging / SAFE_WEIGHTS)
-    torch.save(server_state, staging / SERVER_STATE)
-    if directory.exists():
-        shutil.rmtree(directory)
-    os.replace(staging, directory)
+    try:
+        staging.mkdir(parents=True)
+        save_file({n: t.contiguous() for n, t in weights.items()}, staging / SAFE_WEIGHTS)
+        torch.save(server_state, staging / SERVER_STATE)
+        for name in (SAFE_WEIGHTS, SERVER_STATE):
+            _fsync(staging / name)
+        shutil.rmtree(aside, ignore_errors=True)
+        if directory.exists():
+            os.replace(directory, aside)
+        os.replace(staging, directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        if aside.exists() and not directory.exists():
+            os.replace(aside, directory)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+    with contextlib.suppress(OSError):  # make the rename durable where the OS allows it
+        _fsync(directory.parent)
     return directory
 
 

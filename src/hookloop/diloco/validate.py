@@ -12,8 +12,13 @@ from collections.abc import Mapping
 
 import torch
 
-#: dtypes a pseudo-gradient may travel in.
+#: dtypes a pseudo-gradient may travel in (real floating point: a complex value would lose
+#: its imaginary part, an integer one could hold anything up to 2**63).
 ALLOWED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+#: The largest magnitude a pseudo-gradient value may have. It is a difference of weights
+#: after one period of local steps; a value beyond this is a broken worker, and a mean of
+#: values within it cannot overflow the float32 global weights.
+MAX_ABS_VALUE = 1e6
 
 
 def _sample(names: set[str]) -> str:
@@ -31,8 +36,9 @@ def check_contribution(
     """An error message when ``tensors`` cannot be applied to ``globals_``, else None.
 
     A full-model submission must name every global parameter; a fragment's
-    (``fragment`` given) a non-empty subset. Shapes must match, dtypes be
-    floating, values finite.
+    (``fragment`` given) a non-empty subset. Tensors must be dense, shapes match,
+    dtypes be real floating point (:data:`ALLOWED_DTYPES`), values finite and at
+    most :data:`MAX_ABS_VALUE` in magnitude.
     """
     sent, known = set(tensors), set(globals_)
     what = (
@@ -54,6 +60,8 @@ def check_contribution(
             else f"{what} is empty"
         ) + "; the worker runs another model"
     for name, value in tensors.items():
+        if value.layout != torch.strided:
+            return f"{what}: {name} is a {value.layout} tensor; send a dense (strided) one"
         want = tuple(globals_[name].shape)
         if tuple(value.shape) != want:
             return f"{what}: {name} has shape {tuple(value.shape)}, the server's is {want}"
@@ -61,5 +69,24 @@ def check_contribution(
             allowed = ", ".join(str(d).removeprefix("torch.") for d in ALLOWED_DTYPES)
             return f"{what}: {name} has dtype {value.dtype}; allowed: {allowed}"
         if not bool(torch.isfinite(value).all()):
-            return f"{what}: {name} holds NaN or infinite values"
+            bad = int((~torch.isfinite(value)).sum())
+            return f"{what}: {name} holds {bad} NaN or infinite values; all must be finite"
+        if value.numel() and float(value.abs().max()) > MAX_ABS_VALUE:
+            return (
+                f"{what}: {name} holds a value of magnitude {float(value.abs().max()):.3g}; "
+                f"allowed: at most {MAX_ABS_VALUE:g}"
+            )
     return None
+
+
+def check_same_names(
+    worker_id: str, fragment: int, names: set[str], others: set[str]
+) -> str | None:
+    """An error message when a fragment names other parameters than the round's first."""
+    if names == others:
+        return None
+    return (
+        f"fragment {fragment} from worker {worker_id} names {len(names)} parameters "
+        f"{_sample(names)}, the round's other submissions {len(others)} {_sample(others)}; "
+        "every worker must cut the model into the same fragments (num_fragments)"
+    )

@@ -98,7 +98,9 @@ class DiLoCoWorker:
         self.retry_delay = retry_delay
         self.distributed = dist.is_available() and dist.is_initialized()
         self.talks = not self.distributed or dist.get_rank() == 0
-        self.client = DiLoCoClient(server_addr, timeout, token=token, cafile=cafile)
+        self.client = DiLoCoClient(
+            server_addr, timeout, retry_delay=retry_delay / 2, token=token, cafile=cafile
+        )
         self._beat_client = DiLoCoClient(server_addr, min(timeout, 30), token=token, cafile=cafile)
         self.params = dict(model.named_parameters())
         self.fragments = split_fragments(list(self.params), num_fragments)
