@@ -255,6 +255,59 @@ def _runs_missing_dir(tmp: Path, run: Path) -> list:
     return ["runs", tmp / "nowhere"]
 
 
+DILOCO_TOKEN = "reliability-diloco-token-0123456789"
+
+
+def _serve(tmp: Path, *extra) -> list:
+    return ["diloco", "serve", "-o", tmp / "out", "-n", "1", "--port", "0",
+            "--token", DILOCO_TOKEN, *extra]  # fmt: skip
+
+
+def _server_checkpoint(where: Path, truncate: str | None = None) -> Path:
+    """A DiLoCo server checkpoint of the mlp-regression model, one file cut in half."""
+    from hookloop.diloco import storage
+    from hookloop.recipes import default_config, get_recipe
+
+    model = get_recipe("mlp-regression").build(default_config("mlp-regression")).model
+    storage.save_initial(where, model)
+    import torch
+
+    torch.save({"outer_optimizer": {}, "sync_round": 3}, where / storage.SERVER_STATE)
+    if truncate is not None:
+        data = (where / truncate).read_bytes()
+        (where / truncate).write_bytes(data[: len(data) // 2])
+    return where
+
+
+def _serve_file_as_output_dir(tmp: Path, run: Path) -> list:
+    (tmp / "afile").write_text("x")
+    return ["diloco", "serve", "-o", tmp / "afile", "-n", "1", "--token", DILOCO_TOKEN]
+
+
+def _serve_truncated_server_state(tmp: Path, run: Path) -> list:
+    ckpt = _server_checkpoint(tmp / "ckpt", truncate="server_state.pt")
+    return _serve(tmp, "--from-checkpoint", ckpt)
+
+
+def _serve_truncated_weights(tmp: Path, run: Path) -> list:
+    ckpt = _server_checkpoint(tmp / "ckpt", truncate="model.safetensors")
+    return _serve(tmp, "--from-checkpoint", ckpt)
+
+
+def _serve_only_checkpoint_truncated(tmp: Path, run: Path) -> list:
+    _server_checkpoint(tmp / "out" / "checkpoints" / "checkpoint-3", truncate="server_state.pt")
+    return _serve(tmp)
+
+
+def _serve_missing_certfile(tmp: Path, run: Path) -> list:
+    ckpt = _server_checkpoint(tmp / "ckpt")
+    return _serve(tmp, "-c", ckpt, "--certfile", tmp / "cert.pem", "--keyfile", tmp / "key.pem")
+
+
+def _serve_zero_payload_cap(tmp: Path, run: Path) -> list:
+    return _serve(tmp, "-c", _server_checkpoint(tmp / "ckpt"), "--max-payload-mb", "0")
+
+
 BAD_INPUT = [
     (_file_as_out, ExitCode.USAGE, ["afile", "is a file"]),
     (_unwritable_out, ExitCode.USAGE, ["/proc/hookloop-test"]),
@@ -288,6 +341,12 @@ BAD_INPUT = [
     (_ctl_unknown_job, ExitCode.USAGE, ["no live job 'nosuchjob'"]),
     (_jobs_bad_timeout, ExitCode.USAGE, ["--timeout", "soon"]),
     (_runs_missing_dir, ExitCode.USAGE, ["nowhere", "not a directory"]),
+    (_serve_file_as_output_dir, ExitCode.USAGE, ["output dir", "afile is a file"]),
+    (_serve_truncated_server_state, ExitCode.USAGE, ["server_state.pt is damaged or truncated"]),
+    (_serve_truncated_weights, ExitCode.USAGE, ["model.safetensors is damaged or truncated"]),
+    (_serve_only_checkpoint_truncated, ExitCode.USAGE, ["no intact checkpoint", "checkpoint-3"]),
+    (_serve_missing_certfile, ExitCode.USAGE, ["certfile", "cert.pem does not exist"]),
+    (_serve_zero_payload_cap, ExitCode.USAGE, ["max_payload_mb must be an int >= 1", "0"]),
 ]
 
 
@@ -297,7 +356,10 @@ BAD_INPUT = [
 def test_bad_input_is_one_line_with_its_exit_code_and_changes_nothing(
     setup, code, words, trained, tmp_path
 ):
-    argv = setup(tmp_path, trained)
+    _one_line_and_nothing_changed(setup(tmp_path, trained), code, words, trained, tmp_path)
+
+
+def _one_line_and_nothing_changed(argv, code, words, trained, tmp_path) -> None:
     before, run_before = _tree(tmp_path), _tree(trained)
 
     got, _, err = _run(argv)
@@ -311,6 +373,85 @@ def test_bad_input_is_one_line_with_its_exit_code_and_changes_nothing(
         assert word in error_lines[0], (word, error_lines[0])
     assert _tree(tmp_path) == before  # nothing written, nothing removed
     assert _tree(trained) == run_before
+
+
+# DiLoCo workers (`hookloop train` with DILOCO_SERVER) against a server in this process.
+def _worker(tmp: Path, env: dict, *extra) -> tuple[dict, list]:
+    env = {"DILOCO_HEARTBEAT_INTERVAL": "0", "DILOCO_TOKEN": DILOCO_TOKEN, **env}
+    return env, ["train", *MLP, "--out", tmp / "new", "train.max_steps=2", *extra, *QUIET]
+
+
+def _worker_server_unreachable(tmp: Path, srv) -> tuple[dict, list]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    return _worker(tmp, {"DILOCO_SERVER": f"127.0.0.1:{closed}"})
+
+
+def _worker_wrong_token(tmp: Path, srv) -> tuple[dict, list]:
+    return _worker(tmp, {"DILOCO_SERVER": srv.address, "DILOCO_TOKEN": "x" * 20})
+
+
+def _worker_evicted(tmp: Path, srv) -> tuple[dict, list]:
+    import torch
+
+    from hookloop.diloco.client import DiLoCoClient, ServerRefused
+
+    client = DiLoCoClient(srv.address, timeout=10, token=DILOCO_TOKEN)
+    nan = {n: torch.full_like(t, float("nan")) for n, t in client.register("w-bad").items()}
+    for _ in range(3):
+        with contextlib.suppress(ServerRefused):
+            client.submit_pseudogradients("w-bad", nan)
+    return _worker(tmp, {"DILOCO_SERVER": srv.address, "DILOCO_WORKER_ID": "w-bad"})
+
+
+def _worker_another_model(tmp: Path, srv) -> tuple[dict, list]:
+    return _worker(tmp, {"DILOCO_SERVER": srv.address}, "model.hidden=7")
+
+
+def _worker_missing_cafile(tmp: Path, srv) -> tuple[dict, list]:
+    server = f"https://{srv.address}"
+    return _worker(tmp, {"DILOCO_SERVER": server, "DILOCO_CAFILE": str(tmp / "ca.pem")})
+
+
+DILOCO_WORKER_INPUT = [
+    (_worker_server_unreachable, ExitCode.ERROR, ["DiLoCo server", "unreachable", "gave up"]),
+    (_worker_wrong_token, ExitCode.USAGE, ["answered 401 to /register", "Bearer"]),
+    (_worker_evicted, ExitCode.USAGE, ["answered 409", "w-bad was evicted after 3 refused"]),
+    (_worker_another_model, ExitCode.USAGE, ["has shape", "the server runs another model"]),
+    (_worker_missing_cafile, ExitCode.USAGE, ["cafile", "ca.pem does not exist"]),
+]
+
+
+@pytest.fixture(scope="module")
+def diloco_server(tmp_path_factory):
+    from hookloop.diloco.server import DiLoCoServer
+
+    where = tmp_path_factory.mktemp("diloco")
+    start = _server_checkpoint(where / "start")
+    (start / "server_state.pt").unlink()
+    srv = DiLoCoServer(str(where / "out"), 1, str(start), port=0, token=DILOCO_TOKEN).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize(
+    ("setup", "code", "words"),
+    DILOCO_WORKER_INPUT,
+    ids=[c[0].__name__ for c in DILOCO_WORKER_INPUT],
+)
+def test_a_diloco_worker_that_cannot_join_is_one_line_with_its_exit_code(
+    setup, code, words, trained, tmp_path, diloco_server, monkeypatch
+):
+    from hookloop.diloco.worker import DiLoCoWorker
+
+    monkeypatch.setitem(DiLoCoWorker.__init__.__kwdefaults__, "retry_delay", 0.01)
+    env, argv = setup(tmp_path, diloco_server)
+    for name in ("DILOCO_CAFILE", "DILOCO_WORKER_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    _one_line_and_nothing_changed(argv, code, words, trained, tmp_path)
 
 
 def test_the_traceback_is_there_when_asked_for(tmp_path, monkeypatch):

@@ -73,7 +73,7 @@ def find_latest(output_dir: str | Path) -> Path | None:
 
 
 def _damaged(path: Path, err: BaseException) -> ValueError:
-    text = " ".join(str(err).split())[:200] or type(err).__name__
+    text = " ".join(str(err).split()).split(". ")[0][:200] or type(err).__name__
     return ValueError(f"{path} is damaged or truncated ({text}); it cannot be loaded")
 
 
