@@ -14,7 +14,7 @@ wall time includes the server's work, CPU time only the worker's (encoding,
 copying).
 
     python bench/diloco.py                 # 15 rounds, ~1 min
-    python bench/diloco.py --rounds 5
+    python bench/diloco.py --rounds 2      # the quickest run
 """
 
 from __future__ import annotations
@@ -25,10 +25,13 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
+from hookloop.diloco import storage
 from hookloop.diloco.client import DiLoCoClient, ServerUnavailable
 from hookloop.diloco.worker import DiLoCoWorker
 
@@ -47,10 +50,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(port: int) -> subprocess.Popen:
+def start_server(port: int, start: Path, out: Path) -> subprocess.Popen:
+    """``hookloop diloco serve`` for one worker, from the checkpoint ``start``, never saving."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hookloop", "diloco", "serve", "--port", str(port),
-         "--token", TOKEN],
+        [sys.executable, "-m", "hookloop", "diloco", "serve", "-o", str(out), "-n", "1",
+         "--from-checkpoint", str(start), "--port", str(port), "--token", TOKEN,
+         "--save-every", "0", "--no-dashboard"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     deadline = time.monotonic() + 120
@@ -66,23 +71,27 @@ def start_server(port: int) -> subprocess.Popen:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=15, help="rounds (>= 2; default 15)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.rounds < 2:
+        parser.error(f"--rounds must be >= 2 (a spread needs two), got {args.rounds}")
     torch.set_num_threads(1)
     rng = random.Random(args.seed)
     net = model()
     n_params = sum(p.numel() for p in net.parameters())
     # One server per contender: a round waits for every live worker of its server.
     servers, workers = [], {}
+    scratch = tempfile.TemporaryDirectory(prefix="hookloop-bench-diloco-")
+    start = storage.save_initial(Path(scratch.name) / "start", net)
     try:
         for bf16, frags in CASES:
             port = free_port()
-            servers.append(start_server(port))
+            servers.append(start_server(port, start, Path(scratch.name) / f"out-{port}"))
             w = DiLoCoWorker(
                 net, server_addr=f"127.0.0.1:{port}", sync_every=frags,
                 worker_id=f"bench-{frags}-{int(bf16)}", bf16_comm=bf16, dylu=False,
-                heartbeat_interval=30.0, num_fragments=frags, timeout=120,
+                heartbeat_interval=0, num_fragments=frags, timeout=120,
                 max_sync_retries=0, token=TOKEN,
             )  # fmt: skip
             w.start()
@@ -93,20 +102,21 @@ def main() -> None:
         for _ in range(args.rounds):
             for case in rng.sample(CASES, len(CASES)):
                 w = workers[case]
-                before = w.bytes_sent
+                before = w.client.bytes_sent
                 t0, c0 = time.perf_counter(), time.process_time()
                 for _ in range(case[1]):  # one period: every fragment once
                     w.after_step()
                 w.finish_in_flight()  # streaming leaves the last fragment in flight: count it
                 wall[case].append(time.perf_counter() - t0)
                 cpu[case].append(time.process_time() - c0)
-                sent[case] = w.bytes_sent - before
+                sent[case] = w.client.bytes_sent - before
         for w in workers.values():
             w.stop()
     finally:
         for proc in servers:
             proc.terminate()
             proc.wait(timeout=10)
+        scratch.cleanup()
     print(f"{n_params / 1e6:.1f} M parameters, {args.rounds} rounds, torch {torch.__version__}")
     print(f"{'comm':<6}{'fragments':>10}{'MB sent':>10}{'wall s':>10}{'IQR':>16}{'cpu s':>9}")
     for case in CASES:

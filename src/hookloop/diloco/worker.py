@@ -240,6 +240,10 @@ class DiLoCoWorker:
             thread.start()
         self._in_flight = (k, thread, result)
 
+    def finish_in_flight(self) -> None:
+        """Wait for the fragment in flight, if any, and load its answer."""
+        self._finish_in_flight()
+
     def _finish_in_flight(self) -> None:
         if self._in_flight is None:
             return
