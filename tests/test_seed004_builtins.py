@@ -1,8 +1,8 @@
-"""Each seed-004 built-in, built as the seed shows it, in a short HF-dialect training.
+"""Each of Forgather's built-ins, built as Forgather builds it, in a short HF-dialect training.
 
-Every test constructs the class from ``hookloop.compat.hf`` with the seed's own
+Every test constructs the class from ``hookloop.compat.hf`` with Forgather's own
 parameter names and runs ``hookloop.compat.hf.Trainer`` (TinyModel, a few
-steps, logging every 2 and evaluating every 3 steps), then checks what the seed
+steps, logging every 2 and evaluating every 3 steps), then checks what Forgather
 says the callback produces: the files in ``args.logging_dir``, the TensorBoard
 tags, the keys in ``logs``, the console lines.
 """
@@ -136,7 +136,7 @@ def test_default_metrics_puts_mfu_in_every_training_log(tmp_path):
 
 
 class PeakList(Callback):
-    """A trainer that reports per-rank peaks as ``peak_mem_allocated`` (seed 004's does)."""
+    """A trainer that reports per-rank peaks as ``peak_mem_allocated`` (Forgather's does)."""
 
     priority = 5  # before DefaultMetrics
 
@@ -182,7 +182,7 @@ def test_progress_callback_takes_transformers_constructor_too(tmp_path, capsys):
     for name, param in theirs.items():
         assert ours[name].default == param.default, name
     train(tmp_path, [ProgressCallback(), ProgressCallback(max_str_len=50)])
-    out = capsys.readouterr().out  # the seed writes to stdout by default
+    out = capsys.readouterr().out  # Forgather writes to stdout by default
     assert out.count("training finished") == 2
 
 
@@ -204,23 +204,68 @@ def test_tb_logger_writes_texts_and_the_configured_scalars(tmp_path):
     writer = summary_writer(tmp_path / "tb")
     logger = TBLogger(
         summary_writer=writer,
-        scalars={"grad_norm": None, "lr_x10": {"source": "learning_rate", "transform": _times10}},
-        experiment_info={"name": "seed-004", "note": "tiny"},
+        scalars={
+            "grad-norm": None,  # a default removed
+            "lr-x10": {"source": "learning_rate", "transform": _times10},  # one added
+            "eval-loss": {"transform": _times10},  # a default's field changed, source kept
+            "eval-runtime": {},  # no source: the tag with '-' read as '_'
+        },
+        experiment_info={"name": "forgather", "note": "tiny"},
     )
     seen = Logs()
     train(tmp_path, [logger, seen], lr_scheduler_type="constant")  # HF's default decays
     writer.close()
     acc = tb(tmp_path / "tb")
-    assert [e.step for e in acc.Scalars("train_loss")] == [2, 4, 6]
+    # Forgather's tags for its default scalars
+    assert {"train-loss", "learning-rate", "eval-loss", "eval-perplexity"} <= set(
+        acc.Tags()["scalars"]
+    )
+    assert [e.step for e in acc.Scalars("train-loss")] == [2, 4, 6]
     losses = [log["loss"] for _, log in seen.logs if "loss" in log]
-    assert [e.value for e in acc.Scalars("train_loss")] == pytest.approx(losses)
-    assert [e.step for e in acc.Scalars("eval_loss")] == [3, 6]
-    assert [e.value for e in acc.Scalars("lr_x10")] == pytest.approx([5e-4] * 3)
-    assert "grad_norm" not in acc.Tags()["scalars"]
-    assert "seed-004" in tb_text(acc, "experiment")[0][1]
+    assert [e.value for e in acc.Scalars("train-loss")] == pytest.approx(losses)
+    assert [e.value for e in acc.Scalars("learning-rate")] == pytest.approx([5e-5] * 3)
+    evals = [m["eval_loss"] for _, m in seen.evals]
+    assert [e.step for e in acc.Scalars("eval-loss")] == [3, 6]
+    assert [e.value for e in acc.Scalars("eval-loss")] == pytest.approx([10 * v for v in evals])
+    perplexity = [e.value for e in acc.Scalars("eval-perplexity")]
+    assert perplexity == pytest.approx([math.exp(v) for v in evals], rel=1e-5)
+    assert [e.step for e in acc.Scalars("eval-runtime")] == [3, 6]
+    assert [e.value for e in acc.Scalars("lr-x10")] == pytest.approx([5e-4] * 3)
+    assert "grad-norm" not in acc.Tags()["scalars"]
+    assert "forgather" in tb_text(acc, "experiment")[0][1]
     assert tb_text(acc, "training_info")[0][0] == 0
     [(step, results)] = tb_text(acc, "train_results")
     assert step == STEPS and "train_runtime" in results
+
+
+def test_tb_logger_takes_forgathers_older_tuple_scalars_and_experiment_keywords(tmp_path):
+    writer = summary_writer(tmp_path / "tb")
+    logger = TBLogger(
+        writer,
+        [("loss", "train-loss"), ("eval_loss", "eval-loss-x10", _times10)],
+        run="older-config",
+    )
+    train(tmp_path, [logger])
+    writer.close()
+    acc = tb(tmp_path / "tb")
+    # the list replaces the defaults: only its two tags
+    assert set(acc.Tags()["scalars"]) == {"train-loss", "eval-loss-x10"}
+    assert "older-config" in tb_text(acc, "experiment")[0][1]
+
+
+@pytest.mark.parametrize(
+    "scalars, why",
+    [
+        ("loss", "scalars must be a dict"),
+        ([("loss",)], "holds \\(metric, tag\\)"),
+        ({"x": {"sauce": "loss"}}, "must be None or a dict with source and/or transform"),
+        ({"x": {"source": 3}}, "must be a metric name"),
+        ({"x": {"transform": "exp"}}, "must be callable"),
+    ],
+)
+def test_tb_logger_names_a_bad_scalars_entry(tmp_path, scalars, why):
+    with pytest.raises(ValueError, match=why):
+        TBLogger(summary_writer(tmp_path / "tb"), scalars)
 
 
 def _times10(value: float, metrics: dict[str, Any]) -> float:
@@ -234,7 +279,7 @@ def test_resumable_summary_writer_takes_summary_writer_calls(tmp_path):
     train(tmp_path, [writer, TBLogger(writer)])  # registered, and shared with the logger
     acc = tb(tmp_path / "tb")
     assert [(e.step, e.value) for e in acc.Scalars("custom")] == [(3, 1.5)]
-    assert [e.step for e in acc.Scalars("train_loss")] == [2, 4, 6]
+    assert [e.step for e in acc.Scalars("train-loss")] == [2, 4, 6]
 
 
 def test_resumable_summary_writer_resumes_into_the_checkpointed_runs_directory(tmp_path):
@@ -245,7 +290,7 @@ def test_resumable_summary_writer_resumes_into_the_checkpointed_runs_directory(t
     train(tmp_path, [second, TBLogger(second)], max_steps=8, native={"resume": "auto"}, **saves)
     assert not (tmp_path / "tb-2").exists()
     # the second run continues the first one's event files: one event per logged step
-    steps = [e.step for e in tb(tmp_path / "tb-1").Scalars("train_loss")]
+    steps = [e.step for e in tb(tmp_path / "tb-1").Scalars("train-loss")]
     assert steps == [2, 4, 6, 8]
 
 
@@ -253,13 +298,17 @@ def test_resumable_summary_writer_resumes_into_the_checkpointed_runs_directory(t
 
 
 def test_json_logger_writes_a_json_array_of_logs_and_evaluations(tmp_path):
-    train(tmp_path, [JsonLogger(experiment="seed-004", lr=5e-5)])
+    logger = JsonLogger(experiment="forgather", lr=5e-5)
+    train(tmp_path, [logger])
     records = json_array(tmp_path / "logs" / "trainer_logs.json")
-    assert records[0]["experiment"] == "seed-004" and records[0]["global_step"] == 0
+    # the keyword arguments are kept, never written: every record is a log or an evaluation
+    assert logger.kwargs == {"experiment": "forgather", "lr": 5e-5}
+    assert not any("experiment" in r for r in records)
+    assert all("loss" in r or "eval_loss" in r or "train_runtime" in r for r in records)
     for r in records:
         assert {"timestamp", "global_step", "epoch"} <= set(r)
     assert [r["global_step"] for r in records if "loss" in r] == [2, 4, 6]
-    # an evaluation is written twice, as the seed does: its log and its on_evaluate
+    # an evaluation is written twice, as Forgather does: its log and its on_evaluate
     assert [r["global_step"] for r in records if "eval_loss" in r] == [3, 3, 6, 6]
     assert any("train_runtime" in r for r in records)
 
@@ -465,10 +514,94 @@ def test_textgen_generation_steps_spaces_the_samples(tmp_path):
     assert len(calls) == 3 and all(isinstance(m, TinyModel) for m in calls)
 
 
-# -- DivergenceDetector in the seed's positional order -------------------------------------
+# -- DivergenceDetector in Forgather's positional order -------------------------------------
 
 
-def test_divergence_detector_takes_the_seed_positional_order():
+def test_divergence_detector_takes_forgathers_positional_order():
     detector = DivergenceDetector(0.5, None, 1.5, 2, 0, "abort", True, None)
     assert detector.action == "abort"
     assert detector.use_eval_loss is True
+
+
+def test_forgathers_older_detector_names_are_the_same_class():
+    from hookloop.compat.forgather import (
+        DualTimeScaleDivergenceDetector,
+        DualWindowDivergenceDetector,
+    )
+
+    assert DualTimeScaleDivergenceDetector is DivergenceDetector
+    assert DualWindowDivergenceDetector is DivergenceDetector
+
+
+def test_divergence_detector_state_has_forgathers_keys_and_reads_older_ones(tmp_path):
+    first = DivergenceDetector(threshold=100.0, warmup=0)
+    train(tmp_path, [first])
+    state = first.state_dict()
+    assert {"smoothed_loss", "best_smoothed_loss", "observation_count", "consecutive_above"} <= set(
+        state
+    )
+    assert state["observation_count"] > 0 and state["smoothed_loss"] >= state["best_smoothed_loss"]
+    second = DivergenceDetector()
+    second.load_state_dict(  # what Forgather's own detector saves
+        {
+            "smoothed_loss": 2.5,
+            "best_smoothed_loss": 2.0,
+            "observation_count": 7,
+            "consecutive_above": 1,
+        }
+    )
+    assert second.state_dict() | {"healthy_step": 0} == {
+        "smoothed_loss": 2.5, "best_smoothed_loss": 2.0, "observation_count": 7,
+        "consecutive_above": 1, "healthy_step": 0}  # fmt: skip
+    third = DivergenceDetector()  # a checkpoint hookloop wrote before the keys changed
+    third.load_state_dict(
+        {"smoothed": 1.0, "best": 0.5, "observations": 3, "consecutive": 0, "healthy_step": 4}
+    )
+    assert third.state_dict()["observation_count"] == 3
+    with pytest.raises(ValueError, match="lacks best_smoothed_loss"):
+        DivergenceDetector().load_state_dict({"smoothed_loss": 1.0})
+
+
+def test_progress_callback_takes_forgathers_older_flags(tmp_path):
+    for progress in [
+        # positional: use_tqdm, output_stream, show_loss, show_grad_norm
+        lambda out: ProgressCallback(False, out, False, False),
+        lambda out: ProgressCallback(False, out, show_loss=False, show_grad_norm=False),
+    ]:
+        out = io.StringIO()
+        train(tmp_path, [progress(out)])
+        text = out.getvalue()
+        header = next(line for line in text.splitlines() if "epoch" in line.split())
+        assert "loss" not in header.split() and "grad_norm" not in header.split()
+    with pytest.raises(TypeError, match="unexpected keyword argument 'show_lr'"):
+        ProgressCallback(show_lr=False)
+    with pytest.raises(ValueError, match="show_epoch must be True or False"):
+        ProgressCallback(show_epoch="no")
+    with pytest.raises(ValueError, match="peak_hardware_flops must be a FLOP/s figure"):
+        ProgressCallback(peak_hardware_flops=-1.0)
+    with pytest.raises(TypeError, match="multiple values for argument 'show_loss'"):
+        ProgressCallback(None, None, True, show_loss=False)
+
+
+def test_weight_norm_logger_takes_forgathers_older_writer_form(tmp_path):
+    from hookloop.compat.forgather import WeightNormLogger
+
+    writer = summary_writer(tmp_path / "tb")
+    train(tmp_path, [WeightNormLogger(writer, tag="weights")])
+    writer.close()
+    events = tb(tmp_path / "tb").Scalars("weights")
+    assert [e.step for e in events] == [3, 6]  # at each evaluation, as Forgather's older one
+    assert all(e.value > 0 for e in events)
+    assert WeightNormLogger().summary_writer is None  # the newer form: into the logs
+    with pytest.raises(ValueError, match="tag must be a non-empty TensorBoard tag"):
+        WeightNormLogger(writer, tag="")
+
+
+def test_profiler_writes_forgathers_file_names_and_prints_its_tables(tmp_path, capsys):
+    from hookloop.compat.forgather import ProfilerCallback
+
+    profiler = ProfilerCallback(start_step=1, num_steps=2, output_dir=str(tmp_path / "prof"))
+    train(tmp_path, [profiler])
+    assert sorted(p.name for p in (tmp_path / "prof").iterdir()) == ["real_training_rank0.json"]
+    out = capsys.readouterr().out
+    assert "CPU time summary (steps 2-3)" in out

@@ -122,7 +122,7 @@ def test_compat_class_takes_the_seed_constructor(name, args, tmp_path):
     seed = _seed_params(args)
     ours = list(inspect.signature(cls.__init__).parameters.values())[1:]
     # The seed's parameters come first, in its order, with its defaults; ours may add
-    # keyword-only ones after them.
+    # keyword-only ones after them, and *args / **kwargs taking Forgather's older forms.
     assert [p.name for p in ours[: len(seed)]] == [n for n, _, _ in seed], name
     for (pname, default, kind), param in zip(seed, ours, strict=False):
         if kind == "**kwargs":
@@ -131,8 +131,13 @@ def test_compat_class_takes_the_seed_constructor(name, args, tmp_path):
         assert param.default == default, f"{name}({pname}=...) default"
         if kind == "positional":
             assert param.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD, pname
+    open_ended = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
     for extra in ours[len(seed) :]:
-        assert extra.kind is inspect.Parameter.KEYWORD_ONLY or extra.default is not extra.empty
+        assert (
+            extra.kind is inspect.Parameter.KEYWORD_ONLY
+            or extra.kind in open_ended
+            or extra.default is not extra.empty
+        ), extra
 
     values = [
         (pname, _sample(pname, tmp_path) if default is inspect.Parameter.empty else default, kind)

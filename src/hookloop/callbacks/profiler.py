@@ -169,14 +169,21 @@ class ProfilerCallback(Callback):
             prof.stop()
 
     def _export(self, prof: Any) -> None:
-        """Write the trace and the tables of one finished window (torch calls this)."""
+        """Write one finished window (torch calls this)."""
         self._cycles += 1
-        stem = f"step{self._step}_rank{self._rank}"
-        trace = self._dir / f"trace_{stem}.json"
+        self.files += self.write_window(prof, self._dir, self._step, self._rank, self._cuda)
+
+    def write_window(
+        self, prof: Any, directory: Path, step: int, rank: int, cuda: bool
+    ) -> list[Path]:
+        """Write the trace and the tables of the window that ended at ``step``; returns the
+        files written. A subclass may write other files (Forgather's names, say)."""
+        stem = f"step{step}_rank{rank}"
+        trace = directory / f"trace_{stem}.json"
         prof.export_chrome_trace(str(trace))
         averages = prof.key_averages()
         sections = [("self CPU time", "self_cpu_time_total")]
-        if self._cuda:
+        if cuda:
             sections.append(("self device time", "self_device_time_total"))
         text = "".join(
             f"== sorted by {title} ==\n"
@@ -184,10 +191,10 @@ class ProfilerCallback(Callback):
             + "\n\n"
             for title, key in sections
         )
-        summary = self._dir / f"summary_{stem}.txt"
+        summary = directory / f"summary_{stem}.txt"
         summary.write_text(text, encoding="utf-8")
-        self.files += [trace, summary]
         log.info("profiler: wrote %s and %s", trace, summary)
+        return [trace, summary]
 
     def __repr__(self) -> str:
         return (

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -31,10 +32,11 @@ import torch
 from hookloop.callbacks import divergence as _divergence
 from hookloop.callbacks import info as _info
 from hookloop.callbacks import metrics as _metrics
+from hookloop.callbacks import norms as _norms
 from hookloop.callbacks import profiler as _profiler
 from hookloop.callbacks import progress as _progress
 from hookloop.callbacks import tensorboard as _tensorboard
-from hookloop.callbacks.norms import WeightNormLogger, spectral_norm
+from hookloop.callbacks.norms import spectral_norm
 from hookloop.compat.hf.callback import TrainerCallback
 from hookloop.diloco.callback import DiLoCoCallback
 from hookloop.state import CallbackContext
@@ -45,6 +47,8 @@ __all__ = [
     "DefaultMetrics",
     "DiLoCoCallback",
     "DivergenceDetector",
+    "DualTimeScaleDivergenceDetector",
+    "DualWindowDivergenceDetector",
     "GradNormLogger",
     "InfoCallback",
     "JsonLogger",
@@ -164,7 +168,10 @@ class ProgressCallback(_progress.ProgressBar):
     ``ProgressCallback(use_tqdm, output_stream, step_columns, final_metrics,
     header_interval)`` as in Forgather (``output_stream`` defaults to stdout), and
     ``ProgressCallback()`` / ``ProgressCallback(max_str_len=100)`` as in
-    transformers. A log holding ``train_runtime`` is shown as the final summary
+    transformers, and Forgather's older form with ``show_loss``, ``show_grad_norm``,
+    ``show_learning_rate``, ``show_tokens``, ``show_epoch``, ``show_tokens_per_second``,
+    ``peak_hardware_flops`` and ``show_peak_memory`` (positional or by name), which
+    choose the columns. A log holding ``train_runtime`` is shown as the final summary
     instead of a row; when the run logs none, the summary is printed at train
     end from the run's own clock and counters.
     """
@@ -176,9 +183,18 @@ class ProgressCallback(_progress.ProgressBar):
         step_columns: dict[str, Any] | None = None,
         final_metrics: dict[str, Any] | None = None,
         header_interval: int = 20,
-        *,
+        *older: Any,
         max_str_len: int = 100,
+        **flags: Any,
     ) -> None:
+        if isinstance(step_columns, bool) or flags or older:
+            # Forgather's older form: (use_tqdm, output_stream, show_loss, show_grad_norm,
+            # show_learning_rate, show_tokens, show_epoch, show_tokens_per_second,
+            # peak_hardware_flops, show_peak_memory, header_interval)
+            step_columns, header_interval = _older_progress_form(
+                step_columns, final_metrics, header_interval, older, flags
+            )
+            final_metrics = None
         if step_columns is not None and not isinstance(step_columns, Mapping):
             raise ValueError(
                 f"step_columns must be a dict of metric -> {{label, width, fmt}} or None, "
@@ -237,6 +253,148 @@ class ProgressCallback(_progress.ProgressBar):
         self._write(format_final_metrics(logs, self.final_metrics))
 
 
+#: Forgather's older ProgressCallback parameters after output_stream, in order.
+_OLDER_PROGRESS = (
+    "show_loss",
+    "show_grad_norm",
+    "show_learning_rate",
+    "show_tokens",
+    "show_epoch",
+    "show_tokens_per_second",
+    "peak_hardware_flops",
+    "show_peak_memory",
+    "header_interval",
+)
+_OLDER_DEFAULTS: dict[str, Any] = dict.fromkeys(_OLDER_PROGRESS[:6], True) | {
+    "peak_hardware_flops": None,
+    "show_peak_memory": True,
+    "header_interval": 20,
+}
+
+
+def _older_progress_form(
+    third: Any, fourth: Any, fifth: Any, rest: tuple[Any, ...], flags: dict[str, Any]
+) -> tuple[dict[str, Any], int]:
+    """The step columns and header interval Forgather's older ProgressCallback arguments ask for."""
+    given: dict[str, Any] = {}
+    if isinstance(third, bool):  # positional: show_loss, show_grad_norm, ...
+        positional = [third, fourth, fifth, *rest]
+        if len(positional) > len(_OLDER_PROGRESS):
+            raise TypeError(
+                f"ProgressCallback takes at most {len(_OLDER_PROGRESS) + 2} positional "
+                f"arguments in Forgather's older form, got {len(positional) + 2}"
+            )
+        given = dict(zip(_OLDER_PROGRESS, positional, strict=False))
+        if not rest:  # slots 4 and 5 hold the newer form's defaults when not given
+            if fourth is None:
+                del given["show_grad_norm"]
+            if fifth == 20 and not isinstance(fifth, bool):
+                del given["show_learning_rate"]
+    elif rest or third is not None or fourth is not None:
+        raise TypeError(
+            "ProgressCallback takes (use_tqdm, output_stream, step_columns, final_metrics, "
+            "header_interval) or Forgather's older (use_tqdm, output_stream, show_loss, ...): "
+            "not a mix of the two"
+        )
+    else:
+        given["header_interval"] = fifth
+    unknown = sorted(set(flags) - set(_OLDER_PROGRESS))
+    if unknown:
+        raise TypeError(
+            f"ProgressCallback got an unexpected keyword argument {unknown[0]!r}; the older "
+            f"form takes {', '.join(_OLDER_PROGRESS)}"
+        )
+    twice = sorted(set(flags) & set(given) - {"header_interval"})
+    if twice:
+        raise TypeError(f"ProgressCallback got multiple values for argument {twice[0]!r}")
+    values = _OLDER_DEFAULTS | given | flags
+    for name in (*_OLDER_PROGRESS[:6], "show_peak_memory"):
+        _flag(name, values[name])
+    peak = values["peak_hardware_flops"]
+    if peak is not None and (
+        isinstance(peak, bool) or not isinstance(peak, (int, float)) or not peak > 0
+    ):
+        raise ValueError(f"peak_hardware_flops must be a FLOP/s figure > 0 or None, got {peak!r}")
+    columns: dict[str, Any] = {}
+    if not values["show_loss"]:
+        columns["loss"] = None
+    if not values["show_grad_norm"]:
+        columns["grad_norm"] = None
+    if not values["show_learning_rate"]:
+        columns["lr"] = columns["learning_rate"] = None
+    if values["show_tokens"]:
+        columns["tokens"] = {"label": "tokens", "fmt": ",.0f"}
+    if values["show_epoch"]:
+        columns["epoch"] = {"label": "epoch", "fmt": ".2f"}
+    if not values["show_tokens_per_second"]:
+        columns["tok_per_sec"] = None
+    if not values["show_peak_memory"]:
+        columns["peak_mem_mib"] = None
+    if peak is not None:
+        log.warning(
+            "ProgressCallback(peak_hardware_flops=...) is Forgather's older form: the mfu "
+            "column shows what DefaultMetrics(peak_hardware_flops=%g) logs",
+            peak,
+        )
+    return columns, values["header_interval"]
+
+
+class WeightNormLogger(_norms.WeightNormLogger):
+    """The L2 norm of all parameters together.
+
+    ``WeightNormLogger()``: as ``weight_norm`` in every log, as Forgather does now.
+    Forgather's older ``WeightNormLogger(summary_writer, tag="weight_norm")`` writes
+    it to that writer under ``tag`` at each evaluation instead (rank 0). hookloop's
+    ``include=`` (parameter-name prefixes) and ``key=`` work in the first form.
+    """
+
+    def __init__(
+        self,
+        summary_writer: Any = None,
+        tag: str = "weight_norm",
+        *,
+        include: Any = None,
+        key: str = "weight_norm",
+    ) -> None:
+        if summary_writer is not None and not callable(getattr(summary_writer, "add_scalar", None)):
+            if include is not None:
+                raise ValueError(
+                    "WeightNormLogger takes a summary_writer (Forgather's older form) or "
+                    f"include=, got both: {summary_writer!r} and include={include!r}"
+                )
+            include, summary_writer = summary_writer, None  # hookloop's include, given first
+        super().__init__(include, key=key)
+        self.summary_writer = _check_writer("summary_writer", summary_writer, optional=True)
+        if not isinstance(tag, str) or not tag:
+            raise ValueError(f"tag must be a non-empty TensorBoard tag, got {tag!r}")
+        self.tag = tag
+        self.warned_meta = False
+
+    def on_before_log(self, ctx: CallbackContext) -> None:
+        if self.summary_writer is None:
+            super().on_before_log(ctx)
+
+    def on_eval_end(self, ctx: CallbackContext) -> None:
+        if self.summary_writer is None or not ctx.state.is_rank_zero or ctx.model is None:
+            return
+        params = [p.detach() for p in ctx.model.parameters()]
+        if not params or any(p.device.type == "meta" for p in params):
+            if not self.warned_meta:
+                log.warning(
+                    "WeightNormLogger: the model's parameters are on the meta device (a "
+                    "pipeline stage's shell); the weight norm is not logged"
+                )
+                self.warned_meta = True
+            return
+        with torch.no_grad():
+            norms = torch.stack([torch.linalg.vector_norm(p.float()).cpu() for p in params])
+            total = float(torch.linalg.vector_norm(norms))
+        self.summary_writer.add_scalar(self.tag, total, global_step=ctx.state.step)
+        flush = getattr(self.summary_writer, "flush", None)
+        if callable(flush):
+            flush()
+
+
 class InfoCallback(_info.InfoCallback):
     """``InfoCallback(verbose=False)``: the run summary on stdout at train start (rank 0)."""
 
@@ -269,12 +427,58 @@ class DivergenceDetector(_divergence.DivergenceDetector):
             action=action,  # type: ignore[arg-type]
         )
 
+    def state_dict(self) -> dict[str, Any]:
+        """Forgather's keys (``smoothed_loss``, ``best_smoothed_loss``, ``observation_count``,
+        ``consecutive_above``), so a checkpoint resumes on either side; plus hookloop's
+        ``healthy_step``."""
+        native = super().state_dict()
+        return {
+            "smoothed_loss": native["smoothed"],
+            "best_smoothed_loss": native["best"],
+            "observation_count": native["observations"],
+            "consecutive_above": native["consecutive"],
+            "healthy_step": native.get("healthy_step", 0),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Forgather's keys, or the native ones an older hookloop checkpoint holds."""
+        if not isinstance(state, Mapping):
+            raise ValueError(f"DivergenceDetector state must be a dict, got {state!r}")
+        if "smoothed" in state:  # written before the keys were Forgather's
+            super().load_state_dict(dict(state))
+            return
+        missing = [k for k in _DIVERGENCE_KEYS if k not in state]
+        if missing:
+            raise ValueError(
+                f"DivergenceDetector state lacks {', '.join(missing)}; it holds "
+                f"{', '.join(map(str, state)) or 'nothing'} "
+                f"(expected {', '.join(_DIVERGENCE_KEYS)})"
+            )
+        super().load_state_dict(
+            {
+                "smoothed": state["smoothed_loss"],
+                "best": state["best_smoothed_loss"],
+                "observations": state["observation_count"],
+                "consecutive": state["consecutive_above"],
+                "healthy_step": state.get("healthy_step", 0),
+            }
+        )
+
+
+_DIVERGENCE_KEYS = ("smoothed_loss", "best_smoothed_loss", "observation_count", "consecutive_above")
+
+#: Forgather keeps its older detectors' names for :class:`DivergenceDetector`.
+DualTimeScaleDivergenceDetector = DivergenceDetector
+DualWindowDivergenceDetector = DivergenceDetector
+
 
 class ProfilerCallback(_profiler.ProfilerCallback):
     """``ProfilerCallback(start_step=3, num_steps=5, output_dir="benchmarks/profiles", ...)``.
 
-    The native profiler over Forgather's window: the ``num_steps`` steps after
-    ``start_step``, a Chrome trace and summary tables in ``output_dir``.
+    The native profiler over Forgather's window (the ``num_steps`` steps after
+    ``start_step``) with Forgather's outputs: every rank writes its Chrome trace to
+    ``<output_dir>/real_training_rank<R>.json``, and rank 0 prints the operator tables
+    (by total CPU time, and by total CUDA time on a GPU) to stdout.
     """
 
     #: Where Forgather's profiler writes unless told otherwise.
@@ -296,7 +500,25 @@ class ProfilerCallback(_profiler.ProfilerCallback):
             record_shapes=record_shapes,
             start_step=start_step,
             num_steps=num_steps,
+            ranks=None,
         )
+
+    def write_window(
+        self, prof: Any, directory: Path, step: int, rank: int, cuda: bool
+    ) -> list[Path]:
+        trace = directory / f"real_training_rank{rank}.json"
+        prof.export_chrome_trace(str(trace))
+        log.info("ProfilerCallback: trace saved to %s", trace)
+        if rank == 0:
+            first = step - self.active + 1
+            rule = "=" * 80
+            for device, key in [("CPU", "cpu_time_total")] + (
+                [("CUDA", "cuda_time_total")] if cuda else []
+            ):
+                table = prof.key_averages().table(sort_by=key, row_limit=self.row_limit)
+                print(f"\n{rule}\n{device} time summary (steps {first}-{step}):\n{rule}")
+                print(table, flush=True)
+        return [trace]
 
 
 # -- TensorBoard -----------------------------------------------------------------------
@@ -339,44 +561,88 @@ class ResumableSummaryWriter(_tensorboard.ResumableSummaryWriter):
             self.writer.add_text(tag, text_string, global_step=global_step, **kwargs)
 
 
-#: TensorBoard tag -> where its value comes from in a log or evaluation dict.
+def get_perplexity(value: Any, metrics: Mapping[str, Any]) -> float:
+    """``exp(value)`` (``inf`` past a float's range): Forgather's ``eval-perplexity`` transform."""
+    try:
+        return math.exp(value)
+    except OverflowError:
+        return float("inf")
+
+
+#: Forgather's default TensorBoard scalars: tag -> ``{source, transform}``; a missing
+#: ``source`` is the tag with ``-`` read as ``_`` (``learning-rate`` <- ``learning_rate``).
 DEFAULT_TB_SCALARS: dict[str, dict[str, Any]] = {
-    "train_loss": {"source": "loss"},
-    "eval_loss": {"source": "eval_loss"},
-    "learning_rate": {"source": "learning_rate"},
-    "grad_norm": {"source": "grad_norm"},
-    "epoch": {"source": "epoch"},
-    "tok_per_sec": {"source": "tok_per_sec"},
-    "samples_per_sec": {"source": "samples_per_sec"},
-    "mfu": {"source": "mfu"},
-    "weight_norm": {"source": "weight_norm"},
+    "train-loss": {"source": "loss"},
+    "learning-rate": {},
+    "grad-norm": {},
+    "eval-loss": {},
+    "eval-perplexity": {"source": "eval_loss", "transform": get_perplexity},
 }
 
 
+def default_tb_scalars() -> dict[str, dict[str, Any]]:
+    """A fresh copy of :data:`DEFAULT_TB_SCALARS` (Forgather's function of that name)."""
+    return {tag: dict(spec) for tag, spec in DEFAULT_TB_SCALARS.items()}
+
+
+def _check_spec(tag: Any, spec: Any) -> dict[str, Any]:
+    if not isinstance(tag, str) or not tag:
+        raise ValueError(f"scalars keys must be non-empty TensorBoard tags, got {tag!r}")
+    if not isinstance(spec, Mapping) or set(spec) - {"source", "transform"}:
+        raise ValueError(
+            f"scalars[{tag!r}] must be None or a dict with source and/or transform, got {spec!r}"
+        )
+    source = spec.get("source")
+    if source is not None and not isinstance(source, str):
+        raise ValueError(f"scalars[{tag!r}]['source'] must be a metric name, got {source!r}")
+    transform = spec.get("transform")
+    if transform is not None and not callable(transform):
+        raise ValueError(
+            f"scalars[{tag!r}]['transform'] must be callable(value, metrics), got {transform!r}"
+        )
+    return dict(spec)
+
+
 def resolve_tb_scalars(overrides: Any) -> dict[str, dict[str, Any]]:
-    """The defaults merged with ``overrides``: ``{tag: None | {source, transform}}``."""
-    merged = {k: dict(v) for k, v in DEFAULT_TB_SCALARS.items()}
+    """Forgather's scalars: ``{tag: {source, transform}}``, resolved.
+
+    A dict is merged into the defaults as Forgather merges it: ``None`` removes a
+    tag, a dict updates that tag's fields (a new tag is added), and a tag without
+    a ``source`` reads the metric named like the tag with ``-`` as ``_``. Forgather's
+    older form, a list of ``(metric, tag)`` or ``(metric, tag, transform)``, replaces
+    the defaults.
+    """
     if overrides is None:
+        overrides = {}
+    if isinstance(overrides, (list, tuple)):
+        merged: dict[str, dict[str, Any]] = {}
+        for item in overrides:
+            if (
+                not isinstance(item, (list, tuple))
+                or len(item) not in (2, 3)
+                or not all(isinstance(x, str) for x in item[:2])
+            ):
+                raise ValueError(
+                    "scalars as a list holds (metric, tag) or (metric, tag, transform) tuples, "
+                    f"got {item!r}"
+                )
+            spec = {"source": item[0]} | ({"transform": item[2]} if len(item) == 3 else {})
+            merged[item[1]] = _check_spec(item[1], spec)
         return merged
     if not isinstance(overrides, Mapping):
         raise ValueError(
-            f"scalars must be a dict of tag -> {{source, transform}} or None, got {overrides!r}"
+            "scalars must be a dict of tag -> {source, transform} (or None to remove one), a "
+            f"list of (metric, tag[, transform]) tuples, or None; got {overrides!r}"
         )
+    merged = default_tb_scalars()
     for tag, spec in overrides.items():
         if spec is None:
             merged.pop(tag, None)
             continue
-        if not isinstance(spec, Mapping) or set(spec) - {"source", "transform"}:
-            raise ValueError(
-                f"scalars[{tag!r}] must be None or a dict with source and/or transform, "
-                f"got {spec!r}"
-            )
-        transform = spec.get("transform")
-        if transform is not None and not callable(transform):
-            raise ValueError(
-                f"scalars[{tag!r}]['transform'] must be callable(value, metrics), got {transform!r}"
-            )
-        merged[tag] = {"source": tag} | merged.get(tag, {}) | dict(spec)
+        merged[tag] = merged.get(tag, {}) | _check_spec(tag, spec)
+    for tag, spec in merged.items():
+        if not spec.get("source"):
+            spec["source"] = tag.replace("-", "_")
     return merged
 
 
@@ -384,8 +650,12 @@ class TBLogger(TrainerCallback):
     """``TBLogger(summary_writer, scalars=None, experiment_info=None)``.
 
     Writes the ``experiment`` and ``training_info`` texts at train start, the
-    configured scalars at every log and evaluation, and ``train_results`` (the
-    last ``log_history`` entry) at train end, through ``summary_writer``.
+    configured scalars at every log and evaluation (Forgather's tags: ``train-loss``,
+    ``learning-rate``, ``grad-norm``, ``eval-loss``, ``eval-perplexity``; see
+    :func:`resolve_tb_scalars`), and ``train_results`` (the last ``log_history``
+    entry) at train end, through ``summary_writer``. Forgather's older form,
+    ``TBLogger(summary_writer, [(metric, tag[, transform]), ...], **experiment)``,
+    is taken too: the keyword arguments become the ``experiment`` text.
     """
 
     priority = 100
@@ -393,13 +663,16 @@ class TBLogger(TrainerCallback):
     def __init__(
         self,
         summary_writer: Any,
-        scalars: dict[str, Any] | None = None,
+        scalars: dict[str, Any] | list[tuple[Any, ...]] | None = None,
         experiment_info: dict[str, Any] | None = None,
+        **kwargs: Any,
     ) -> None:
         self.summary_writer = _check_writer("summary_writer", summary_writer, optional=False)
         self.scalars = resolve_tb_scalars(scalars)
         if experiment_info is not None and not isinstance(experiment_info, Mapping):
             raise ValueError(f"experiment_info must be a dict or None, got {experiment_info!r}")
+        if kwargs:  # Forgather's older TBLogger(writer, scalars, **experiment)
+            experiment_info = {**(experiment_info or {}), **kwargs}
         self.experiment_info = _markdown(experiment_info) if experiment_info else None
         self.last_step = -1
 
@@ -574,10 +847,11 @@ def _jsonable(value: Any) -> Any:
 class JsonLogger(TrainerCallback):
     """``JsonLogger(**kwargs)``: every log and evaluation in ``<logging_dir>/trainer_logs.json``.
 
-    A JSON array of ``{timestamp, global_step, epoch, **values}``; ``kwargs``
-    (anything describing the run) are the first record, written at train start.
-    Nothing is written when ``args.logging_dir`` is unset. Resumable: a resumed
-    run continues the same file without the records after the checkpoint.
+    A JSON array of ``{timestamp, global_step, epoch, **values}``, one record per
+    log and evaluation and nothing else: ``kwargs`` are kept (``self.kwargs``) and
+    never written, as in Forgather. Nothing is written when ``args.logging_dir`` is unset.
+    Resumable: a resumed run continues the same file without the records after the
+    checkpoint.
     """
 
     priority = 100
@@ -599,10 +873,7 @@ class JsonLogger(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not state.is_world_process_zero or getattr(args, "logging_dir", None) is None:
             return
-        resumed = self._file._resume_path is not None
         self._file.open(args.logging_dir)
-        if self.kwargs and not resumed:
-            self._file.write(state.global_step, state.epoch, self.kwargs)
 
     def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._file.is_open:
