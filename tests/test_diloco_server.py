@@ -548,6 +548,23 @@ def test_a_streaming_worker_syncs_one_fragment_at_a_time(tmp_path):
         srv.stop()
 
 
+def test_a_streaming_worker_refused_by_the_server_stops_instead_of_training_alone(tmp_path):
+    srv = _model_server(tmp_path)
+    try:
+        model = TinyModel(seed=2)
+        worker = DiLoCoWorker(model, srv.address, sync_every=4, worker_id="s", bf16_comm=False,
+                              heartbeat_interval=0, num_fragments=2, token=TOKEN)  # fmt: skip
+        worker.start()
+        srv._evicted["s"] = "an earlier NaN"  # as after three refused contributions
+        with pytest.raises(ServerRefused, match=r"409 .*worker s was evicted"):
+            for _ in range(4):
+                _step(model)
+                worker.after_step()
+        worker.stop()
+    finally:
+        srv.stop()
+
+
 def _fit(callback, out_dir, steps: int, resume=None):
     from hookloop import CallbackManager, Config, DataConfig, TrainConfig, Trainer
     from hookloop.testing import ToyData

@@ -409,6 +409,10 @@ def _worker_another_model(tmp: Path, srv) -> tuple[dict, list]:
     return _worker(tmp, {"DILOCO_SERVER": srv.address}, "model.hidden=7")
 
 
+def _worker_huge_heartbeat_interval(tmp: Path, srv) -> tuple[dict, list]:
+    return _worker(tmp, {"DILOCO_SERVER": srv.address, "DILOCO_HEARTBEAT_INTERVAL": "1e9"})
+
+
 def _worker_missing_cafile(tmp: Path, srv) -> tuple[dict, list]:
     server = f"https://{srv.address}"
     return _worker(tmp, {"DILOCO_SERVER": server, "DILOCO_CAFILE": str(tmp / "ca.pem")})
@@ -420,6 +424,7 @@ DILOCO_WORKER_INPUT = [
     (_worker_evicted, ExitCode.USAGE, ["answered 409", "w-bad was evicted after 3 refused"]),
     (_worker_another_model, ExitCode.USAGE, ["has shape", "the server runs another model"]),
     (_worker_missing_cafile, ExitCode.USAGE, ["cafile", "ca.pem does not exist"]),
+    (_worker_huge_heartbeat_interval, ExitCode.USAGE, ["DILOCO_HEARTBEAT_INTERVAL=1e9", "3600"]),
 ]
 
 

@@ -100,11 +100,17 @@ class DiLoCoCallback(Callback):
             bf16_comm = _env("DILOCO_BF16_COMM", bool, True)
         self.bf16_comm = _bool("bf16_comm", bf16_comm)
         self.dylu = _bool("dylu", dylu if dylu is not None else _env("DILOCO_DYLU", bool, False))
-        self.heartbeat_interval = check_heartbeat_interval(
-            heartbeat_interval
-            if heartbeat_interval is not None
-            else _env("DILOCO_HEARTBEAT_INTERVAL", float, 30.0)
-        )
+        if heartbeat_interval is not None:
+            self.heartbeat_interval = check_heartbeat_interval(heartbeat_interval)
+        else:
+            from_env = _env("DILOCO_HEARTBEAT_INTERVAL", float, 30.0)
+            try:
+                self.heartbeat_interval = check_heartbeat_interval(from_env)
+            except ValueError as err:
+                raise ValueError(
+                    f"DILOCO_HEARTBEAT_INTERVAL={os.environ['DILOCO_HEARTBEAT_INTERVAL'].strip()}"
+                    f": {err}"
+                ) from None
         self.num_fragments = _int(
             "num_fragments",
             num_fragments if num_fragments is not None else _env("DILOCO_NUM_FRAGMENTS", int, 1),

@@ -135,7 +135,7 @@ class DiLoCoWorker:
         """Load the fragment still in flight, stop the heartbeats, deregister."""
         if not self.active:
             return
-        self._finish_in_flight()
+        self._finish_in_flight(raise_refusal=False)
         self._beat_stop.set()
         if self._beats is not None:
             self._beats.join(timeout=5)
@@ -221,7 +221,7 @@ class DiLoCoWorker:
             log.warning("diloco: registering again failed: %s", err)
 
     def _send_fragment(self, k: int) -> None:
-        result: list[Any] = [None, time.time()]
+        result: list[Any] = [None, time.time(), None]
         if self.talks:
             grads = self._pseudo_grads(self.fragments[k])
 
@@ -230,6 +230,8 @@ class DiLoCoWorker:
                     result[0] = self.client.submit_fragment_pseudogradients(
                         self.worker_id, k, grads
                     )
+                except ServerRefused as err:  # raised where the answer is loaded
+                    result[2] = err
                 except Exception as err:  # the fragment's round goes on without us
                     log.error("diloco: fragment %d failed: %s", k, err)
 
@@ -244,13 +246,17 @@ class DiLoCoWorker:
         """Wait for the fragment in flight, if any, and load its answer."""
         self._finish_in_flight()
 
-    def _finish_in_flight(self) -> None:
+    def _finish_in_flight(self, *, raise_refusal: bool = True) -> None:
         if self._in_flight is None:
             return
         k, thread, result = self._in_flight
         thread.join()
         self._in_flight = None
-        new, started = result
+        new, started, refused = result
+        if refused is not None:
+            if raise_refusal:  # as a full sync does: retrying cannot fix it
+                raise refused
+            log.error("diloco: fragment %d refused: %s", k, refused)
         if self._share(self.fragments[k], ok=new is not None or not self.talks, new=new):
             self.fragment_syncs += 1
             self.total_sync_time += time.time() - started
