@@ -1,6 +1,7 @@
-"""Seed 004 / HuggingFace dialect: handlers ``on_<event>(args, state, control, **kwargs)``.
+"""The HF dialect: callbacks ``on_<event>(args, state, control, **kwargs)`` and
+transformers' ``Trainer`` surface.
 
-Callbacks written for ``transformers.Trainer`` or seed 004 run unmodified on the
+Callbacks written for ``transformers.Trainer`` or Forgather run unmodified on the
 native loop: pass them in ``callbacks`` of :class:`Trainer` (or wrap them with
 :func:`hf_callbacks` for the native ``hookloop.Trainer``). A handler's flags on
 ``control`` become native requests: ``should_training_stop`` a stop (with a
@@ -8,9 +9,10 @@ save), ``should_abort_without_save`` an abort, ``should_save`` /
 ``should_evaluate`` / ``should_log`` a save / evaluation / log at the end of
 the step. The dispatch is the ``"hf"`` column of :mod:`hookloop.compat.mapping`.
 
-The seed's built-in callbacks take the seed's constructors and write the seed's
-files (:mod:`hookloop.compat.hf.seed004`); most are thin classes over the native ones.
+Forgather's built-in callbacks (:mod:`hookloop.compat.forgather`) are importable
+from here too; most are thin classes over the native ones.
 
+>>> from hookloop.compat.hf import ProgressCallback
 >>> class StopAtTwo(TrainerCallback):
 ...     def on_step_end(self, args, state, control, **kwargs):
 ...         control.should_training_stop = state.global_step >= 2

@@ -15,6 +15,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import importlib
 import inspect
 import json
 import logging
@@ -1286,9 +1287,10 @@ def _progress(args: Any) -> Any:
     ``ProgressCallback`` (Forgather's, which takes transformers' constructor too)."""
     if getattr(args, "disable_tqdm", False):
         return PrinterCallback()
-    from hookloop.compat.forgather.callbacks import ProgressCallback
-
-    return ProgressCallback()
+    # hookloop.compat.forgather builds on this package, so it is looked up when a
+    # Trainer is built, not imported with this module
+    forgather = importlib.import_module("hookloop.compat.forgather.callbacks")
+    return forgather.ProgressCallback()
 
 
 _LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,

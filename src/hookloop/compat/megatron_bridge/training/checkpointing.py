@@ -21,6 +21,7 @@ from hookloop.compat.megatron_bridge.training.callbacks import (
     should_fire,
 )
 from hookloop.compat.megatron_bridge.training.state import GlobalState
+from hookloop.rundir import RunDir
 
 #: Where the run's CheckpointManager is kept in ``checkpointing_context``.
 MANAGER_KEY = "hookloop_checkpoints"
@@ -49,7 +50,7 @@ def save_checkpoint(
         )
     manager = checkpointing_context.get(MANAGER_KEY)
     if manager is None:
-        manager = CheckpointManager(Path(save) / "checkpoints", SavePolicy(keep_last=None))
+        manager = CheckpointManager(RunDir(save).checkpoints, SavePolicy(keep_last=None))
         checkpointing_context[MANAGER_KEY] = manager
     named: dict[str, Any] = {"model": model[0], "optimizer": optimizer}
     if hasattr(scheduler, "state_dict"):
