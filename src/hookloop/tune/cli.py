@@ -30,6 +30,8 @@ from hookloop.result import ExitCode
 from hookloop.tune.study import (
     DIRECTIONS,
     PRUNERS,
+    Interrupts,
+    StudyInterrupted,
     TuneError,
     TuneSpec,
     counts,
@@ -122,6 +124,14 @@ def _drive(spec: TuneSpec, study_dir: Path, args: argparse.Namespace) -> int:
         if rank == 0:
             finish(study_dir, plots=not args.no_plots)
         return ExitCode.ERROR
+    except StudyInterrupted as stop:
+        if rank == 0:
+            print(
+                f"hookloop tune: {stop}; the same command continues the study "
+                "(an interrupted trial resumes from its checkpoint)",
+                file=sys.stderr,
+            )
+        return stop.exit_code
     if rank == 0:
         finish(study_dir, plots=not args.no_plots)
     return ExitCode.OK
@@ -179,7 +189,10 @@ def run_workers(study_dir: Path, workers: int) -> None:
     """Start ``workers`` trial processes and wait, printing each trial as it ends.
 
     On a machine with GPUs, worker i sees only GPU ``i % count``. Raises
-    :class:`TuneError` if the workers exit before the study has its trials.
+    :class:`TuneError` if the workers exit before the study has its trials. Workers run
+    in their own session: SIGINT or SIGTERM reaches the driver, which passes it on once to
+    every worker, waits for them to record their trials, and raises
+    :class:`StudyInterrupted`.
     """
     spec = TuneSpec.load(study_dir)
     logs = study_dir / "workers"
@@ -193,21 +206,40 @@ def run_workers(study_dir: Path, workers: int) -> None:
         log = open(logs / f"worker-{index}.log", "ab")  # noqa: SIM115 (closed below)
         cmd = [sys.executable, "-m", "hookloop.tune.worker", str(study_dir), str(index)]
         procs.append(
-            (subprocess.Popen([*cmd, str(os.getpid())], env=env, stdout=log, stderr=log), log)
+            (
+                subprocess.Popen(
+                    [*cmd, str(os.getpid())],
+                    env=env,
+                    stdout=log,
+                    stderr=log,
+                    start_new_session=True,  # a terminal's Ctrl-C reaches them once, from here
+                ),
+                log,
+            )
         )
     study = open_study(spec, study_dir)
     seen: set[int] = set()
+    interrupts = Interrupts()
+    passed_on = False
     try:
-        while any(p.poll() is None for p, _ in procs):
+        with interrupts.installed():
+            while any(p.poll() is None for p, _ in procs):
+                if interrupts.pending is not None and not passed_on:
+                    for proc, _ in procs:
+                        if proc.poll() is None:
+                            proc.send_signal(interrupts.pending)
+                    passed_on = True
+                _echo_new(study, seen)
+                time.sleep(0.1 if passed_on else 0.5)
             _echo_new(study, seen)
-            time.sleep(0.5)
-        _echo_new(study, seen)
     finally:
         for proc, log in procs:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
             log.close()
+    if interrupts.pending is not None:
+        raise StudyInterrupted(interrupts.pending)
     if counts(study).done < spec.trials:
         codes = [p.returncode for p, _ in procs]
         raise TuneError(

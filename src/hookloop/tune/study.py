@@ -21,8 +21,11 @@ import copy
 import fcntl
 import math
 import os
+import shutil
+import signal
 import socket
 import sys
+import threading
 import traceback
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -37,7 +40,7 @@ from hookloop.callbacks.monitor import as_float, check_metric_name
 from hookloop.config import Config, dump_yaml
 from hookloop.processes import process_alive
 from hookloop.recipes import resolve_config
-from hookloop.rundir import RunDir
+from hookloop.rundir import RunDir, is_checkpoints_folder
 from hookloop.state import CallbackContext
 from hookloop.tune.space import SearchSpace, apply_params
 
@@ -51,8 +54,78 @@ PRUNERS = ("median", "hyperband", "successive-halving", "none")
 IDENTITY = ("recipe", "overrides", "space", "metric", "direction", "pruner", "seed", "study_name")
 
 
+#: Environment variable naming this machine in the study (default: the host name). Two
+#: drivers on one machine with different values stand for two machines.
+HOST_ENV = "HOOKLOOP_TUNE_HOST"
+
+
 class TuneError(RuntimeError):
     """A study that cannot go on (too many failed trials, a changed command …)."""
+
+
+class StudyInterrupted(BaseException):
+    """SIGINT or SIGTERM stopped the study; the trial it cut is FAIL and queued again."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def host_name() -> str:
+    """This machine's name in the study: ``$HOOKLOOP_TUNE_HOST``, else the host name."""
+    return os.environ.get(HOST_ENV) or socket.gethostname()
+
+
+class Interrupts:
+    """SIGINT and SIGTERM stop the study (main thread only).
+
+    A signal is held while the study's storage is being written (claiming or recording a
+    trial) and raised as :class:`StudyInterrupted` at the next safe point: while waiting,
+    or while a trial is being set up. During training the Trainer's own handlers take
+    over: it finishes the step, saves a checkpoint and returns, and the trial is recorded
+    FAIL (interrupted) and queued again to resume from that checkpoint.
+    """
+
+    def __init__(self) -> None:
+        self.pending: int | None = None
+        self.interruptible = False
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.pending is None:
+            self.pending = signum
+            if self.interruptible:
+                raise StudyInterrupted(signum)
+
+    def check(self) -> None:
+        if self.pending is not None:
+            raise StudyInterrupted(self.pending)
+
+    @contextlib.contextmanager
+    def allowed(self) -> Iterator[None]:
+        """A stretch where a signal may raise at once."""
+        self.check()
+        self.interruptible = True
+        try:
+            yield
+        finally:
+            self.interruptible = False
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[Interrupts]:
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        signals = (signal.SIGINT, signal.SIGTERM)
+        previous = {s: signal.signal(s, self._handle) for s in signals}
+        try:
+            yield self
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
 
 
 def optuna() -> Any:
@@ -205,7 +278,7 @@ def recover_interrupted(study: Any) -> list[int]:
     opt = optuna()
     storage = study._storage  # the RDBStorage we opened; optuna has no public getter
     study_id = storage.get_study_id_from_name(study.study_name)
-    host = socket.gethostname()
+    host = host_name()
     recovered = []
     for trial in study.get_trials(deepcopy=False, states=(opt.trial.TrialState.RUNNING,)):
         pid, trial_host = trial.user_attrs.get("pid"), trial.user_attrs.get("host")
@@ -216,10 +289,36 @@ def recover_interrupted(study: Any) -> list[int]:
         storage.set_trial_user_attr(trial_id, "fail_reason", reason)
         storage.set_trial_user_attr(trial_id, "interrupted", True)
         storage.set_trial_state_values(trial_id, opt.trial.TrialState.FAIL)
-        params = dict(trial.params) or dict(trial.system_attrs.get("fixed_params", {}))
-        study.enqueue_trial(params, user_attrs={"retry_of": trial.number})
+        requeue(study, trial)
         recovered.append(trial.number)
     return recovered
+
+
+def requeue(study: Any, trial: Any) -> None:
+    """Enqueue an interrupted trial's parameters again, with where its run directory is (the
+    retry resumes from its newest checkpoint when that is on this machine)."""
+    attrs: dict[str, Any] = {"retry_of": trial.number}
+    if trial.user_attrs.get("run_dir"):
+        attrs["resume_from"] = trial.user_attrs["run_dir"]
+        attrs["resume_host"] = trial.user_attrs.get("host")
+    if trial.intermediate_values:
+        attrs["reported"] = {str(k): v for k, v in trial.intermediate_values.items()}
+    params = dict(trial.params) or dict(trial.system_attrs.get("fixed_params", {}))
+    study.enqueue_trial(params, user_attrs=attrs)
+
+
+def take_over_run_dir(study_dir: Path, trial: Any) -> bool:
+    """For a retry of an interrupted trial: move the interrupted trial's run directory (with
+    its checkpoints) to this trial's, so that it resumes there. False (start from scratch)
+    when that directory is on another machine or holds no checkpoint."""
+    old = trial.user_attrs.get("resume_from")
+    if not old or trial.user_attrs.get("resume_host") != host_name():
+        return False
+    old_dir, new_dir = Path(old), trial_dir(study_dir, trial.number)
+    if not is_checkpoints_folder(RunDir(old_dir).checkpoints) or new_dir.exists():
+        return False
+    shutil.move(str(old_dir), str(new_dir))
+    return True
 
 
 class BestMetric(Callback):
@@ -251,13 +350,33 @@ class BestMetric(Callback):
         ):
             self.best = value
 
+    def state_dict(self) -> dict[str, Any]:  # a resumed trial keeps its earlier evaluations
+        return {
+            "best": self.best,
+            "nonfinite": self.nonfinite,
+            "metric_names": sorted(self.metric_names),
+            "evaluations": self.evaluations,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best = state.get("best")
+        self.nonfinite = bool(state.get("nonfinite", False))
+        self.metric_names = set(state.get("metric_names", ()))
+        self.evaluations = int(state.get("evaluations", 0))
+
 
 def trial_dir(study_dir: Path, number: int) -> Path:
     return study_dir / f"trial-{number:04d}"
 
 
 def train_trial(
-    spec: TuneSpec, study_dir: Path, number: int, values: dict[str, Any], trial: Any = None
+    spec: TuneSpec,
+    study_dir: Path,
+    number: int,
+    values: dict[str, Any],
+    trial: Any = None,
+    *,
+    resume: bool = False,
 ) -> tuple[Any, BestMetric]:
     """Train trial ``number`` with ``values`` in its run directory; every rank calls it.
 
@@ -280,11 +399,18 @@ def train_trial(
             yaml.safe_dump({"study": spec.study_name, "trial": number, "params": values})
         )
         callbacks.append(OptunaPruning(trial, spec.metric, raise_pruned=False))
-    result = build_trainer(cfg, callbacks=callbacks, out_dir=run_dir).train()
+    resume_from = "auto" if resume else None
+    result = build_trainer(cfg, callbacks=callbacks, out_dir=run_dir, resume=resume_from).train()
     return result, best
 
 
-def run_trial(spec: TuneSpec, study_dir: Path, trial: Any, values: dict[str, Any]) -> None:
+def run_trial(
+    spec: TuneSpec,
+    study_dir: Path,
+    trial: Any,
+    values: dict[str, Any],
+    interrupts: Interrupts | None = None,
+) -> None:
     """Train one trial (see :func:`train_trial`) and tell the study how it ended.
 
     COMPLETE with the best ``metric`` of its evaluations (``inf``, or ``-inf``
@@ -297,8 +423,16 @@ def run_trial(spec: TuneSpec, study_dir: Path, trial: Any, values: dict[str, Any
     from hookloop.callbacks.optuna_pruning import is_pruned_stop
 
     state = optuna().trial.TrialState
+    resume = take_over_run_dir(study_dir, trial)
+    if resume:  # the pruner sees the evaluations before the interruption again
+        for step, value in sorted(trial.user_attrs.get("reported", {}).items()):
+            trial.report(value, int(step))
     try:
-        result, best = train_trial(spec, study_dir, trial.number, values, trial)
+        with interrupts.allowed() if interrupts is not None else contextlib.nullcontext():
+            result, best = train_trial(spec, study_dir, trial.number, values, trial, resume=resume)
+    except StudyInterrupted as stop:  # a signal while the trial was being set up
+        interrupted(trial, f"interrupted by {signal.Signals(stop.signum).name} before training")
+        raise
     except Exception as err:  # the trial failed; the study goes on
         reason = f"{type(err).__name__}: {err}"
         trial.set_user_attr("fail_reason", reason)
@@ -306,6 +440,10 @@ def run_trial(spec: TuneSpec, study_dir: Path, trial: Any, values: dict[str, Any
         trial.study.tell(trial, state=state.FAIL)
         print(f"hookloop tune: trial {trial.number} failed: {reason}", file=sys.stderr)
         return
+    if result.signal is not None:  # a partial run: FAIL, to resume from its checkpoint later
+        name = signal.Signals(result.signal).name
+        interrupted(trial, f"interrupted by {name} at step {result.step}")
+        raise StudyInterrupted(result.signal)
     if is_pruned_stop(result.stop_reason):
         trial.set_user_attr("prune_reason", result.stop_reason)
         trial.study.tell(trial, state=state.PRUNED)
@@ -330,6 +468,15 @@ def run_trial(spec: TuneSpec, study_dir: Path, trial: Any, values: dict[str, Any
     trial.study.tell(trial, values=value)
 
 
+def interrupted(trial: Any, reason: str) -> None:
+    """Record ``trial`` as cut short by a signal (FAIL, not counted) and queue it again."""
+    trial.set_user_attr("fail_reason", reason)
+    trial.set_user_attr("interrupted", True)
+    trial.study.tell(trial, state=optuna().trial.TrialState.FAIL)
+    requeue(trial.study, trial.study.trials[trial.number])
+    print(f"hookloop tune: trial {trial.number} {reason}; it resumes on a restart", file=sys.stderr)
+
+
 def work(study_dir: str | Path, worker: int = 0) -> int:
     """Claim and run trials until the study has its N COMPLETE or PRUNED trials.
 
@@ -344,7 +491,8 @@ def work(study_dir: str | Path, worker: int = 0) -> int:
     if world > 1 and rank != 0:
         return follow(study_dir)
     try:
-        return _lead(Path(study_dir), worker, announce=world > 1)
+        with Interrupts().installed() as interrupts:
+            return _lead(Path(study_dir), worker, announce=world > 1, interrupts=interrupts)
     finally:
         if world > 1:
             broadcast_object(None)  # the followers' signal to stop
@@ -367,7 +515,7 @@ def follow(study_dir: str | Path) -> int:
     return ran
 
 
-def _lead(study_dir: Path, worker: int, *, announce: bool) -> int:
+def _lead(study_dir: Path, worker: int, *, announce: bool, interrupts: Interrupts) -> int:
     import time
 
     from hookloop.distributed import broadcast_object
@@ -382,6 +530,7 @@ def _lead(study_dir: Path, worker: int, *, announce: bool) -> int:
     max_failures = spec.max_failures if spec.max_failures is not None else spec.trials
     ran = 0
     while True:
+        interrupts.check()
         trial = None
         with study_lock(study_dir):
             recover_interrupted(study)
@@ -396,13 +545,14 @@ def _lead(study_dir: Path, worker: int, *, announce: bool) -> int:
             if now.done + now.running < spec.trials:
                 trial = study.ask()
                 trial.set_user_attr("pid", os.getpid())
-                trial.set_user_attr("host", socket.gethostname())
+                trial.set_user_attr("host", host_name())
                 trial.set_user_attr("run_dir", str(trial_dir(study_dir, trial.number)))
                 values = space.suggest(trial)
         if trial is None:  # N trials are under way: wait in case one of them fails
-            time.sleep(0.2)
+            with interrupts.allowed():
+                time.sleep(0.2)
             continue
         if announce:
             broadcast_object((trial.number, values))
-        run_trial(spec, study_dir, trial, values)
+        run_trial(spec, study_dir, trial, values, interrupts)
         ran += 1

@@ -42,10 +42,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     study_dir, index, parent = args[0], int(args[1]), int(args[2])
     die_with_parent(parent)
-    from hookloop.tune.study import TuneError, work
+    from hookloop.tune.study import StudyInterrupted, TuneError, work
 
     try:
         ran = work(study_dir, worker=index)
+    except StudyInterrupted as stop:
+        print(f"hookloop tune worker {index}: {stop}", file=sys.stderr)
+        return stop.exit_code
     except TuneError as err:
         print(f"hookloop tune worker {index}: {err}", file=sys.stderr)
         return 1

@@ -1,0 +1,140 @@
+"""``hookloop tune`` stopped by SIGINT / SIGTERM: the trial it cut is FAIL (never COMPLETE with
+a partial score), and the same command again resumes that trial from its own checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from _quiet import SERVICES_OFF
+from hookloop.app.cli import main
+from hookloop.callback import Callback
+from hookloop.recipes import Recipe, mlp
+from test_tune import FAST
+
+optuna = pytest.importorskip("optuna")
+
+SPACE = {"optimizer.lr": {"low": 1.0e-3, "high": 0.3, "log": True}}
+
+
+class SignalAt(Callback):
+    """Sends this process ``signum`` once, at optimizer step ``step`` of the first run."""
+
+    sent = False
+
+    def __init__(self, step: int, signum: int) -> None:
+        self.step, self.signum = step, signum
+
+    def on_train_step_end(self, ctx) -> None:
+        if ctx.state.step == self.step and not SignalAt.sent:
+            SignalAt.sent = True
+            os.kill(os.getpid(), self.signum)
+
+
+@pytest.fixture
+def signalling_recipe(monkeypatch):
+    from hookloop import recipes
+
+    recipes._load_builtin()
+
+    def build(cfg):
+        parts = mlp.build(cfg)
+        parts.callbacks.append(SignalAt(12, signal.SIGINT))
+        return parts
+
+    SignalAt.sent = False
+    monkeypatch.setitem(
+        recipes._RECIPES,
+        "mlp-signal",
+        Recipe("mlp-signal", "mlp-regression; SIGINT at step 12 once", mlp.default_config, build),
+    )
+
+
+def _states(db: Path) -> list[tuple]:
+    with sqlite3.connect(db) as conn:
+        return conn.execute("SELECT number, state FROM trials ORDER BY number").fetchall()
+
+
+def test_ctrl_c_fails_the_cut_trial_and_a_restart_resumes_it_from_its_checkpoint(
+    tmp_path, capsys, signalling_recipe
+):
+    space = tmp_path / "space.yaml"
+    space.write_text(yaml.safe_dump(SPACE))
+    study_dir = tmp_path / "study"
+    argv = ["tune", "--recipe", "mlp-signal", "--space", str(space), "--trials", "2"]
+    argv += ["--out", str(study_dir), "--no-plots", "--pruner", "none", *FAST]
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert "trial 0 interrupted by SIGINT at step 12" in err
+    assert "stopped by SIGINT; the same command continues the study" in err
+    db = study_dir / "study.db"
+    assert _states(db) == [(0, "FAIL"), (1, "WAITING")]  # cut, and queued again
+    assert (study_dir / "trial-0000" / "checkpoints").is_dir()
+
+    assert main(argv) == 0
+    loaded = optuna.load_study(study_name="hookloop", storage=f"sqlite:///{db}")
+    states = [(t.number, t.state.name) for t in loaded.trials]
+    assert states == [(0, "FAIL"), (1, "COMPLETE"), (2, "COMPLETE")]
+    cut, retry = loaded.trials[0], loaded.trials[1]
+    assert cut.user_attrs["interrupted"] is True and cut.value is None
+    assert retry.user_attrs["retry_of"] == 0 and retry.params == cut.params
+    # the retry went on from the cut trial's step-12 checkpoint, in its own directory
+    assert not (study_dir / "trial-0000").exists()
+    records = [
+        json.loads(line)
+        for line in (study_dir / "trial-0001" / "metrics.jsonl").read_text().splitlines()
+    ]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [8, 16, 24]  # step 8's from before the cut, kept
+    assert retry.value == min(r["eval_loss"] for r in evals)  # the objective counts it too
+    assert sorted(retry.intermediate_values) == [8, 16, 24]
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_driver_with_two_workers_fails_and_requeues_both_trials(
+    tmp_path,
+):
+    space = tmp_path / "space.yaml"
+    space.write_text(yaml.safe_dump(SPACE))
+    study_dir = tmp_path / "study"
+    db = study_dir / "study.db"
+    command = [
+        sys.executable, "-m", "hookloop", "tune", "--recipe", "mlp-regression",
+        "--space", str(space), "--trials", "6", "--workers", "2", "--out", str(study_dir),
+        "--no-plots", "--pruner", "none", *FAST, *SERVICES_OFF, "train.max_steps=5000",
+    ]  # fmt: skip
+    driver = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while True:  # both workers inside a trial of 5000 steps (a few seconds)
+        try:
+            with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as conn:
+                running = conn.execute(
+                    "SELECT COUNT(*) FROM trials WHERE state = 'RUNNING'"
+                ).fetchone()[0]
+        except sqlite3.OperationalError:
+            running = 0
+        if running == 2:
+            break
+        assert driver.poll() is None, driver.stderr.read().decode()
+        assert time.monotonic() < deadline, "the workers never started a trial"
+        time.sleep(0.05)
+    driver.send_signal(signal.SIGTERM)
+    _, err = driver.communicate(timeout=60)
+    assert driver.returncode == 143, err.decode()
+    assert "stopped by SIGTERM" in err.decode()
+    loaded = optuna.load_study(study_name="hookloop", storage=f"sqlite:///{db}")
+    states = [t.state.name for t in loaded.trials]
+    assert "RUNNING" not in states and "COMPLETE" not in states, states
+    cut = [t for t in loaded.trials if t.state.name == "FAIL"]
+    assert len(cut) == 2 and states.count("WAITING") == 2, states  # both cut, queued again
+    for trial in cut:
+        assert trial.user_attrs["fail_reason"].startswith("interrupted by SIGTERM")
