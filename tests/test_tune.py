@@ -106,6 +106,8 @@ def test_bad_command_line_values_are_usage_errors(tmp_path, capsys):
     assert "--trials must be an int >= 1" in capsys.readouterr().err
     assert _tune(tmp_path / "b", space, 2, "--workers", "0") == 2
     assert "--workers must be an int >= 1" in capsys.readouterr().err
+    assert _tune(tmp_path / "b", space, 2, "--workers", "2", "--threads-per-worker", "0") == 2
+    assert "--threads-per-worker must be an int >= 1, got 0" in capsys.readouterr().err
     assert _tune(tmp_path / "c", tmp_path / "missing.yaml", 2) == 2
     assert "search space file not found" in capsys.readouterr().err
     (tmp_path / "broken.yaml").write_text("optimizer.lr: {low: 1\n")

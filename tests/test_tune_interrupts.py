@@ -138,3 +138,8 @@ def test_sigterm_to_a_driver_with_two_workers_fails_and_requeues_both_trials(
     assert len(cut) == 2 and states.count("WAITING") == 2, states  # both cut, queued again
     for trial in cut:
         assert trial.user_attrs["fail_reason"].startswith("interrupted by SIGTERM")
+    # the two workers shared the cores instead of each using all of them
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)
+    for index in range(2):
+        log = (study_dir / "workers" / f"worker-{index}.log").read_text()
+        assert f"worker {index}: {threads} CPU threads" in log, log

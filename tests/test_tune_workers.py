@@ -186,3 +186,26 @@ def test_under_torchrun_both_ranks_train_rank_zeros_trials_and_stop_together(tmp
             assert end["status"] == "stopped" and "OptunaPruning" in end["stop_reason"]
         else:
             assert end["status"] == "finished" and end["step"] == 24
+
+
+def test_workers_share_the_cores_and_take_a_gpu_each_by_index(monkeypatch):
+    from hookloop.tune.cli import cpu_cores, worker_env
+
+    monkeypatch.setattr("hookloop.tune.cli.cpu_cores", lambda: 16)
+    env = worker_env(1, 4, environ={})
+    assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "4"
+    assert env["HOOKLOOP_TUNE_THREADS"] == "4" and "CUDA_VISIBLE_DEVICES" not in env
+    assert worker_env(0, 32, environ={})["OMP_NUM_THREADS"] == "1"  # never 0
+    # the override: --threads-per-worker, else the caller's own OMP_NUM_THREADS
+    assert worker_env(0, 4, threads=2, environ={"OMP_NUM_THREADS": "8"})["OMP_NUM_THREADS"] == "2"
+    assert worker_env(0, 4, environ={"OMP_NUM_THREADS": "8"})["MKL_NUM_THREADS"] == "8"
+    # GPUs: worker i gets the (i % count)-th of those the driver sees
+    assert [worker_env(i, 3, gpus=2, environ={})["CUDA_VISIBLE_DEVICES"] for i in range(3)] == [
+        "0",
+        "1",
+        "0",
+    ]
+    visible = {"CUDA_VISIBLE_DEVICES": "5,7"}
+    assert worker_env(1, 2, gpus=2, environ=visible)["CUDA_VISIBLE_DEVICES"] == "7"
+    monkeypatch.undo()
+    assert cpu_cores() >= 1

@@ -52,6 +52,11 @@ def add_tune_command(subparsers: Any) -> argparse.ArgumentParser:
         "--trials", type=int, required=True, help="COMPLETE or PRUNED trials wanted"
     )
     parser.add_argument("--workers", type=int, default=1, help="trial processes in parallel")
+    parser.add_argument(
+        "--threads-per-worker",
+        type=int,
+        help="CPU threads of each worker (default: cores // workers, or $OMP_NUM_THREADS)",
+    )
     parser.add_argument("--out", help="study directory (default: runs/tune-<recipe>-<space>)")
     parser.add_argument(
         "--metric", default="eval_loss", help="objective: best value of this metric"
@@ -71,6 +76,9 @@ def main_tune(args: argparse.Namespace) -> int:
     """Run the study the command describes; under torchrun every rank calls this."""
     if isinstance(args.workers, bool) or args.workers < 1:
         raise ValueError(f"--workers must be an int >= 1, got {args.workers!r}")
+    threads = getattr(args, "threads_per_worker", None)
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads-per-worker must be an int >= 1, got {threads!r}")
     space = _read_space(args.space)
     spec = TuneSpec(
         recipe=args.recipe or _recipe_from(args.overrides),
@@ -118,7 +126,7 @@ def _drive(spec: TuneSpec, study_dir: Path, args: argparse.Namespace) -> int:
         if args.workers == 1:
             work(study_dir)
         else:
-            run_workers(study_dir, args.workers)
+            run_workers(study_dir, args.workers, threads=args.threads_per_worker)
     except TuneError as err:
         print(f"hookloop tune: {err}", file=sys.stderr)
         if rank == 0:
@@ -185,10 +193,52 @@ def prepare(spec: TuneSpec, study_dir: Path) -> None:
     spec.save(study_dir)
 
 
-def run_workers(study_dir: Path, workers: int) -> None:
+def cpu_cores() -> int:
+    """The cores this process may run on (its affinity mask, where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def worker_env(
+    index: int,
+    workers: int,
+    *,
+    threads: int | None = None,
+    gpus: int = 0,
+    environ: dict[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment of worker ``index`` of ``workers``.
+
+    CPU threads (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``, and torch's, which the worker
+    sets from ``HOOKLOOP_TUNE_THREADS``): ``threads`` when given, else
+    ``$OMP_NUM_THREADS`` when the caller set it, else ``cores // workers`` (at least 1), so
+    that K workers share the machine instead of each spinning on every core. GPUs: with
+    ``gpus`` > 0 the worker sees one, ``CUDA_VISIBLE_DEVICES`` = the ``index % gpus``-th of
+    those visible to the driver.
+    """
+    env = dict(os.environ if environ is None else environ)
+    if threads is None:
+        given = env.get("OMP_NUM_THREADS", "")
+        threads = int(given) if given.isdigit() and int(given) > 0 else None
+    if threads is None:
+        threads = max(1, cpu_cores() // workers)
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "HOOKLOOP_TUNE_THREADS"):
+        env[name] = str(threads)
+    if gpus:
+        visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        devices = visible if visible else [str(i) for i in range(gpus)]
+        env["CUDA_VISIBLE_DEVICES"] = devices[index % len(devices)].strip()
+    return env
+
+
+def run_workers(study_dir: Path, workers: int, *, threads: int | None = None) -> None:
     """Start ``workers`` trial processes and wait, printing each trial as it ends.
 
-    On a machine with GPUs, worker i sees only GPU ``i % count``. Raises
+    Each worker gets ``cores // workers`` CPU threads unless ``threads`` says otherwise,
+    and on a machine with GPUs worker i sees only GPU ``i % count`` (see
+    :func:`worker_env`). Raises
     :class:`TuneError` if the workers exit before the study has its trials. Workers run
     in their own session: SIGINT or SIGTERM reaches the driver, which passes it on once to
     every worker, waits for them to record their trials, and raises
@@ -200,9 +250,7 @@ def run_workers(study_dir: Path, workers: int) -> None:
     gpus = _gpu_count()
     procs = []
     for index in range(workers):
-        env = dict(os.environ)
-        if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = str(index % gpus)
+        env = worker_env(index, workers, threads=threads, gpus=gpus)
         log = open(logs / f"worker-{index}.log", "ab")  # noqa: SIM115 (closed below)
         cmd = [sys.executable, "-m", "hookloop.tune.worker", str(study_dir), str(index)]
         procs.append(

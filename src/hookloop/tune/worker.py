@@ -42,6 +42,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     study_dir, index, parent = args[0], int(args[1]), int(args[2])
     die_with_parent(parent)
+    threads = os.environ.get("HOOKLOOP_TUNE_THREADS")
+    if threads:
+        import torch
+
+        torch.set_num_threads(int(threads))
+        gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "none")
+        print(
+            f"hookloop tune worker {index}: {torch.get_num_threads()} CPU threads, GPU {gpu}",
+            file=sys.stderr,
+            flush=True,
+        )
     from hookloop.tune.study import StudyInterrupted, TuneError, work
 
     try:
