@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import importlib.util
 import io
 import re
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+SCRIPTS = ROOT / "scripts"
 PAGES = [
     README,
     ROOT / "CONTRIBUTING.md",
@@ -175,3 +177,37 @@ def test_the_docs_python_blocks_run_or_say_why_not(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stderr.count("ran docs/") == len(args) // 2
+
+
+def test_the_config_page_is_what_the_code_generates():
+    spec = importlib.util.spec_from_file_location("docs_reference", SCRIPTS / "docs_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    page = ROOT / "docs" / "config.md"
+    assert page.read_text(encoding="utf-8") == module.config_reference(), (
+        "docs/config.md is stale: run .venv/bin/python scripts/docs_reference.py"
+    )
+
+
+def test_the_builtin_callbacks_table_lists_each_with_its_priority_and_real_keys():
+    import hookloop.callbacks as builtins
+    from hookloop.callback import Callback
+    from hookloop.config import Config, describe
+
+    text = (ROOT / "docs" / "callbacks.md").read_text(encoding="utf-8")
+    table = text[text.index("| callback | priority |") :].split("\n\n", 1)[0].splitlines()[2:]
+    keys = {key for key, _, _ in describe(Config())}
+    listed = {}
+    for row in table:
+        names, priority, _, config = [c.strip() for c in row.strip("|").split("|")]
+        for name in re.findall(r"`(\w+)`", names):
+            listed[name] = int(priority)
+        assert set(re.findall(r"`([\w.]+)`", config)) <= keys, row
+    exported = {
+        name: cls.priority
+        for name in builtins.__all__
+        if isinstance(cls := getattr(builtins, name), type)
+        and issubclass(cls, Callback)
+        and name != "Logger"  # the loggers' base class, not a callback to add
+    }
+    assert listed == exported
