@@ -28,7 +28,7 @@ import yaml
 from hookloop.app.resume_config import OptimizerOverrides, resume_config, saved_config
 from hookloop.callback import Callback
 from hookloop.config import Config, describe, dump_yaml
-from hookloop.recipes import get_recipe, recipe_names, resolve_config
+from hookloop.recipes import get_recipe, recipe_names, recipe_slug, resolve_config
 from hookloop.result import ExitCode, TrainResult
 from hookloop.rundir import RunDir, enclosing_run, is_checkpoint, is_checkpoints_folder
 from hookloop.runlock import RunDirLocked
@@ -124,7 +124,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
 
     train = sub.add_parser("train", help="train a recipe (default: gpt-stdlib)")
-    train.add_argument("--recipe", help="recipe name (see `hookloop recipes`)")
+    train.add_argument(
+        "--recipe", help="recipe name (see `hookloop recipes`) or package.module:object"
+    )
     train.add_argument("--config", help="YAML file with config values")
     train.add_argument("--out", help="run directory (default: runs/<recipe>-<time>)")
     train.add_argument("--resume", help="'auto' (newest valid checkpoint in --out) or a path")
@@ -170,11 +172,11 @@ def _run_dir(out: str | None, recipe: str, resume: str | None) -> Path:
         if resume == "auto":
             raise UsageError("--resume auto needs --out DIR (the run directory to resume)")
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        path = Path("runs") / f"{recipe}-{stamp}"
+        path = Path("runs") / f"{recipe_slug(recipe)}-{stamp}"
         suffix = 1
         while path.exists():
             suffix += 1
-            path = Path("runs") / f"{recipe}-{stamp}-{suffix}"
+            path = Path("runs") / f"{recipe_slug(recipe)}-{stamp}-{suffix}"
         return path
     path = Path(out)
     if path.exists() and not path.is_dir():

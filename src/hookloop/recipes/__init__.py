@@ -5,11 +5,20 @@ A recipe has a name, a default :class:`~hookloop.config.Config` (with its own
 :class:`RecipeParts`. ``hookloop recipes`` lists them; ``hookloop train
 --recipe NAME`` runs one. :func:`resolve_config` is the config a command runs
 with: a recipe's defaults, then a YAML file, then dotted overrides.
+
+A user's own recipe is named by import path, ``package.module:object`` (see
+:func:`import_recipe`): every command that takes ``--recipe`` accepts it, the run's
+``config.yaml`` records it as ``recipe:``, and each process (a ``hookloop tune`` worker,
+a torchrun rank, a ``--resume auto``) imports it again by that path.
 """
 
 from __future__ import annotations
 
 import difflib
+import importlib
+import inspect
+import os
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,8 +74,65 @@ def recipe_names() -> list[str]:
     return sorted(_RECIPES)
 
 
+def is_import_path(name: str) -> bool:
+    """Whether ``name`` names a recipe by import path (``package.module:object``)."""
+    return ":" in name
+
+
+def import_recipe(path: str) -> Recipe:
+    """The recipe ``package.module:object`` names (imported once per process).
+
+    ``object`` is a :class:`Recipe`, or any object (a module, a class, an instance) with
+    ``default_config()`` returning a :class:`~hookloop.config.Config` and ``build(config)``
+    returning :class:`RecipeParts`; its ``description`` or docstring's first line
+    describes it. The module is imported as Python would, with the current directory
+    tried last. Raises ``ValueError`` naming what is missing.
+    """
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ValueError(
+            f"--recipe {path!r}: an import path is package.module:object, e.g. mypkg.recipes:RECIPE"
+        )
+    try:
+        module = _import(module_name)
+    except ImportError as err:
+        raise ValueError(
+            f"--recipe {path!r}: cannot import {module_name!r} ({err}); install the package "
+            "or run from the directory that holds it"
+        ) from None
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"--recipe {path!r}: {module_name} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if isinstance(obj, Recipe):
+        return Recipe(path, obj.description, obj.default_config, obj.build)
+    missing = [n for n in ("default_config", "build") if not callable(getattr(obj, n, None))]
+    if missing:
+        raise ValueError(
+            f"--recipe {path!r}: {attr} is not a recipe (no callable {' or '.join(missing)}); "
+            "give a hookloop.recipes.Recipe or an object with default_config() and "
+            "build(config)"
+        )
+    doc = getattr(obj, "description", None) or (inspect.getdoc(obj) or "").split("\n")[0]
+    return Recipe(path, str(doc or path), obj.default_config, obj.build)
+
+
+def _import(module_name: str) -> Any:
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        here = os.getcwd()
+        if err.name != module_name.split(".")[0] or here in sys.path or "" in sys.path:
+            raise
+        sys.path.append(here)  # `hookloop` as a console script does not look here
+        return importlib.import_module(module_name)
+
+
 def get_recipe(name: str) -> Recipe:
     _load_builtin()
+    if name not in _RECIPES and is_import_path(name):
+        _RECIPES[name] = import_recipe(name)
     if name not in _RECIPES:
         close = difflib.get_close_matches(name, list(_RECIPES), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
@@ -79,8 +145,18 @@ def get_recipe(name: str) -> Recipe:
 def default_config(name: str) -> Config:
     """A fresh copy of recipe ``name``'s default configuration."""
     cfg = get_recipe(name).default_config()
+    if not isinstance(cfg, Config):
+        raise ValueError(
+            f"recipe {name!r}: default_config() must return a hookloop Config, "
+            f"got {type(cfg).__name__}"
+        )
     cfg.recipe = name
     return cfg
+
+
+def recipe_slug(name: str) -> str:
+    """``name`` as part of a directory name (an import path's ``:`` becomes ``-``)."""
+    return name.replace(":", "-").replace("/", "-")
 
 
 def resolve_config(recipe: str | None, config_file: str | None, overrides: list[str]) -> Config:

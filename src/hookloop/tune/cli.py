@@ -46,7 +46,9 @@ def add_tune_command(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "tune", help="search hyper-parameters of a recipe with Optuna (restartable)"
     )
-    parser.add_argument("--recipe", help="recipe to tune (default: gpt-stdlib)")
+    parser.add_argument(
+        "--recipe", help="recipe to tune: a name or package.module:object (default: gpt-stdlib)"
+    )
     parser.add_argument("--space", required=True, help="YAML search space over config keys")
     parser.add_argument(
         "--trials", type=int, required=True, help="COMPLETE or PRUNED trials wanted"
@@ -93,7 +95,9 @@ def main_tune(args: argparse.Namespace) -> int:
         pruner=args.pruner,
     )
     spec.validate(space_file=args.space)
-    study_dir = Path(args.out or f"runs/tune-{spec.recipe}-{Path(args.space).stem}")
+    from hookloop.recipes import recipe_slug
+
+    study_dir = Path(args.out or f"runs/tune-{recipe_slug(spec.recipe)}-{Path(args.space).stem}")
     joined = not is_distributed() and init_from_env()  # under torchrun: one worker of N ranks
     try:
         return _drive(spec, study_dir, args)

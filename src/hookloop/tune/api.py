@@ -1,0 +1,185 @@
+"""``hookloop.tune.run``: a study from Python, of a recipe or of your own objective.
+
+``run("mlp-regression", space, trials=20, out="runs/s")`` is ``hookloop tune`` (the same
+study directory, restartable, ``workers`` processes). ``run(objective, trials=20,
+out="runs/s")`` runs a function ``objective(trial) -> float`` on a real Optuna storage
+with the same guarantees: exactly ``trials`` COMPLETE or PRUNED trials however often it
+is restarted, a failing trial recorded FAIL with its reason, and Ctrl-C recording the cut
+trial FAIL (interrupted) and queuing its parameters for the next run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import traceback
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from hookloop.tune.space import SearchSpace
+from hookloop.tune.study import (
+    DB_FILE,
+    TuneError,
+    TuneSpec,
+    counts,
+    host_name,
+    optuna,
+    recover_interrupted,
+    requeue,
+    study_lock,
+)
+
+
+def run(
+    target: str | Callable[[Any], float],
+    space: Mapping[str, Any] | str | Path | None = None,
+    *,
+    trials: int,
+    out: str | Path,
+    workers: int = 1,
+    metric: str = "eval_loss",
+    direction: str = "minimize",
+    storage: str | None = None,
+    study_name: str = "hookloop",
+    seed: int = 0,
+    pruner: str = "median",
+    overrides: list[str] | tuple[str, ...] = (),
+    plots: bool = False,
+) -> Any:
+    """Run (or continue) a study and return it as an ``optuna.Study``.
+
+    ``target`` is a recipe (a name, or ``package.module:object``), whose trials are
+    hookloop runs scored by the best ``metric``; ``space`` (a mapping or a YAML file) is
+    then required and ``overrides`` (``KEY=VALUE``) are fixed for every trial. Or
+    ``target`` is ``objective(trial) -> float``: with a ``space``, its values are drawn
+    before the call and are in ``trial.params``; without one, the objective asks
+    ``trial.suggest_*`` itself. Raise ``optuna.TrialPruned`` to prune. Raises
+    ``ValueError`` for bad arguments and :class:`TuneError` when every trial fails.
+    """
+    if isinstance(space, (str, Path)):
+        from hookloop.tune.cli import _read_space
+
+        space = _read_space(str(space))
+    if callable(target) and not isinstance(target, str):
+        return _run_objective(
+            target, space, trials=trials, out=Path(out), direction=direction,
+            storage=storage, study_name=study_name, seed=seed, pruner=pruner,
+        )  # fmt: skip
+    if not isinstance(target, str):
+        raise ValueError(
+            f"target must be a recipe name, package.module:object, or a callable "
+            f"objective(trial), got {type(target).__name__}"
+        )
+    if space is None:
+        raise ValueError("space is required to tune a recipe (config keys to ranges)")
+    return _run_recipe(
+        TuneSpec(
+            recipe=target, space=dict(space), trials=trials, overrides=list(overrides),
+            metric=metric, direction=direction, storage=storage, study_name=study_name,
+            seed=seed, pruner=pruner,
+        ),
+        Path(out), workers=workers, plots=plots,
+    )  # fmt: skip
+
+
+def _run_recipe(spec: TuneSpec, study_dir: Path, *, workers: int, plots: bool) -> Any:
+    from hookloop.tune.cli import prepare, run_workers
+    from hookloop.tune.report import finish
+    from hookloop.tune.study import open_study, work
+
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be an int >= 1, got {workers!r}")
+    spec.validate()
+    prepare(spec, study_dir)
+    if workers == 1:
+        work(study_dir)
+    else:
+        run_workers(study_dir, workers)
+    finish(study_dir, plots=plots, echo=False)
+    return open_study(TuneSpec.load(study_dir), study_dir)
+
+
+def _run_objective(
+    objective: Callable[[Any], float],
+    space: Mapping[str, Any] | None,
+    *,
+    trials: int,
+    out: Path,
+    direction: str,
+    storage: str | None,
+    study_name: str,
+    seed: int,
+    pruner: str,
+) -> Any:
+    from hookloop.tune.study import DIRECTIONS, _pruner
+
+    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
+        raise ValueError(f"trials must be an int >= 1, got {trials!r}")
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be 'minimize' or 'maximize', got {direction!r}")
+    drawn = SearchSpace(space) if space is not None else None
+    opt = optuna()
+    opt.logging.set_verbosity(opt.logging.WARNING)
+    out.mkdir(parents=True, exist_ok=True)
+    study = opt.create_study(
+        storage=storage or f"sqlite:///{(out / DB_FILE).resolve()}",
+        study_name=study_name,
+        direction=direction,
+        sampler=opt.samplers.TPESampler(seed=seed + len(_trials_in(out, storage, study_name))),
+        pruner=_pruner(pruner),
+        load_if_exists=True,
+    )
+    state = opt.trial.TrialState
+    while True:
+        with study_lock(out):
+            recover_interrupted(study)
+            now = counts(study)
+            if now.done >= trials:
+                return study
+            if now.failed >= trials:
+                raise TuneError(f"{now.failed} trials failed (the limit is {trials})")
+            trial = study.ask()
+            trial.set_user_attr("pid", os.getpid())
+            trial.set_user_attr("host", host_name())
+            if drawn is not None:
+                drawn.suggest(trial)
+        try:
+            value = objective(trial)
+        except opt.TrialPruned as err:
+            trial.set_user_attr("prune_reason", str(err) or "pruned")
+            study.tell(trial, state=state.PRUNED)
+            continue
+        except KeyboardInterrupt:
+            trial.set_user_attr("fail_reason", "interrupted by SIGINT")
+            trial.set_user_attr("interrupted", True)
+            study.tell(trial, state=state.FAIL)
+            requeue(study, study.trials[trial.number])
+            raise
+        except Exception as err:  # the trial failed; the study goes on
+            trial.set_user_attr("fail_reason", f"{type(err).__name__}: {err}")
+            trial.set_user_attr("traceback", traceback.format_exc()[-4000:])
+            study.tell(trial, state=state.FAIL)
+            print(f"hookloop tune: trial {trial.number} failed: {err}", file=sys.stderr)
+            continue
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = math.nan
+        if math.isnan(number):
+            trial.set_user_attr("fail_reason", f"the objective returned {value!r}, not a number")
+            study.tell(trial, state=state.FAIL)
+            continue
+        study.tell(trial, number)
+
+
+def _trials_in(out: Path, storage: str | None, study_name: str) -> list[Any]:
+    """The trials already in the study (the sampler's seed moves on with each restart)."""
+    if storage is None and not (out / DB_FILE).is_file():
+        return []
+    try:
+        url = storage or f"sqlite:///{(out / DB_FILE).resolve()}"
+        return optuna().load_study(study_name=study_name, storage=url).trials
+    except KeyError:  # no such study yet
+        return []
