@@ -113,7 +113,7 @@ def _run_objective(
     seed: int,
     pruner: str,
 ) -> Any:
-    from hookloop.tune.study import DIRECTIONS, _pruner
+    from hookloop.tune.study import DIRECTIONS, make_pruner
 
     if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
         raise ValueError(f"trials must be an int >= 1, got {trials!r}")
@@ -128,7 +128,7 @@ def _run_objective(
         study_name=study_name,
         direction=direction,
         sampler=opt.samplers.TPESampler(seed=seed + len(_trials_in(out, storage, study_name))),
-        pruner=_pruner(pruner),
+        pruner=make_pruner(pruner),
         load_if_exists=True,
     )
     state = opt.trial.TrialState

@@ -30,6 +30,7 @@ from hookloop.result import ExitCode
 from hookloop.tune.study import (
     DIRECTIONS,
     PRUNERS,
+    SAMPLERS,
     Interrupts,
     StudyInterrupted,
     TuneError,
@@ -68,6 +69,22 @@ def add_tune_command(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--study-name", default="hookloop", help="study name in the storage")
     parser.add_argument("--seed", type=int, default=0, help="sampler seed")
     parser.add_argument("--pruner", default="median", choices=PRUNERS)
+    parser.add_argument(
+        "--pruner-args", help="YAML mapping of the pruner's arguments, e.g. '{n_warmup_steps: 2}'"
+    )
+    parser.add_argument(
+        "--sampler", default="tpe", help=f"Optuna sampler: {', '.join(SAMPLERS)} (default: tpe)"
+    )
+    parser.add_argument(
+        "--sampler-args",
+        help="YAML mapping of the sampler's arguments, e.g. '{n_startup_trials: 4}'",
+    )
+    parser.add_argument(
+        "--timeout", type=float, help="start no trial after this many seconds (running ones end)"
+    )
+    parser.add_argument(
+        "--enqueue", help="YAML list of parameter sets ({key: value}) to try first, once each"
+    )
     parser.add_argument("--no-plots", action="store_true", help="skip the plots at the end")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="fixed for every trial")
     parser.set_defaults(run=main_tune)
@@ -93,20 +110,28 @@ def main_tune(args: argparse.Namespace) -> int:
         study_name=args.study_name,
         seed=args.seed,
         pruner=args.pruner,
+        sampler=args.sampler,
+        sampler_args=_yaml_mapping("--sampler-args", args.sampler_args),
+        pruner_args=_yaml_mapping("--pruner-args", args.pruner_args),
     )
+    if args.timeout is not None and not (args.timeout > 0):
+        raise ValueError(f"--timeout must be a number of seconds > 0, got {args.timeout!r}")
     spec.validate(space_file=args.space)
+    enqueued = read_enqueue(args.enqueue, spec) if args.enqueue else []
     from hookloop.recipes import recipe_slug
 
     study_dir = Path(args.out or f"runs/tune-{recipe_slug(spec.recipe)}-{Path(args.space).stem}")
     joined = not is_distributed() and init_from_env()  # under torchrun: one worker of N ranks
     try:
-        return _drive(spec, study_dir, args)
+        return _drive(spec, study_dir, args, enqueued)
     finally:
         if joined:
             leave_process_group()
 
 
-def _drive(spec: TuneSpec, study_dir: Path, args: argparse.Namespace) -> int:
+def _drive(
+    spec: TuneSpec, study_dir: Path, args: argparse.Namespace, enqueued: list[dict[str, Any]]
+) -> int:
     from hookloop.tune.report import finish
 
     rank, _, world = rank_info()
@@ -119,6 +144,10 @@ def _drive(spec: TuneSpec, study_dir: Path, args: argparse.Namespace) -> int:
     if rank == 0:  # rank 0 creates (or checks) the study; every rank hears the outcome
         try:
             prepare(spec, study_dir)
+            if enqueued:
+                study = open_study(spec, study_dir)
+                for params in enqueued:  # a restart does not add them twice
+                    study.enqueue_trial(params, skip_if_exists=True)
         except ValueError as err:
             error = str(err)
     error = broadcast_object(error)
@@ -126,11 +155,12 @@ def _drive(spec: TuneSpec, study_dir: Path, args: argparse.Namespace) -> int:
         raise ValueError(error)
     if rank == 0:
         print(f"hookloop tune: study {spec.study_name} in {study_dir}", file=sys.stderr)
+    deadline = None if args.timeout is None else time.time() + args.timeout
     try:
         if args.workers == 1:
-            work(study_dir)
+            work(study_dir, deadline=deadline)
         else:
-            run_workers(study_dir, args.workers, threads=args.threads_per_worker)
+            run_workers(study_dir, args.workers, threads=args.threads_per_worker, deadline=deadline)
     except TuneError as err:
         print(f"hookloop tune: {err}", file=sys.stderr)
         if rank == 0:
@@ -145,8 +175,63 @@ def _drive(spec: TuneSpec, study_dir: Path, args: argparse.Namespace) -> int:
             )
         return stop.exit_code
     if rank == 0:
+        done = counts(open_study(spec, study_dir)).done
+        if deadline is not None and done < spec.trials:
+            print(
+                f"hookloop tune: --timeout {args.timeout:g} s reached with {done} of "
+                f"{spec.trials} trials done; the same command continues the study",
+                file=sys.stderr,
+            )
         finish(study_dir, plots=not args.no_plots)
     return ExitCode.OK
+
+
+def _yaml_mapping(flag: str, text: str | None) -> dict[str, Any]:
+    if text is None:
+        return {}
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        value = text
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a YAML mapping such as '{{name: value}}', got {text!r}")
+    return value
+
+
+def read_enqueue(path: str, spec: TuneSpec) -> list[dict[str, Any]]:
+    """The parameter sets of an ``--enqueue`` file: a YAML list of ``{config.key: value}``
+    over the space's keys, each checked against the recipe's config."""
+    import copy
+
+    from hookloop.tune.space import apply_params
+
+    try:
+        entries = yaml.safe_load(Path(path).read_text())
+    except (FileNotFoundError, IsADirectoryError):
+        raise ValueError(f"--enqueue: file not found: {path}") from None
+    except yaml.YAMLError as err:
+        raise ValueError(f"--enqueue: {path} is not valid YAML: {err}") from None
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise ValueError(
+            f"--enqueue: {path} must be a YAML list of mappings, e.g. "
+            "[{optimizer.lr: 0.01, model.hidden: 32}]"
+        )
+    space = spec.search_space()
+    base = spec.base_config()
+    for i, entry in enumerate(entries):
+        unknown = [k for k in entry if k not in space.keys]
+        if unknown:
+            raise ValueError(
+                f"--enqueue: {path} entry {i}: {unknown[0]!r} is not a searched key; "
+                f"allowed: {', '.join(space.keys)}"
+            )
+        try:
+            apply_params(copy.deepcopy(base), entry).validate()
+        except ValueError as err:
+            raise ValueError(f"--enqueue: {path} entry {i}: {err}") from None
+    return [dict(e) for e in entries]
 
 
 def _read_space(path: str) -> Any:
@@ -237,7 +322,9 @@ def worker_env(
     return env
 
 
-def run_workers(study_dir: Path, workers: int, *, threads: int | None = None) -> None:
+def run_workers(
+    study_dir: Path, workers: int, *, threads: int | None = None, deadline: float | None = None
+) -> None:
     """Start ``workers`` trial processes and wait, printing each trial as it ends.
 
     Each worker gets ``cores // workers`` CPU threads unless ``threads`` says otherwise,
@@ -255,6 +342,8 @@ def run_workers(study_dir: Path, workers: int, *, threads: int | None = None) ->
     procs = []
     for index in range(workers):
         env = worker_env(index, workers, threads=threads, gpus=gpus)
+        if deadline is not None:
+            env["HOOKLOOP_TUNE_DEADLINE"] = repr(deadline)
         log = open(logs / f"worker-{index}.log", "ab")  # noqa: SIM115 (closed below)
         cmd = [sys.executable, "-m", "hookloop.tune.worker", str(study_dir), str(index)]
         procs.append(
@@ -292,7 +381,7 @@ def run_workers(study_dir: Path, workers: int, *, threads: int | None = None) ->
             log.close()
     if interrupts.pending is not None:
         raise StudyInterrupted(interrupts.pending)
-    if counts(study).done < spec.trials:
+    if counts(study).done < spec.trials and not (deadline and time.time() >= deadline):
         codes = [p.returncode for p, _ in procs]
         raise TuneError(
             f"the workers exited (codes {codes}) with {counts(study).done} of {spec.trials} "

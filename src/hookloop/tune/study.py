@@ -26,6 +26,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -48,10 +49,17 @@ SPEC_FILE = "tune.yaml"
 DB_FILE = "study.db"
 LOCK_FILE = ".tune.lock"
 BEST_CONFIG_FILE = "best_config.yaml"
+CONSOLE_LOG = "console.log"
 DIRECTIONS = ("minimize", "maximize")
-PRUNERS = ("median", "hyperband", "successive-halving", "none")
+PRUNERS = ("median", "percentile", "hyperband", "successive-halving", "threshold", "none")
+SAMPLERS = ("tpe", "random", "grid", "cmaes", "qmc", "gp")
+#: What a sampler needs beyond Optuna (checked before the study starts).
+_SAMPLER_NEEDS = {"cmaes": ("cmaes",), "qmc": ("scipy",), "gp": ("scipy",)}
 #: Fields of the spec that make a study what it is: a restart must repeat them.
-IDENTITY = ("recipe", "overrides", "space", "metric", "direction", "pruner", "seed", "study_name")
+IDENTITY = (
+    "recipe", "overrides", "space", "metric", "direction", "pruner", "seed", "study_name",
+    "sampler", "sampler_args", "pruner_args",
+)  # fmt: skip
 
 
 #: Environment variable naming this machine in the study (default: the host name). Two
@@ -147,6 +155,9 @@ class TuneSpec:
     seed: int = 0
     pruner: str = "median"
     max_failures: int | None = None  # None: as many as trials
+    sampler: str = "tpe"
+    sampler_args: dict[str, Any] = field(default_factory=dict)
+    pruner_args: dict[str, Any] = field(default_factory=dict)
 
     def validate(self, space_file: str | None = None) -> TuneSpec:
         """Check every field; a search-space error names ``space_file`` when given."""
@@ -163,11 +174,25 @@ class TuneSpec:
             raise ValueError(f"--seed must be an int >= 0, got {self.seed!r}")
         if not self.study_name:
             raise ValueError("--study-name must not be empty")
+        if self.sampler not in SAMPLERS:
+            raise ValueError(
+                f"--sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}"
+            )
+        for flag, args in (
+            ("--sampler-args", self.sampler_args),
+            ("--pruner-args", self.pruner_args),
+        ):
+            if not isinstance(args, dict) or not all(isinstance(k, str) for k in args):
+                raise ValueError(
+                    f"{flag} must be a mapping of argument names to values, got {args!r}"
+                )
         base = self.base_config()
         try:
             self.search_space(base)  # every key exists and every end is allowed
         except ValueError as err:
             raise ValueError(f"search space {space_file or ''}: {err}".replace("  ", " ")) from None
+        make_sampler(self, self.seed)  # the sampler and pruner take these arguments
+        make_pruner(self.pruner, self.pruner_args)
         return self
 
     def base_config(self) -> Config:
@@ -222,20 +247,95 @@ def open_study(spec: TuneSpec, study_dir: Path, *, sampler_seed: int | None = No
         storage=storage,
         study_name=spec.study_name,
         direction=spec.direction,
-        sampler=opt.samplers.TPESampler(seed=seed),
-        pruner=_pruner(spec.pruner),
+        sampler=make_sampler(spec, seed),
+        pruner=make_pruner(spec.pruner, spec.pruner_args),
         load_if_exists=True,
     )
 
 
-def _pruner(name: str) -> Any:
+def make_sampler(spec: TuneSpec, seed: int) -> Any:
+    """The Optuna sampler ``--sampler`` names, with ``--sampler-args`` and ``seed``.
+
+    ``grid`` walks every combination of the space's ``choices`` and int ranges (a float
+    range needs a ``step``). Raises ``ValueError`` naming what is wrong.
+    """
+    import importlib.util
+
+    samplers = optuna().samplers
+    for module in _SAMPLER_NEEDS.get(spec.sampler, ()):
+        if importlib.util.find_spec(module) is None:
+            raise ValueError(
+                f"--sampler {spec.sampler} needs the package {module!r}: pip install {module}"
+            )
+    kwargs: dict[str, Any] = {"seed": seed, **spec.sampler_args}
+    if spec.sampler == "grid":
+        kwargs.setdefault("search_space", _grid(spec.search_space()))
+    cls = {
+        "tpe": samplers.TPESampler,
+        "random": samplers.RandomSampler,
+        "grid": _grid_sampler(),
+        "cmaes": samplers.CmaEsSampler,
+        "qmc": samplers.QMCSampler,
+        "gp": samplers.GPSampler,
+    }[spec.sampler]
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as err:
+        raise ValueError(
+            f"--sampler-args: {spec.sampler} ({cls.__name__}) refused {spec.sampler_args}: {err}"
+        ) from None
+
+
+def _grid_sampler() -> type:
+    """Optuna's GridSampler, less its ``study.stop()`` once the grid is covered (which
+    only works inside ``study.optimize``; hookloop stops at ``--trials``, and past the
+    grid's size the sampler draws its points again)."""
+
+    class GridSampler(optuna().samplers.GridSampler):
+        def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
+            return None
+
+    return GridSampler
+
+
+def _grid(space: SearchSpace) -> dict[str, list[Any]]:
+    grid: dict[str, list[Any]] = {}
+    for p in space.params:
+        if p.kind == "choices":
+            grid[p.key] = list(p.choices or ())
+        elif p.kind == "range" and (p.is_int or p.step is not None):
+            step = p.step if p.step is not None else 1
+            count = round((p.high - p.low) / step) + 1  # type: ignore[operator]
+            grid[p.key] = [p.low + i * step for i in range(count)]  # type: ignore[operator]
+        elif p.kind == "range":
+            raise ValueError(
+                f"--sampler grid: {p.key} is a float range without a step; give it "
+                "{low, high, step} or {choices: [...]}"
+            )
+    return grid
+
+
+def make_pruner(name: str, args: dict[str, Any] | None = None) -> Any:
     pruners = optuna().pruners
-    return {
-        "median": lambda: pruners.MedianPruner(n_startup_trials=5, n_warmup_steps=0),
+    defaults: dict[str, dict[str, Any]] = {
+        "median": {"n_startup_trials": 5, "n_warmup_steps": 0},
+        "percentile": {"percentile": 25.0, "n_startup_trials": 5},
+    }
+    cls = {
+        "median": pruners.MedianPruner,
+        "percentile": pruners.PercentilePruner,
         "hyperband": pruners.HyperbandPruner,
         "successive-halving": pruners.SuccessiveHalvingPruner,
+        "threshold": pruners.ThresholdPruner,
         "none": pruners.NopPruner,
-    }[name]()
+    }[name]
+    kwargs = {**defaults.get(name, {}), **(args or {})}
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as err:
+        raise ValueError(
+            f"--pruner-args: {name} ({cls.__name__}) refused {args or {}}: {err}"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -365,6 +465,36 @@ class BestMetric(Callback):
         self.evaluations = int(state.get("evaluations", 0))
 
 
+class _Tee:
+    """A text stream that writes to ``stream`` and to ``copy``."""
+
+    def __init__(self, stream: Any, copy: Any) -> None:
+        self._stream, self._copy = stream, copy
+
+    def write(self, text: str) -> int:
+        self._copy.write(text)
+        return self._stream.write(text)
+
+    def flush(self) -> None:
+        self._copy.flush()
+        self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def tee_output(path: Path) -> Iterator[None]:
+    """Copy what this process prints (stdout and stderr, from Python) to ``path`` too."""
+    with open(path, "a", encoding="utf-8", buffering=1) as handle:
+        out, err = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _Tee(out, handle), _Tee(err, handle)
+        try:
+            yield
+        finally:
+            sys.stdout, sys.stderr = out, err
+
+
 def trial_dir(study_dir: Path, number: int) -> Path:
     return study_dir / f"trial-{number:04d}"
 
@@ -390,6 +520,8 @@ def train_trial(
 
     run_dir = trial_dir(study_dir, number)
     cfg = apply_params(copy.deepcopy(spec.base_config()), values).validate()
+    if cfg.logging.wandb:  # W&B groups a study's trials (unless the caller chose a group)
+        os.environ.setdefault("WANDB_RUN_GROUP", spec.study_name)
     best = BestMetric(spec.metric, spec.direction)
     callbacks = [*default_callbacks(cfg, run_dir), best]
     if trial is not None:
@@ -427,8 +559,13 @@ def run_trial(
     if resume:  # the pruner sees the evaluations before the interruption again
         for step, value in sorted(trial.user_attrs.get("reported", {}).items()):
             trial.report(value, int(step))
+    run_dir = trial_dir(study_dir, trial.number)
+    run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        with interrupts.allowed() if interrupts is not None else contextlib.nullcontext():
+        with (
+            interrupts.allowed() if interrupts is not None else contextlib.nullcontext(),
+            tee_output(run_dir / CONSOLE_LOG),
+        ):
             result, best = train_trial(spec, study_dir, trial.number, values, trial, resume=resume)
     except StudyInterrupted as stop:  # a signal while the trial was being set up
         interrupted(trial, f"interrupted by {signal.Signals(stop.signum).name} before training")
@@ -477,11 +614,12 @@ def interrupted(trial: Any, reason: str) -> None:
     print(f"hookloop tune: trial {trial.number} {reason}; it resumes on a restart", file=sys.stderr)
 
 
-def work(study_dir: str | Path, worker: int = 0) -> int:
+def work(study_dir: str | Path, worker: int = 0, *, deadline: float | None = None) -> int:
     """Claim and run trials until the study has its N COMPLETE or PRUNED trials.
 
     Returns the number of trials this worker ran. Raises :class:`TuneError`
-    when more trials failed than ``max_failures`` allows. Under ``torchrun``
+    when more trials failed than ``max_failures`` allows. After ``deadline`` (a
+    ``time.time()``) it starts no more trials. Under ``torchrun``
     (a process group is up) rank 0 claims each trial and every other rank
     trains the same trial beside it (:func:`follow`).
     """
@@ -492,7 +630,13 @@ def work(study_dir: str | Path, worker: int = 0) -> int:
         return follow(study_dir)
     try:
         with Interrupts().installed() as interrupts:
-            return _lead(Path(study_dir), worker, announce=world > 1, interrupts=interrupts)
+            return _lead(
+                Path(study_dir),
+                worker,
+                announce=world > 1,
+                interrupts=interrupts,
+                deadline=deadline,
+            )
     finally:
         if world > 1:
             broadcast_object(None)  # the followers' signal to stop
@@ -515,8 +659,14 @@ def follow(study_dir: str | Path) -> int:
     return ran
 
 
-def _lead(study_dir: Path, worker: int, *, announce: bool, interrupts: Interrupts) -> int:
-    import time
+def _lead(
+    study_dir: Path,
+    worker: int,
+    *,
+    announce: bool,
+    interrupts: Interrupts,
+    deadline: float | None = None,
+) -> int:
 
     from hookloop.distributed import broadcast_object
 
@@ -531,6 +681,8 @@ def _lead(study_dir: Path, worker: int, *, announce: bool, interrupts: Interrupt
     ran = 0
     while True:
         interrupts.check()
+        if deadline is not None and time.time() >= deadline:
+            return ran
         trial = None
         with study_lock(study_dir):
             recover_interrupted(study)

@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     from hookloop.tune.study import StudyInterrupted, TuneError, work
 
     try:
-        ran = work(study_dir, worker=index)
+        deadline = os.environ.get("HOOKLOOP_TUNE_DEADLINE")
+        ran = work(study_dir, worker=index, deadline=float(deadline) if deadline else None)
     except StudyInterrupted as stop:
         print(f"hookloop tune worker {index}: {stop}", file=sys.stderr)
         return stop.exit_code
