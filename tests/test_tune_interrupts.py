@@ -110,11 +110,11 @@ def test_sigterm_to_a_driver_with_two_workers_fails_and_requeues_both_trials(
     command = [
         sys.executable, "-m", "hookloop", "tune", "--recipe", "mlp-regression",
         "--space", str(space), "--trials", "6", "--workers", "2", "--out", str(study_dir),
-        "--no-plots", "--pruner", "none", *FAST, *SERVICES_OFF, "train.max_steps=5000",
+        "--no-plots", "--pruner", "none", *FAST, *SERVICES_OFF, "train.max_steps=100000",
     ]  # fmt: skip
     driver = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
-    while True:  # both workers inside a trial of 5000 steps (a few seconds)
+    while True:  # both workers inside a trial far longer than the test
         try:
             with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as conn:
                 running = conn.execute(

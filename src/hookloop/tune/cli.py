@@ -80,6 +80,12 @@ def add_tune_command(subparsers: Any) -> argparse.ArgumentParser:
         help="YAML mapping of the sampler's arguments, e.g. '{n_startup_trials: 4}'",
     )
     parser.add_argument(
+        "--heartbeat",
+        type=int,
+        help="seconds between a trial's heartbeats; a trial silent for twice that is failed "
+        "and retried by another driver (default: 30 with --storage, else off; 0: off)",
+    )
+    parser.add_argument(
         "--timeout", type=float, help="start no trial after this many seconds (running ones end)"
     )
     parser.add_argument(
@@ -111,9 +117,12 @@ def main_tune(args: argparse.Namespace) -> int:
         seed=args.seed,
         pruner=args.pruner,
         sampler=args.sampler,
+        heartbeat=args.heartbeat,
         sampler_args=_yaml_mapping("--sampler-args", args.sampler_args),
         pruner_args=_yaml_mapping("--pruner-args", args.pruner_args),
     )
+    if args.heartbeat is not None and args.heartbeat < 0:
+        raise ValueError(f"--heartbeat must be an int >= 0 (0: off), got {args.heartbeat}")
     if args.timeout is not None and not (args.timeout > 0):
         raise ValueError(f"--timeout must be a number of seconds > 0, got {args.timeout!r}")
     spec.validate(space_file=args.space)
@@ -265,7 +274,11 @@ def prepare(spec: TuneSpec, study_dir: Path) -> None:
                 f"{study_dir} holds a study started with different {', '.join(changed)}; "
                 "continue it with the same command, or choose another --out"
             )
-        if spec.trials != saved.trials or spec.storage != saved.storage:
+        if (spec.trials, spec.storage, spec.heartbeat) != (
+            saved.trials,
+            saved.storage,
+            saved.heartbeat,
+        ):
             spec.save(study_dir)  # more trials (or a moved database) for the same study
         return
     if study_dir.is_dir() and any(study_dir.iterdir()):

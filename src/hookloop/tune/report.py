@@ -65,12 +65,29 @@ def _fmt(value: Any) -> str:
 
 
 def write_best_config(study: Any, study_dir: Path) -> Path | None:
-    """Copy the best trial's ``config.yaml`` to ``best_config.yaml``; None if no trial finished."""
+    """Write the best trial's whole config to ``best_config.yaml``; None if no trial finished.
+
+    From the storage alone: the trial's ``config`` user attribute (the best trial may have
+    run on another machine); else its run directory's ``config.yaml``; else the study's
+    recipe and overrides with the trial's parameters.
+    """
+    from hookloop.config import dump_yaml
+    from hookloop.tune.space import apply_params
+
     trials = best_trials(study, 1)
     if not trials:
         return None
+    best = trials[0]
     target = study_dir / BEST_CONFIG_FILE
-    shutil.copyfile(trial_dir(study_dir, trials[0].number) / "config.yaml", target)
+    local = trial_dir(study_dir, best.number) / "config.yaml"
+    if isinstance(best.user_attrs.get("config"), dict):
+        target.write_text(dump_yaml(best.user_attrs["config"]))
+    elif local.is_file():
+        shutil.copyfile(local, target)
+    else:
+        spec = TuneSpec.load(study_dir)
+        cfg = apply_params(spec.base_config(), best.params).validate()
+        target.write_text(dump_yaml(cfg.to_dict()))
     return target
 
 

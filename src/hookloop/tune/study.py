@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import datetime
 import fcntl
+import json
 import math
 import os
+import random
 import shutil
 import signal
 import socket
@@ -28,6 +31,8 @@ import sys
 import threading
 import time
 import traceback
+import warnings
+import zlib
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -48,6 +53,8 @@ from hookloop.tune.space import SearchSpace, apply_params
 SPEC_FILE = "tune.yaml"
 DB_FILE = "study.db"
 LOCK_FILE = ".tune.lock"
+#: A RUNNING trial with no process recorded this long after it started lost its claimer.
+UNCLAIMED_AFTER_S = 60
 BEST_CONFIG_FILE = "best_config.yaml"
 CONSOLE_LOG = "console.log"
 DIRECTIONS = ("minimize", "maximize")
@@ -156,6 +163,10 @@ class TuneSpec:
     pruner: str = "median"
     max_failures: int | None = None  # None: as many as trials
     sampler: str = "tpe"
+    #: Seconds between a running trial's heartbeats (Optuna's RDB heartbeat); a trial
+    #: silent for twice as long is failed by any driver and retried. None: 30 with
+    #: ``--storage``, off for the study's own SQLite file; 0: off.
+    heartbeat: int | None = None
     sampler_args: dict[str, Any] = field(default_factory=dict)
     pruner_args: dict[str, Any] = field(default_factory=dict)
 
@@ -205,6 +216,11 @@ class TuneSpec:
     def storage_url(self, study_dir: Path) -> str:
         return self.storage or f"sqlite:///{(study_dir / DB_FILE).resolve()}"
 
+    def heartbeat_seconds(self) -> int | None:
+        if self.heartbeat is None:
+            return 30 if self.storage is not None else None
+        return self.heartbeat or None
+
     def save(self, study_dir: Path) -> None:
         (study_dir / SPEC_FILE).write_text(yaml.safe_dump(asdict(self), sort_keys=False))
 
@@ -230,27 +246,68 @@ def open_study(spec: TuneSpec, study_dir: Path, *, sampler_seed: int | None = No
     ``ValueError`` naming it, for the command to report in one line.
     """
     opt = optuna()
-    url = spec.storage_url(study_dir)
-    engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None
-    try:
-        storage = opt.storages.RDBStorage(url, engine_kwargs=engine_kwargs)
-    except Exception as err:  # SQLAlchemy's and Optuna's errors share no base worth naming
-        where = study_dir / DB_FILE if spec.storage is None else f"--storage {spec.storage}"
-        reason = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), "")
-        raise ValueError(
-            f"cannot open the study's storage {where} ({type(err).__name__}: {reason[:200]}); "
-            "give a storage URL Optuna accepts (sqlite:///FILE, postgresql://...) or restore "
-            "the database"
-        ) from None
     seed = spec.seed if sampler_seed is None else sampler_seed
-    return opt.create_study(
-        storage=storage,
-        study_name=spec.study_name,
-        direction=spec.direction,
-        sampler=make_sampler(spec, seed),
-        pruner=make_pruner(spec.pruner, spec.pruner_args),
-        load_if_exists=True,
-    )
+    for attempt in range(4):  # drivers starting together on a fresh database race to create it
+        try:
+            return opt.create_study(
+                storage=_storage(spec, study_dir),
+                study_name=spec.study_name,
+                direction=spec.direction,
+                sampler=make_sampler(spec, seed),
+                pruner=make_pruner(spec.pruner, spec.pruner_args),
+                load_if_exists=True,
+            )
+        except ValueError:
+            raise
+        except Exception as err:  # SQLAlchemy's and Optuna's errors share no base worth naming
+            if attempt < 3 and type(err).__name__ in _RACES:
+                time.sleep(0.2 + 0.3 * random.random() * (attempt + 1))
+                continue
+            where = study_dir / DB_FILE if spec.storage is None else f"--storage {spec.storage}"
+            reason = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), "")
+            raise ValueError(
+                f"cannot open the study's storage {where} ({type(err).__name__}: "
+                f"{reason[:200]}); give a storage URL Optuna accepts (sqlite:///FILE, "
+                "postgresql://..., mysql://..., journal:FILE, redis://...) or restore the "
+                "database"
+            ) from None
+    raise AssertionError("unreachable")
+
+
+#: Errors of drivers creating one fresh database's schema or study at once (retried).
+_RACES = ("IntegrityError", "OperationalError", "ProgrammingError", "DuplicatedStudyError")
+
+
+def _storage(spec: TuneSpec, study_dir: Path) -> Any:
+    """The Optuna storage ``--storage`` names: an RDB URL (with Optuna's heartbeat when
+    :meth:`TuneSpec.heartbeat_seconds` says), ``journal:FILE`` or ``redis://``
+    (``JournalStorage``, which has no heartbeat)."""
+    opt = optuna()
+    url = spec.storage_url(study_dir)
+    if url.startswith("journal:"):
+        path = url[len("journal:") :].removeprefix("//")
+        if not path:
+            raise ValueError("--storage journal:FILE needs a file, e.g. journal:study.log")
+        return opt.storages.JournalStorage(opt.storages.journal.JournalFileBackend(path))
+    if url.startswith(("redis://", "rediss://")):
+        return opt.storages.JournalStorage(opt.storages.journal.JournalRedisBackend(url))
+    engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None
+    beat = spec.heartbeat_seconds()
+    with warnings.catch_warnings():  # Optuna marks its heartbeat experimental
+        warnings.simplefilter("ignore", opt.exceptions.ExperimentalWarning)
+        return opt.storages.RDBStorage(
+            url,
+            engine_kwargs=engine_kwargs,
+            heartbeat_interval=beat,
+            grace_period=2 * beat if beat else None,
+            heartbeat_stale_trial_callback=_retry_stale if beat else None,
+        )
+
+
+def _retry_stale(study: Any, trial: Any) -> None:
+    """Optuna failed ``trial`` for a lost heartbeat (its machine or process is gone): retry
+    it. Called once, by the driver whose ``fail_stale_trials`` failed it."""
+    requeue(study, trial, reason=f"no heartbeat from {trial.user_attrs.get('host')}")
 
 
 def make_sampler(spec: TuneSpec, seed: int) -> Any:
@@ -359,11 +416,16 @@ class Counts:
 def counts(study: Any) -> Counts:
     state = optuna().trial.TrialState
     trials = study.get_trials(deepcopy=False)
+    retried = {t.user_attrs["retry_of"] for t in trials if "retry_of" in t.user_attrs}
     return Counts(
         done=sum(t.state in (state.COMPLETE, state.PRUNED) for t in trials),
         running=sum(t.state == state.RUNNING for t in trials),
         failed=sum(
-            t.state == state.FAIL and not t.user_attrs.get("interrupted", False) for t in trials
+            t.state == state.FAIL
+            and not t.user_attrs.get("interrupted", False)
+            and not t.user_attrs.get("surplus", False)
+            and t.number not in retried
+            for t in trials
         ),
     )
 
@@ -380,24 +442,33 @@ def recover_interrupted(study: Any) -> list[int]:
     study_id = storage.get_study_id_from_name(study.study_name)
     host = host_name()
     recovered = []
+    now = datetime.datetime.now()
     for trial in study.get_trials(deepcopy=False, states=(opt.trial.TrialState.RUNNING,)):
         pid, trial_host = trial.user_attrs.get("pid"), trial.user_attrs.get("host")
         if pid is not None and (trial_host != host or process_alive(int(pid))):
-            continue
+            continue  # alive, or another machine's: only its own host (or heartbeat) fails it
+        started = trial.datetime_start or now
+        if pid is None and (now - started).total_seconds() < UNCLAIMED_AFTER_S:
+            continue  # just asked for, by this machine or another: its claimer is writing
         trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
         reason = f"interrupted: process {pid} on {trial_host} died while the trial ran"
-        storage.set_trial_user_attr(trial_id, "fail_reason", reason)
-        storage.set_trial_user_attr(trial_id, "interrupted", True)
-        storage.set_trial_state_values(trial_id, opt.trial.TrialState.FAIL)
+        try:
+            storage.set_trial_user_attr(trial_id, "fail_reason", reason)
+            storage.set_trial_user_attr(trial_id, "interrupted", True)
+            storage.set_trial_state_values(trial_id, opt.trial.TrialState.FAIL)
+        except opt.exceptions.UpdateFinishedTrialError:
+            continue  # another driver on this machine recovered it first
         requeue(study, trial)
         recovered.append(trial.number)
     return recovered
 
 
-def requeue(study: Any, trial: Any) -> None:
+def requeue(study: Any, trial: Any, reason: str | None = None) -> None:
     """Enqueue an interrupted trial's parameters again, with where its run directory is (the
     retry resumes from its newest checkpoint when that is on this machine)."""
     attrs: dict[str, Any] = {"retry_of": trial.number}
+    if reason:
+        attrs["retry_reason"] = reason
     if trial.user_attrs.get("run_dir"):
         attrs["resume_from"] = trial.user_attrs["run_dir"]
         attrs["resume_host"] = trial.user_attrs.get("host")
@@ -527,6 +598,7 @@ def train_trial(
     if trial is not None:
         run_dir.mkdir(parents=True, exist_ok=True)  # another rank may have made it
         RunDir(run_dir).config.write_text(dump_yaml(cfg.to_dict()))
+        trial.set_user_attr("config", json.loads(json.dumps(cfg.to_dict(), default=str)))
         RunDir(run_dir).params.write_text(
             yaml.safe_dump({"study": spec.study_name, "trial": number, "params": values})
         )
@@ -605,6 +677,70 @@ def run_trial(
     trial.study.tell(trial, values=value)
 
 
+def driver_salt(study_dir: Path) -> int:
+    """A number that tells this driver's sampler seed from other drivers' on the same
+    storage: from its host (``$HOOKLOOP_TUNE_HOST``) and its study directory."""
+    return zlib.crc32(f"{host_name()}:{Path(study_dir).resolve()}".encode()) % 1_000_003
+
+
+def surplus(study: Any, trial: Any, wanted: int) -> bool:
+    """Whether ``trial``, just asked for, is one more than the study wants: drivers on
+    other machines (whose claims no file lock orders) asked at the same moment. It is
+    then recorded FAIL with ``surplus: true`` (not counted), its queued parameters go
+    back to the queue, and the caller waits."""
+    state = optuna().trial.TrialState
+    trials = study.get_trials(deepcopy=False)
+    done = sum(t.state in (state.COMPLETE, state.PRUNED) for t in trials)
+    running = sorted(t.number for t in trials if t.state == state.RUNNING)
+    if trial.number not in running or running.index(trial.number) < wanted - done:
+        return False
+    trial.set_user_attr("surplus", True)
+    trial.set_user_attr("fail_reason", "surplus: the study's trials were all claimed")
+    study.tell(trial, state=state.FAIL)
+    frozen = study.trials[trial.number]
+    if "retry_of" in frozen.user_attrs or frozen.system_attrs.get("fixed_params"):
+        requeue(study, frozen)
+    return True
+
+
+def beat_once(study: Any, trial: Any) -> None:
+    """Record one heartbeat of ``trial`` (on a storage that keeps them)."""
+    storage = study._storage  # optuna has no public getter
+    if hasattr(storage, "record_heartbeat"):
+        study_id = storage.get_study_id_from_name(study.study_name)
+        storage.record_heartbeat(
+            storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
+        )
+
+
+@contextlib.contextmanager
+def heartbeat(study: Any, trial: Any, interval: int | None) -> Iterator[None]:
+    """Record Optuna's heartbeat for ``trial`` every ``interval`` seconds while it runs
+    (``study.optimize`` does this itself; ask-and-tell must), so that when this machine is
+    lost, another driver's ``fail_stale_trials`` fails the trial and it is retried."""
+    storage = study._storage  # optuna has no public getter
+    if not interval or not hasattr(storage, "record_heartbeat"):
+        yield
+        return
+    study_id = storage.get_study_id_from_name(study.study_name)
+    trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(Exception):  # a missed beat is retried next time
+                storage.record_heartbeat(trial_id)
+            stop.wait(interval)
+
+    thread = threading.Thread(target=beat, name="hookloop-tune-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+
+
 def interrupted(trial: Any, reason: str) -> None:
     """Record ``trial`` as cut short by a signal (FAIL, not counted) and queue it again."""
     trial.set_user_attr("fail_reason", reason)
@@ -674,9 +810,12 @@ def _lead(
     space = spec.search_space()
     optuna().logging.set_verbosity(optuna().logging.WARNING)
     with study_lock(study_dir):
-        # The sampler's seed differs per worker and per restart, so no two draw the same values.
+        # The sampler's seed differs per worker, per restart and (on a shared --storage) per
+        # driver, so that no two draw the same values.
         start = len(open_study(spec, study_dir).get_trials(deepcopy=False))
-    study = open_study(spec, study_dir, sampler_seed=spec.seed + 1000 * worker + 7919 * start)
+    salt = driver_salt(study_dir) if spec.storage is not None else 0
+    seed = (spec.seed + 1000 * worker + 7919 * start + salt) % 2**31
+    study = open_study(spec, study_dir, sampler_seed=seed)
     max_failures = spec.max_failures if spec.max_failures is not None else spec.trials
     ran = 0
     while True:
@@ -685,6 +824,9 @@ def _lead(
             return ran
         trial = None
         with study_lock(study_dir):
+            with warnings.catch_warnings():  # Optuna marks it experimental
+                warnings.simplefilter("ignore", optuna().exceptions.ExperimentalWarning)
+                optuna().storages.fail_stale_trials(study)  # a lost machine's trials, retried
             recover_interrupted(study)
             now = counts(study)
             if now.done >= spec.trials:
@@ -695,16 +837,24 @@ def _lead(
                     f"fail_reason in `hookloop tune` output or {study_dir}/trial-*/"
                 )
             if now.done + now.running < spec.trials:
-                trial = study.ask()
+                with warnings.catch_warnings():  # hookloop records the heartbeats itself
+                    warnings.filterwarnings("ignore", "Heartbeat of storage", UserWarning)
+                    trial = study.ask()
+                if spec.heartbeat_seconds():  # at once: a trial never heard from is never stale
+                    beat_once(study, trial)
                 trial.set_user_attr("pid", os.getpid())
                 trial.set_user_attr("host", host_name())
                 trial.set_user_attr("run_dir", str(trial_dir(study_dir, trial.number)))
-                values = space.suggest(trial)
+                if surplus(study, trial, spec.trials):
+                    trial = None  # other drivers claimed the last trials at the same moment
+                else:
+                    values = space.suggest(trial)
         if trial is None:  # N trials are under way: wait in case one of them fails
             with interrupts.allowed():
                 time.sleep(0.2)
             continue
         if announce:
             broadcast_object((trial.number, values))
-        run_trial(spec, study_dir, trial, values, interrupts)
+        with heartbeat(study, trial, spec.heartbeat_seconds()):
+            run_trial(spec, study_dir, trial, values, interrupts)
         ran += 1

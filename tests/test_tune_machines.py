@@ -1,0 +1,131 @@
+"""Several machines on one study: two ``hookloop tune`` drivers on one shared storage, each
+with its own directory and host name (``HOOKLOOP_TUNE_HOST``), one SIGKILLed for good.
+
+The storage is a SQLite file both reach: PostgreSQL is not started here (no server on the
+test machines and none installable without a download), so the RDB paths Optuna shares
+between the two are exercised on SQLite."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from _quiet import SERVICES_OFF
+from hookloop.app.cli import main
+from test_tune import FAST
+
+optuna = pytest.importorskip("optuna")
+
+TRIALS = 4
+SPACE = {"optimizer.lr": {"low": 1.0e-3, "high": 0.3, "log": True}}
+
+
+@pytest.mark.slow
+def test_two_drivers_share_a_study_and_a_lost_ones_trial_is_finished_by_the_other(
+    tmp_path, monkeypatch
+):
+    space = tmp_path / "space.yaml"
+    space.write_text(yaml.safe_dump(SPACE))
+    db = tmp_path / "shared.db"
+    url = f"sqlite:///{db}"
+
+    def driver(host: str) -> tuple[list[str], dict[str, str]]:
+        command = [
+            sys.executable, "-m", "hookloop", "tune", "--recipe", "mlp-regression",
+            "--space", str(space), "--trials", str(TRIALS), "--out", str(tmp_path / host),
+            "--storage", url, "--heartbeat", "1", "--pruner", "none", "--no-plots",
+            *FAST, *SERVICES_OFF,
+        ]  # fmt: skip
+        return command, {**os.environ, "HOOKLOOP_TUNE_HOST": host}
+
+    a_cmd, a_env = driver("alpha")
+    b_cmd, b_env = driver("beta")
+    alpha = subprocess.Popen(a_cmd, env=a_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    beta = subprocess.Popen(b_cmd, env=b_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        # alpha is lost for good while one of its trials runs with its parameters drawn
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as conn:
+                    running = conn.execute(
+                        "SELECT t.number FROM trials t "
+                        "JOIN trial_user_attributes a ON a.trial_id = t.trial_id "
+                        "JOIN trial_params p ON p.trial_id = t.trial_id "
+                        "WHERE t.state = 'RUNNING' AND a.key = 'host' AND a.value_json = "
+                        "'\"alpha\"'"
+                    ).fetchall()
+            except sqlite3.OperationalError:
+                running = []
+            if running:
+                break
+            assert alpha.poll() is None, alpha.stderr.read().decode()
+            assert time.monotonic() < deadline, "alpha never ran a trial"
+            time.sleep(0.02)
+        alpha.send_signal(signal.SIGKILL)
+        alpha.wait()
+        _, err = beta.communicate(timeout=90)
+        assert beta.returncode == 0, err.decode()[-3000:]
+    finally:
+        for proc in (alpha, beta):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            proc.stderr.close()
+
+    study = optuna.load_study(study_name="hookloop", storage=url)
+    done = [t for t in study.trials if t.state.name in ("COMPLETE", "PRUNED")]
+    assert len(done) == TRIALS, [(t.number, t.state.name) for t in study.trials]
+    assert not [t for t in study.trials if t.state.name in ("RUNNING", "WAITING")]
+    # the two drivers' samplers drew different values (their seeds differ)
+    assert len({t.params["optimizer.lr"] for t in done}) == TRIALS
+    lost = [t for t in study.trials if t.state.name == "FAIL"]
+    assert lost and all(t.user_attrs["host"] == "alpha" for t in lost)
+    for trial in lost:  # failed by its heartbeat, retried once, by beta
+        (retry,) = [t for t in study.trials if t.user_attrs.get("retry_of") == trial.number]
+        assert retry.user_attrs["retry_reason"] == "no heartbeat from alpha"
+        assert retry.user_attrs["host"] == "beta" and retry.params == trial.params
+        assert retry.state.name == "COMPLETE"
+    # alpha, started again, has nothing left to run, and writes the best config from the
+    # storage (its best trial may have run on beta)
+    monkeypatch.setenv("HOOKLOOP_TUNE_HOST", "alpha")
+    assert main(a_cmd[3:]) == 0  # in this process: the same command line
+    best = yaml.safe_load((tmp_path / "alpha" / "best_config.yaml").read_text())
+    assert best["optimizer"]["lr"] == study.best_params["optimizer.lr"]
+    assert len(optuna.load_study(study_name="hookloop", storage=url).trials) == len(study.trials)
+
+
+def test_a_journal_file_storage_holds_a_study_and_a_bad_url_is_one_line(tmp_path, capsys):
+    space = tmp_path / "space.yaml"
+    space.write_text(yaml.safe_dump(SPACE))
+    journal = tmp_path / "study.log"
+    argv = ["tune", "--recipe", "mlp-regression", "--space", str(space), "--trials", "2"]
+    argv += ["--no-plots", "--pruner", "none", *FAST]
+    assert (
+        main(
+            [*argv[:7], "--out", str(tmp_path / "j"), "--storage", f"journal:{journal}", *argv[7:]]
+        )
+        == 0
+    )
+    storage = optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(str(journal))
+    )
+    trials = optuna.load_study(study_name="hookloop", storage=storage).trials
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]
+    assert (tmp_path / "j" / "best_config.yaml").is_file()
+    capsys.readouterr()
+    assert (
+        main([*argv[:7], "--out", str(tmp_path / "b"), "--storage", "nosuch://x", *argv[7:]]) == 2
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot open the study's storage --storage nosuch://x" in err[0]
+    assert "journal:FILE" in err[0] and not (tmp_path / "b").exists()
+    assert main([*argv[:7], "--out", str(tmp_path / "h"), "--heartbeat", "-1", *argv[7:]]) == 2
+    assert "--heartbeat must be an int >= 0 (0: off), got -1" in capsys.readouterr().err
