@@ -3,6 +3,7 @@ a partial score), and the same command again resumes that trial from its own che
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -143,3 +144,33 @@ def test_sigterm_to_a_driver_with_two_workers_fails_and_requeues_both_trials(
     for index in range(2):
         log = (study_dir / "workers" / f"worker-{index}.log").read_text()
         assert f"worker {index}: {threads} CPU threads" in log, log
+
+
+def test_a_signal_whose_exception_was_swallowed_still_stops_the_trial(tmp_path, monkeypatch):
+    """A signal that lands while a trial is being set up raises in whatever code runs then;
+    code that swallows it (a finalizer does) cannot keep the trial training to the end."""
+    from hookloop import recipes
+    from hookloop.tune.study import StudyInterrupted
+
+    recipes._load_builtin()
+
+    def build(cfg):
+        with contextlib.suppress(StudyInterrupted):  # swallowed
+            os.kill(os.getpid(), signal.SIGTERM)
+        return mlp.build(cfg)
+
+    monkeypatch.setitem(
+        recipes._RECIPES,
+        "mlp-swallow",
+        Recipe("mlp-swallow", "mlp-regression; SIGTERM during build", mlp.default_config, build),
+    )
+    space = tmp_path / "space.yaml"
+    space.write_text(yaml.safe_dump(SPACE))
+    study_dir = tmp_path / "study"
+    argv = ["tune", "--recipe", "mlp-swallow", "--space", str(space), "--trials", "2"]
+    assert main([*argv, "--out", str(study_dir), "--no-plots", "--pruner", "none", *FAST]) == 143
+    trial = optuna.load_study(
+        study_name="hookloop", storage=f"sqlite:///{study_dir / 'study.db'}"
+    ).trials[0]
+    assert trial.state.name == "FAIL"
+    assert trial.user_attrs["fail_reason"] == "interrupted by SIGTERM at step 1"

@@ -570,6 +570,26 @@ def trial_dir(study_dir: Path, number: int) -> Path:
     return study_dir / f"trial-{number:04d}"
 
 
+#: The stop reason of a trial stopped by :class:`HeldSignal`.
+HELD_SIGNAL = "signal held by hookloop tune:"
+
+
+class HeldSignal(Callback):
+    """Stops the trial at the end of the step when a signal reached the study's handler
+    rather than the Trainer's (it came while the trial was being set up, and the
+    exception it raised was swallowed where it landed, e.g. in a finalizer)."""
+
+    priority = 1
+
+    def __init__(self, interrupts: Interrupts) -> None:
+        self.interrupts = interrupts
+
+    def on_train_step_end(self, ctx: CallbackContext) -> None:
+        if self.interrupts.pending is not None:
+            name = signal.Signals(self.interrupts.pending).name
+            ctx.control.request_stop(f"{HELD_SIGNAL} {name}")
+
+
 def train_trial(
     spec: TuneSpec,
     study_dir: Path,
@@ -578,6 +598,7 @@ def train_trial(
     trial: Any = None,
     *,
     resume: bool = False,
+    interrupts: Interrupts | None = None,
 ) -> tuple[Any, BestMetric]:
     """Train trial ``number`` with ``values`` in its run directory; every rank calls it.
 
@@ -595,6 +616,8 @@ def train_trial(
         os.environ.setdefault("WANDB_RUN_GROUP", spec.study_name)
     best = BestMetric(spec.metric, spec.direction)
     callbacks = [*default_callbacks(cfg, run_dir), best]
+    if interrupts is not None:
+        callbacks.append(HeldSignal(interrupts))
     if trial is not None:
         run_dir.mkdir(parents=True, exist_ok=True)  # another rank may have made it
         RunDir(run_dir).config.write_text(dump_yaml(cfg.to_dict()))
@@ -638,7 +661,9 @@ def run_trial(
             interrupts.allowed() if interrupts is not None else contextlib.nullcontext(),
             tee_output(run_dir / CONSOLE_LOG),
         ):
-            result, best = train_trial(spec, study_dir, trial.number, values, trial, resume=resume)
+            result, best = train_trial(
+                spec, study_dir, trial.number, values, trial, resume=resume, interrupts=interrupts
+            )
     except StudyInterrupted as stop:  # a signal while the trial was being set up
         interrupted(trial, f"interrupted by {signal.Signals(stop.signum).name} before training")
         raise
@@ -649,10 +674,13 @@ def run_trial(
         trial.study.tell(trial, state=state.FAIL)
         print(f"hookloop tune: trial {trial.number} failed: {reason}", file=sys.stderr)
         return
-    if result.signal is not None:  # a partial run: FAIL, to resume from its checkpoint later
-        name = signal.Signals(result.signal).name
+    signum = result.signal
+    if signum is None and (result.stop_reason or "").startswith(HELD_SIGNAL):
+        signum = interrupts.pending if interrupts is not None else None
+    if signum is not None:  # a partial run: FAIL, to resume from its checkpoint later
+        name = signal.Signals(signum).name
         interrupted(trial, f"interrupted by {name} at step {result.step}")
-        raise StudyInterrupted(result.signal)
+        raise StudyInterrupted(signum)
     if is_pruned_stop(result.stop_reason):
         trial.set_user_attr("prune_reason", result.stop_reason)
         trial.study.tell(trial, state=state.PRUNED)
