@@ -43,7 +43,6 @@ THIRD_PARTY = {
         "the eager module inside torch.compile's wrapper; torch names it so in every state_dict",
     ("distributed.py", "dist.distributed_c10d._get_default_store"):
         "the default store must outlive every rank's teardown; torch gives no public handle",
-    ("tune/study.py", "study._storage"): "Optuna has no public getter for a study's storage",
 }  # fmt: skip
 
 

@@ -59,9 +59,9 @@ def run(
     ``ValueError`` for bad arguments and :class:`TuneError` when every trial fails.
     """
     if isinstance(space, (str, Path)):
-        from hookloop.tune.cli import _read_space
+        from hookloop.tune.cli import read_space
 
-        space = _read_space(str(space))
+        space = read_space(str(space))
     if callable(target) and not isinstance(target, str):
         return _run_objective(
             target, space, trials=trials, out=Path(out), direction=direction,

@@ -104,7 +104,7 @@ def main_tune(args: argparse.Namespace) -> int:
     threads = getattr(args, "threads_per_worker", None)
     if threads is not None and threads < 1:
         raise ValueError(f"--threads-per-worker must be an int >= 1, got {threads!r}")
-    space = _read_space(args.space)
+    space = read_space(args.space)
     spec = TuneSpec(
         recipe=args.recipe or _recipe_from(args.overrides),
         space=space,
@@ -243,7 +243,7 @@ def read_enqueue(path: str, spec: TuneSpec) -> list[dict[str, Any]]:
     return [dict(e) for e in entries]
 
 
-def _read_space(path: str) -> Any:
+def read_space(path: str) -> Any:
     try:
         space = yaml.safe_load(Path(path).read_text())
     except (FileNotFoundError, IsADirectoryError):
