@@ -203,11 +203,14 @@ KILLABLE_RUN = textwrap.dedent(
 
     class Slow(Callback):  # and from step 26 on, still: the kill after step 24 lands first
         def on_train_step_end(self, ctx):
+            if ctx.state.step >= 26:
+                records.flush()  # steps 21-25 reach the file (past the step-20 checkpoint)
             time.sleep(0.05 if ctx.state.step < 26 else 3600)
 
     out = Path(sys.argv[1])
     cfg = resolve_config("mlp-regression", None, {MLP_RUN_ARGS!r})
-    callbacks = [JsonLogger(out / "metrics.jsonl"), TBLogger(out / "tb"), Slow()]
+    records = JsonLogger(out / "metrics.jsonl")
+    callbacks = [records, TBLogger(out / "tb"), Slow()]
     build_trainer(cfg, callbacks=callbacks, out_dir=out).train()
     """
 )
