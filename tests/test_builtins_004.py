@@ -270,7 +270,7 @@ def test_bars_cover_training_and_each_evaluation():
 
 def test_progress_bar_keeps_its_name_and_accepts_the_seed_arguments():
     assert ProgressCallback.__mro__[1] is ProgressBar  # the seed's name lives in compat
-    with pytest.raises(ImportError, match=r"hookloop\.compat\.hf"):
+    with pytest.raises(ImportError, match=r"hookloop\.compat\.forgather"):
         from hookloop.callbacks import ProgressCallback as _  # noqa: F401
     bar = ProgressBar(output_stream="stdout", step_columns={"lr": None}, header_interval=5)
     assert bar.header_every == 5 and bar.stream == "stdout"

@@ -1,6 +1,6 @@
 """What the dialects share (hookloop.compat._toolkit) as a user meets it: one adapter
 mechanism, the same checks in every dialect, stateful HF callbacks that resume as
-themselves, and the seed names found in compat, not in the native hookloop.callbacks."""
+themselves, and other systems' names found in compat, not in the native hookloop.callbacks."""
 
 from __future__ import annotations
 
@@ -90,15 +90,15 @@ def test_every_dialect_names_a_mistyped_hook_and_the_event_it_meant(caplog):
 @pytest.mark.parametrize("priority", ["first", 2.5, False])
 def test_every_dialect_that_orders_by_priority_refuses_one_that_is_not_an_int(priority):
     # (Megatron-Bridge's callbacks have no priority: they run in registration order.)
-    seed = Counts()
-    seed.priority = priority
+    counts = Counts()
+    counts.priority = priority
     with pytest.raises(ValueError, match=r"Counts\.priority must be an int"):
-        hpo.CallbackRunner([seed])
+        hpo.CallbackRunner([counts])
 
 
 # -- stateful HF callbacks: several instances of one class -------------------------------
 class StepCounter(TrainerCallback):
-    """Counts the steps divisible by ``every``; checkpointed with state_dict (seed 004's way)."""
+    """Counts the steps divisible by ``every``; checkpointed with state_dict (Forgather's way)."""
 
     def __init__(self, every: int) -> None:
         self.every, self.seen = every, 0
@@ -150,26 +150,26 @@ def test_two_instances_of_one_stateful_hf_callback_each_resume_their_own_state(t
     assert names == ["StepCounter", "StepCounter#2"]
 
 
-# -- seed names live in compat -----------------------------------------------------------
+# -- other systems' names live in compat ------------------------------------------------
 @pytest.mark.parametrize(
-    ("seed_name", "home", "native"),
+    ("name", "home", "native"),
     [
         ("NaNDetectionCallback", "hookloop.compat.hpo", "NaNDetection"),
         ("EarlyStoppingCallback", "hookloop.compat.hpo", "EarlyStopping"),
         ("CheckpointCallback", "hookloop.compat.hpo", "CheckpointPolicy"),
         ("PrunerCallback", "hookloop.compat.hpo", "OptunaPruning"),
-        ("ProgressCallback", "hookloop.compat.hf", "ProgressBar"),
-        ("DiLoCoCallback", "hookloop.compat.hf", "DiLoCo"),
+        ("ProgressCallback", "hookloop.compat.forgather", "ProgressBar"),
+        ("DiLoCoCallback", "hookloop.compat.forgather", "DiLoCo"),
     ],
 )
-def test_a_seed_name_imported_from_native_callbacks_names_the_compat_module(
-    seed_name: str, home: str, native: str
+def test_a_name_imported_from_native_callbacks_names_the_compat_module(
+    name: str, home: str, native: str
 ):
-    with pytest.raises(ImportError, match=rf"from {home} import {seed_name}.*{native}"):
-        exec(f"from hookloop.callbacks import {seed_name}", {})
+    with pytest.raises(ImportError, match=rf"from {home} import {name}.*{native}"):
+        exec(f"from hookloop.callbacks import {name}", {})
     with pytest.raises(ImportError, match=home):
-        getattr(hookloop.callbacks, seed_name)
+        getattr(hookloop.callbacks, name)
     with pytest.raises(AttributeError, match="no attribute 'NoSuchCallback'"):
         hookloop.callbacks.NoSuchCallback  # noqa: B018
-    assert seed_name not in hookloop.callbacks.__all__
+    assert name not in hookloop.callbacks.__all__
     assert native in hookloop.callbacks.__all__

@@ -179,35 +179,55 @@ def test_the_docs_python_blocks_run_or_say_why_not(tmp_path):
     assert done.stderr.count("ran docs/") == len(args) // 2
 
 
-def test_the_config_page_is_what_the_code_generates():
+def _docs_reference():
     spec = importlib.util.spec_from_file_location("docs_reference", SCRIPTS / "docs_reference.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_the_config_page_is_what_the_code_generates():
     page = ROOT / "docs" / "config.md"
-    assert page.read_text(encoding="utf-8") == module.config_reference(), (
+    assert page.read_text(encoding="utf-8") == _docs_reference().config_reference(), (
         "docs/config.md is stale: run .venv/bin/python scripts/docs_reference.py"
     )
 
 
-def test_the_builtin_callbacks_table_lists_each_with_its_priority_and_real_keys():
-    import hookloop.callbacks as builtins
-    from hookloop.callback import Callback
+def test_the_priority_table_is_what_the_code_generates():
+    text = (ROOT / "docs" / "callbacks.md").read_text(encoding="utf-8")
+    assert text == _docs_reference().with_priority_table(text), (
+        "docs/callbacks.md's priority table is stale: run .venv/bin/python "
+        "scripts/docs_reference.py"
+    )
+
+
+def test_the_priority_list_has_one_copy_in_the_code():
+    # the bands live in hookloop.callback.PRIORITY_BANDS, each priority on its class
+    from hookloop.callback import PRIORITY_BANDS
+
+    for path in (ROOT / "src" / "hookloop" / "callback.py", *PAGES):
+        text = path.read_text(encoding="utf-8")
+        if path.name == "callbacks.md":
+            text = text.replace(_docs_reference().priority_table(), "")
+        assert "90\u201394" not in text and "90-94" not in text, path
+    init = (ROOT / "src" / "hookloop" / "callbacks" / "__init__.py").read_text(encoding="utf-8")
+    assert "NaNDetection 5" not in init and "PRIORITY_BANDS" in init
+    assert [band[0] for band in PRIORITY_BANDS] == sorted(band[0] for band in PRIORITY_BANDS)
+
+
+def test_the_builtin_callbacks_table_lists_each_with_its_real_keys():
+    text = (ROOT / "docs" / "callbacks.md").read_text(encoding="utf-8")
+    start = text.index("| callback | what it does |")
+    table = text[start:].split("\n\n", 1)[0].splitlines()[2:]
     from hookloop.config import Config, describe
 
-    text = (ROOT / "docs" / "callbacks.md").read_text(encoding="utf-8")
-    table = text[text.index("| callback | priority |") :].split("\n\n", 1)[0].splitlines()[2:]
     keys = {key for key, _, _ in describe(Config())}
-    listed = {}
+    listed = []
     for row in table:
-        names, priority, _, config = [c.strip() for c in row.strip("|").split("|")]
-        for name in re.findall(r"`(\w+)`", names):
-            listed[name] = int(priority)
+        names, _, config = [c.strip() for c in row.strip("|").split("|")]
+        listed += re.findall(r"`(\w+)`", names)
         assert set(re.findall(r"`([\w.]+)`", config)) <= keys, row
-    exported = {
-        name: cls.priority
-        for name in builtins.__all__
-        if isinstance(cls := getattr(builtins, name), type)
-        and issubclass(cls, Callback)
-        and name != "Logger"  # the loggers' base class, not a callback to add
-    }
-    assert listed == exported
+    # every built-in once, in priority order
+    priorities = dict(_docs_reference().builtin_priorities())
+    assert sorted(listed) == sorted(priorities)
+    assert [priorities[n] for n in listed] == sorted(priorities[n] for n in listed)

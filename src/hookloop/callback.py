@@ -5,15 +5,9 @@ subclass overrides are ever called: the manager skips the no-ops below when it
 builds its event index, so an unhandled event costs nothing per handler.
 
 Order is a number: ``priority`` (lower runs earlier, ties keep registration
-order). The built-ins use these bands::
-
-     0-19  bookkeeping        (NaN detection, optimizer mode, gradient capture)
-    20-49  metric producers   (throughput, norms, memory)
-    50-69  user callbacks     (default 50)
-    70-89  deciders           (loss prediction, overfit, pruning, divergence)
-    90-94  stoppers           (early stopping)
-    95-99  checkpoint policy
-   100+    loggers and progress output
+order). The built-ins keep to the bands of :data:`PRIORITY_BANDS`; each one's own
+priority is its class attribute. docs/callbacks.md's priority table is generated
+from both by ``scripts/docs_reference.py``.
 
 A callback with state worth resuming implements ``state_dict()`` and
 ``load_state_dict(state)``; its ``name`` is the key in the checkpoint.
@@ -31,6 +25,19 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from hookloop.state import CallbackContext
+
+
+#: The priority bands, lowest first: ``(first, last, what runs there)``; ``last`` is
+#: ``None`` for the open-ended top band. The one copy: the docs are generated from it.
+PRIORITY_BANDS: tuple[tuple[int, int | None, str], ...] = (
+    (0, 19, "bookkeeping (NaN detection, optimizer mode, gradient capture)"),
+    (20, 49, "metric producers (throughput, norms, memory)"),
+    (50, 69, "user callbacks (the default is 50)"),
+    (70, 89, "deciders (loss prediction, overfit, pruning, divergence)"),
+    (90, 94, "stoppers (early stopping)"),
+    (95, 99, "checkpoint policy"),
+    (100, None, "loggers and progress output"),
+)
 
 
 @runtime_checkable

@@ -1,16 +1,13 @@
 """Built-in callbacks. Each is optional; the loop never depends on one.
 
-Native names only: the seed documents' names (``NaNDetectionCallback``,
+Native names only: the compatible systems' names (``NaNDetectionCallback``,
 ``ProgressCallback``, ...) live with their dialects in :mod:`hookloop.compat`,
 and importing one from here says where. Optional libraries (optuna, wandb,
 tensorboard) are imported only when their callback is built.
 
-Priorities (lower runs earlier): InfoCallback 1, StragglerDetection 2, NaNDetection 5,
-OptimizerMode 10, GradientMonitor 12, ProfilerCallback 15, DiLoCo 15, DefaultMetrics 20,
-norm loggers 25, PeakMemory 30, TextgenCallback 60, LossPrediction 70,
-OverfitDetection 75, DivergenceDetector 80, WandbLoggingCallback 80,
-OptunaPruning 85, EarlyStopping 90, CheckpointPolicy 95, JsonLogger 100,
-ProgressLog 100, TBLogger 100, ProgressBar 110.
+Each built-in's priority is its class's ``priority`` attribute, within the bands of
+:data:`hookloop.callback.PRIORITY_BANDS`; docs/callbacks.md's priority table is
+generated from them (``scripts/docs_reference.py``).
 
 JsonLogger, TBLogger and WandbLoggingCallback are backends of :class:`Logger`
 (:mod:`hookloop.callbacks.logger`), which owns what every logger does the same way:
@@ -43,11 +40,15 @@ from hookloop.callbacks.tensorboard import ResumableSummaryWriter, TBLogger
 from hookloop.callbacks.textgen import TextgenCallback
 from hookloop.callbacks.wandb_logger import WandbLoggingCallback
 
-#: A seed document's name -> (the compat module that has it, the native callback here).
-SEED_NAMES = {
+_HPO = ("hookloop.compat.hpo", "the HPO trainer")
+_FORGATHER = ("hookloop.compat.forgather", "Forgather")
+
+#: Another system's name for a built-in -> (the compat module that has it, the system,
+#: the native callback here).
+DIALECT_NAMES = {
     **{
-        seed: ("hookloop.compat.hpo", native)
-        for seed, native in (
+        name: (*_HPO, native)
+        for name, native in (
             ("CheckpointCallback", "CheckpointPolicy"),
             ("EarlyStoppingCallback", "EarlyStopping"),
             ("GradientMonitorCallback", "GradientMonitor"),
@@ -58,18 +59,18 @@ SEED_NAMES = {
             ("PrunerCallback", "OptunaPruning"),
         )
     },
-    "DiLoCoCallback": ("hookloop.compat.hf", "DiLoCo"),
-    "ProgressCallback": ("hookloop.compat.hf", "ProgressBar"),
+    "DiLoCoCallback": (*_FORGATHER, "DiLoCo"),
+    "ProgressCallback": (*_FORGATHER, "ProgressBar"),
 }
 
 
 def __getattr__(name: str) -> object:
-    if name in SEED_NAMES:
-        home, native = SEED_NAMES[name]
+    if name in DIALECT_NAMES:
+        home, system, native = DIALECT_NAMES[name]
         # ImportError, not AttributeError: `from ... import` keeps this message
         raise ImportError(
-            f"{name} is a seed document's name; import it with `from {home} import {name}` "
-            f"(the seed's constructor and behaviour), or use the native {native} from "
+            f"{name} is {system}'s name; import it with `from {home} import {name}` "
+            f"({system}'s constructor and behaviour), or use the native {native} from "
             "hookloop.callbacks",
             name=__name__,
         )

@@ -4,7 +4,7 @@ Two transports, one outer step (:mod:`hookloop.diloco.outer`):
 
 - :class:`DiLoCo` (this module): the ranks of one ``torch.distributed`` job
   average their pseudo-gradients with an all-reduce. Fine inside one cluster.
-- :class:`DiLoCoCallback` (seed 004's name, :mod:`hookloop.diloco.callback`):
+- :class:`DiLoCoCallback` (Forgather's name, :mod:`hookloop.diloco.callback`):
   each run is a worker of a DiLoCo server (``hookloop diloco serve``), over
   HTTP(S); workers on other machines may join late, die and come back.
 

@@ -1,6 +1,6 @@
 """TensorBoard logging that rewinds on resume.
 
-Two pieces, as in seed 004:
+Two pieces, as in Forgather:
 
 - :class:`ResumableSummaryWriter` wraps TensorBoard's writer as used through
   ``torch.utils.tensorboard.SummaryWriter``. It opens the writer lazily and is
