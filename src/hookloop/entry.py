@@ -45,7 +45,7 @@ def build_trainer(
     """Seed, build the recipe's parts, and assemble a Trainer (without training).
 
     ``non_loss_data_func(model)`` runs at the end of each evaluation; its result is
-    ``ctx.non_loss_data`` during ``on_eval_end`` (Megatron-LM's evaluation hook).
+    ``ctx.non_loss_data`` during ``on_eval_end`` (Megatron-Bridge's evaluation hook).
     """
     if not isinstance(config, Config):
         raise TypeError(f"config must be a hookloop Config, got {type(config).__name__}")
