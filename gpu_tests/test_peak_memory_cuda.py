@@ -10,13 +10,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from test_seed004_builtins import PeakMemory, summary_writer, tb, train
+from test_forgather_builtins import PeakMemory, summary_writer, tb, train
 
 assert torch.cuda.is_available(), "gpu_tests/ needs a CUDA device"
 
 
 def test_peak_memory_logs_per_rank_peaks_on_cuda(tmp_path, capsys, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # the snapshot goes to the working directory, as in the seed
+    monkeypatch.chdir(tmp_path)  # the snapshot goes to the working directory, as in Forgather
     writer = summary_writer(tmp_path / "tb")
     memory = PeakMemory(writer, False, True, True, "snap")
     train(tmp_path, [memory], use_cpu=False)

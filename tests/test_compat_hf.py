@@ -1,4 +1,4 @@
-"""The seed 004 / HuggingFace dialect: real ``transformers`` callbacks on the native loop.
+"""The HF dialect (transformers' Trainer, Forgather): real ``transformers`` callbacks on the loop.
 
 ``transformers`` is a test extra: the tests that use its callbacks skip without it.
 """
@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import torch
-from tests._seed_examples import example
 
 from _golden import golden_run_config
+from _reference_examples import example
 from hookloop import Callback, Config, ExitCode
 from hookloop import Trainer as NativeTrainer
 from hookloop.compat.hf import (
@@ -219,7 +219,7 @@ def test_every_event_fires_with_the_documented_kwargs(tmp_path: Path):
 
 def test_logs_added_in_on_log_step_reach_on_log_and_the_log_history():
     class Inject(TrainerCallback):
-        def on_log_step(self, state, logs, **kwargs):  # seed 004's form of this handler
+        def on_log_step(self, state, logs, **kwargs):  # Forgather's form of this handler
             logs["custom"] = state.global_step * 10
 
     class Read(TrainerCallback):
@@ -511,11 +511,13 @@ def test_args_and_config_translate_both_ways():
     assert back.eval_strategy == "steps"
 
 
-# -- the seed's example --------------------------------------------------------------
+# -- Forgather's example ---------------------------------------------------------------
 
 
-def test_seed_divergence_detector_example_runs_as_written():
-    code = example("004", ">>> detector = DivergenceDetector(", ">>> trainer.train()")
+def test_forgathers_divergence_detector_example_runs_as_written():
+    code = example(
+        "forgather_callbacks", ">>> detector = DivergenceDetector(", ">>> trainer.train()"
+    )
     built: list[Trainer] = []
 
     def trainer_for_example(*args: Any, callbacks: list[Any]) -> Trainer:
@@ -532,7 +534,7 @@ def test_seed_divergence_detector_example_runs_as_written():
 
     namespace = {"DivergenceDetector": DivergenceDetector, "Trainer": trainer_for_example}
     for part in doctest.DocTestParser().get_examples(code):
-        exec(part.source, namespace)  # the seed's example, cut out of the seed at run time
+        exec(part.source, namespace)  # Forgather's example, cut out of its docs at run time
 
     (trainer,) = built
     assert namespace["trainer"] is trainer

@@ -1,6 +1,8 @@
-"""The seed 000/002 dialect: seed examples run as written, context fields, order, bad input.
+"""The Megatron-Bridge dialect: its docs' examples run as written, context fields, order,
+bad input.
 
-Seed examples are cut out of the seed text at run time (``_seed_examples``) and
+Megatron-Bridge's examples are cut out of its documentation at run time
+(``_reference_examples``) and
 only their ``megatron.bridge`` import lines are swapped for this package; the
 Qwen config function becomes ``small_gpt_pretrain_config``.
 """
@@ -17,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from _golden import golden_run_config
-from _seed_examples import example, with_imports
+from _reference_examples import example, with_imports
 from hookloop import Callback as NativeCallback
 from hookloop import Trainer
 from hookloop.compat.mapping import dialect_events
@@ -72,8 +74,8 @@ def translated(code: str) -> str:
 
 def run(code: str, **names: Any) -> dict[str, Any]:
     """Execute ``code`` in a fresh namespace holding ``names``; return the namespace."""
-    namespace: dict[str, Any] = {"__name__": "seed_example", **names}
-    exec(compile(code, "<seed example>", "exec"), namespace)
+    namespace: dict[str, Any] = {"__name__": "documented_example", **names}
+    exec(compile(code, "<Megatron-Bridge example>", "exec"), namespace)
     return namespace
 
 
@@ -85,14 +87,16 @@ def printed(capsys: pytest.CaptureFixture[str]) -> list[str]:
 LOSS_DICT = r"\{'lm loss': tensor\([\d.]+\)\}"
 
 
-# -- seed 000: every code example runs as written ------------------------------
+# -- Megatron-Bridge's callback docs: every code example runs as written ----------
 
 
 def test_class_based_quick_start_prints_start_each_step_and_duration(capsys):
     run(
         translated(
             example(
-                "000", "import time", "pretrain(config, forward_step, callbacks=[MyCallback()])"
+                "megatron_bridge_callbacks",
+                "import time",
+                "pretrain(config, forward_step, callbacks=[MyCallback()])",
             )
         )
     )
@@ -107,7 +111,7 @@ def test_class_based_quick_start_prints_start_each_step_and_duration(capsys):
 
 def test_functional_callback_registered_on_a_manager_logs_every_step(capsys):
     code = example(
-        "000",
+        "megatron_bridge_callbacks",
         "from megatron.bridge.training.callbacks import CallbackManager",
         "pretrain(config, forward_step, callbacks=callback_manager)",
     )
@@ -121,11 +125,13 @@ def test_functional_callback_registered_on_a_manager_logs_every_step(capsys):
 
 def test_mixing_classes_and_functions_runs_all_of_them(capsys):
     # The example uses MyCallback (defined by the quick-start example, run here from the
-    # seed), TimingCallback and MetricsCallback (never defined in the seed: ours, below).
+    # docs), TimingCallback and MetricsCallback (never defined in the docs: ours, below).
     namespace = run(
         translated("from megatron.bridge.training.callbacks import Callback\nimport time\n")
         + example(
-            "000", "class MyCallback(Callback):", 'print(f"Training completed in {elapsed:.2f}s")'
+            "megatron_bridge_callbacks",
+            "class MyCallback(Callback):",
+            'print(f"Training completed in {elapsed:.2f}s")',
         )
     )
     seen: list[str] = []
@@ -139,7 +145,7 @@ def test_mixing_classes_and_functions_runs_all_of_them(capsys):
             seen.append(f"metrics {context.state.train_state.step}")
 
     code = example(
-        "000",
+        "megatron_bridge_callbacks",
         "from megatron.bridge.training.callbacks import CallbackManager",
         "pretrain(config, forward_step, callbacks=manager)",
         occurrence=2,
@@ -162,7 +168,7 @@ def test_mixing_classes_and_functions_runs_all_of_them(capsys):
 
 def test_user_state_is_shared_across_a_callbacks_events(capsys):
     code = example(
-        "000",
+        "megatron_bridge_callbacks",
         "class StepCounterCallback(Callback):",
         "print(f\"Callback saw {context.user_state['callback_step_count']} steps\")",
     )
@@ -180,7 +186,7 @@ def test_rank_zero_guard_runs_in_a_process_group(capsys, tmp_path):
     import torch.distributed as dist
 
     code = example(
-        "000",
+        "megatron_bridge_callbacks",
         "import torch.distributed as dist",
         'print(f"Step {context.state.train_state.step} complete")',
     )
@@ -198,7 +204,7 @@ def test_rank_zero_guard_runs_in_a_process_group(capsys, tmp_path):
 
 
 class _Service:
-    """Stands in for the seed's ``external_service`` (which the seed leaves undefined)."""
+    """Stands in for the docs' ``external_service`` (which they leave undefined)."""
 
     def __init__(self, fail: bool) -> None:
         self.fail = fail
@@ -212,7 +218,9 @@ class _Service:
 
 def test_safe_callback_example_keeps_training_when_its_service_fails(capsys):
     code = example(
-        "000", "def safe_callback(context):", "# Don't re-raise to avoid stopping training"
+        "megatron_bridge_callbacks",
+        "def safe_callback(context):",
+        "# Don't re-raise to avoid stopping training",
     )
     for fail in (True, False):
         service = _Service(fail)
@@ -231,12 +239,12 @@ def test_safe_callback_example_keeps_training_when_its_service_fails(capsys):
 
 def test_introspection_example_reports_registered_callbacks_and_event_names(capsys):
     code = example(
-        "000",
+        "megatron_bridge_callbacks",
         "manager = CallbackManager()",
         "print(manager.events)  # frozenset of valid event names",
         occurrence=2,
     )
-    # my_fn is left undefined by the seed; any function does.
+    # my_fn is left undefined by the docs; any function does.
     run(code, CallbackManager=CallbackManager, my_fn=lambda context: None)
 
     lines = printed(capsys)
@@ -248,10 +256,10 @@ def test_introspection_example_reports_registered_callbacks_and_event_names(caps
 def test_proprietary_metrics_example_sends_step_lm_loss_and_grad_norm(monkeypatch):
     import os
 
-    code = example("000", "class ProprietaryMetricsCallback(Callback):", "})")
+    code = example("megatron_bridge_callbacks", "class ProprietaryMetricsCallback(Callback):", "})")
     sent: list[dict[str, Any]] = []
 
-    class InternalMetricsClient:  # the seed's client is proprietary: a recorder stands in
+    class InternalMetricsClient:  # the docs' client is proprietary: a recorder stands in
         def __init__(self, endpoint: str) -> None:
             self.endpoint = endpoint
 
@@ -270,16 +278,16 @@ def test_proprietary_metrics_example_sends_step_lm_loss_and_grad_norm(monkeypatc
     assert {p["cluster_id"] for p in sent} == {"lab-7"}
 
 
-# -- seed 002: the forward-step protocol ---------------------------------------
+# -- Megatron-Bridge's entry points: the forward-step protocol ------------------
 
 
-def test_forward_step_signature_of_the_seed_matches_gpt_step():
-    # The seed annotates with names from its own framework and typing; they are given here
+def test_forward_step_signature_of_the_docs_matches_gpt_step():
+    # The docs annotate with names from their own framework and typing; they are given here
     # (MegatronModule: a torch module). The example is a signature with a docstring only.
     from collections.abc import Callable as CallableType
     from typing import Any as AnyType
 
-    code = example("002", "def forward_step_func(", '"""')
+    code = example("megatron_bridge_entry_points", "def forward_step_func(", '"""')
     namespace = run(
         code,
         GlobalState=GlobalState,
@@ -289,9 +297,9 @@ def test_forward_step_signature_of_the_seed_matches_gpt_step():
         Callable=CallableType,
     )
 
-    seed = inspect.signature(namespace["forward_step_func"]).parameters
+    theirs = inspect.signature(namespace["forward_step_func"]).parameters
     ours = inspect.signature(forward_step).parameters
-    assert [(p.name, p.default) for p in seed.values()] == [
+    assert [(p.name, p.default) for p in theirs.values()] == [
         (p.name, p.default) for p in ours.values()
     ]
 
@@ -432,7 +440,7 @@ def test_model_is_a_list_holding_the_one_model_chunk():
     assert all(m[0] is models[0][0] for m in models)
 
 
-def test_eval_end_carries_averaged_losses_under_the_seeds_keys():
+def test_eval_end_carries_averaged_losses_under_megatron_bridges_keys():
     recorder = FieldRecorder()
     result = pretrain(small_gpt_pretrain_config(), forward_step, callbacks=[recorder])
 
@@ -751,7 +759,7 @@ def test_small_gpt_config_rejects_bad_overrides_by_name(overrides, message):
         small_gpt_pretrain_config(**overrides)
 
 
-# -- the test phase, the writers in GlobalState, and the seed-shaped ConfigContainer ------
+# -- the test phase, the writers in GlobalState, and Megatron-Bridge's ConfigContainer ----
 
 
 def test_pretrain_runs_the_test_phase_at_the_end_when_the_config_has_test_data():
@@ -800,7 +808,7 @@ def test_no_test_phase_without_test_data_or_after_an_exit_interval():
 
 
 class LogsThroughTheStateWriters(Callback):
-    """What a seed callback writes through ``context.state``'s TensorBoard and W&B writers."""
+    """What a callback writes through ``context.state``'s TensorBoard and W&B writers."""
 
     def __init__(self) -> None:
         self.losses: dict[int, float] = {}
@@ -809,12 +817,12 @@ class LogsThroughTheStateWriters(Callback):
         step, loss = context.state.train_state.step, float(context.loss_dict["lm loss"])
         self.losses[step] = loss
         if context.state.tensorboard_logger is not None:
-            context.state.tensorboard_logger.add_scalar("seed/lm loss", loss, step)
+            context.state.tensorboard_logger.add_scalar("custom/lm loss", loss, step)
         if context.state.wandb_logger is not None:
-            context.state.wandb_logger.log({"seed/lm loss": loss}, step=step)
+            context.state.wandb_logger.log({"custom/lm loss": loss}, step=step)
 
 
-def test_tensorboard_logger_of_the_config_receives_what_a_seed_callback_writes(tmp_path):
+def test_tensorboard_logger_of_the_config_receives_what_a_callback_writes(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     config = tiny_gpt_pretrain_config(train_iters=4)
@@ -824,7 +832,7 @@ def test_tensorboard_logger_of_the_config_receives_what_a_seed_callback_writes(t
 
     events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
     events.Reload()
-    scalars = {e.step: e.value for e in events.Scalars("seed/lm loss")}
+    scalars = {e.step: e.value for e in events.Scalars("custom/lm loss")}
     assert scalars == pytest.approx(writer.losses, rel=1e-6)
     assert sorted(scalars) == [0, 1, 2, 3]
 
@@ -842,7 +850,7 @@ def test_tensorboard_logger_of_a_native_config_writes_into_the_run_directory(tmp
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 
 
-def test_wandb_logger_of_the_config_logs_a_seed_callbacks_rows_offline(tmp_path, monkeypatch):
+def test_wandb_logger_of_the_config_logs_a_callbacks_rows_offline(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     from hookloop.callbacks.wandb_logger import offline_history
 
@@ -851,15 +859,15 @@ def test_wandb_logger_of_the_config_logs_a_seed_callbacks_rows_offline(tmp_path,
     monkeypatch.setenv("WANDB_CONSOLE", "off")
     config = tiny_gpt_pretrain_config(train_iters=3)
     config.logger.wandb_project = "hookloop-tests"
-    config.logger.wandb_exp_name = "seed-callback"
+    config.logger.wandb_exp_name = "custom-callback"
     config.logger.wandb_save_dir = str(tmp_path / "wb")
     writer = LogsThroughTheStateWriters()
     pretrain(config, forward_step, callbacks=[writer])
 
     rows = offline_history(tmp_path / "wb" / "wandb", wait_s=30)
-    assert {r["_step"]: r["seed/lm loss"] for r in rows if "seed/lm loss" in r} == pytest.approx(
-        writer.losses
-    )
+    assert {
+        r["_step"]: r["custom/lm loss"] for r in rows if "custom/lm loss" in r
+    } == pytest.approx(writer.losses)
     assert sorted(writer.losses) == [0, 1, 2]
 
 
@@ -870,8 +878,12 @@ def test_wandb_logger_needs_an_experiment_name_as_the_original_does():
         pretrain(config, forward_step, callbacks=[LogsThroughTheStateWriters()])
 
 
-def test_seed_quick_start_runs_on_the_config_container(capsys):
-    code = example("000", "import time", "pretrain(config, forward_step, callbacks=[MyCallback()])")
+def test_the_docs_quick_start_runs_on_the_config_container(capsys):
+    code = example(
+        "megatron_bridge_callbacks",
+        "import time",
+        "pretrain(config, forward_step, callbacks=[MyCallback()])",
+    )
     swapped = translated(code).replace(
         SMALL_GPT_IMPORT,
         f"from {MB}.recipes.gpt import tiny_gpt_pretrain_config as qwen25_500m_pretrain_config",
@@ -886,8 +898,8 @@ def test_seed_quick_start_runs_on_the_config_container(capsys):
     assert re.fullmatch(r"Training completed in \d+\.\d\ds", lines[5])
 
 
-def test_seed_shaped_config_fields_drive_the_run(tmp_path):
-    # Code in the shape seed users write: fields set on the container's sections.
+def test_megatron_bridge_shaped_config_fields_drive_the_run(tmp_path):
+    # Code in the shape Megatron-Bridge users write: fields set on the container's sections.
     config = tiny_gpt_pretrain_config()
     config.train.train_iters = 6
     config.train.global_batch_size = 8
@@ -967,7 +979,7 @@ def test_container_fields_are_validated_with_the_allowed_values(section, field, 
 
 
 def test_pretrain_logs_losses_and_evaluations_through_the_config_writers(tmp_path):
-    # seed 002: the loop itself logs the loss components to TensorBoard (Megatron's tags)
+    # as in Megatron-Bridge: the loop logs the loss components to TensorBoard (Megatron's tags)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     config = tiny_gpt_pretrain_config(train_iters=4, eval_interval=2)

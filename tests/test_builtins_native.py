@@ -1,4 +1,4 @@
-"""The seed-004 built-ins: metrics, progress, run info, divergence, norms, memory,
+"""The native built-ins Forgather also has: metrics, progress, run info, divergence, norms, memory,
 text samples and profiling. Pure parts are tested on plain numbers, adapters on
 short real runs (TinyModel, or a one-layer byte GPT)."""
 
@@ -206,7 +206,7 @@ def test_default_metrics_rejects_bad_arguments_by_name(kwargs, name):
         DefaultMetrics(**kwargs)
 
 
-def test_default_metrics_accepts_the_seed_parameter_name():
+def test_default_metrics_accepts_forgathers_parameter_name():
     assert DefaultMetrics(peak_hardware_flops=312e12).peak_flops == 312e12
 
 
@@ -268,8 +268,8 @@ def test_bars_cover_training_and_each_evaluation():
     assert bar._bar is None and bar._eval_bar is None  # closed at the end
 
 
-def test_progress_bar_keeps_its_name_and_accepts_the_seed_arguments():
-    assert ProgressCallback.__mro__[1] is ProgressBar  # the seed's name lives in compat
+def test_progress_bar_keeps_its_name_and_accepts_forgathers_arguments():
+    assert ProgressCallback.__mro__[1] is ProgressBar  # Forgather's name lives in compat
     with pytest.raises(ImportError, match=r"hookloop\.compat\.forgather"):
         from hookloop.callbacks import ProgressCallback as _  # noqa: F401
     bar = ProgressBar(output_stream="stdout", step_columns={"lr": None}, header_interval=5)
@@ -566,7 +566,7 @@ def test_parameter_norm_warm_starts_round_trip_through_a_checkpoint(tmp_path):
     assert_same_state(saved, restored)
 
 
-def test_parameter_norm_logger_accepts_the_seed_names_and_rejects_bad_ones():
+def test_parameter_norm_logger_accepts_forgathers_names_and_rejects_bad_ones():
     assert ParameterNormLogger(power_iter_steps=4).power_iters == 4
     for kwargs, name in (
         ({"power_iters": 0}, "power_iters"),
@@ -714,7 +714,7 @@ def test_profiler_window_cut_short_by_the_end_of_training_is_still_written(tmp_p
     assert json.loads(profiler.files[0].read_text())["traceEvents"]
 
 
-def test_profiler_takes_the_seed_window_of_start_step_and_num_steps(tmp_path):
+def test_profiler_takes_forgathers_window_of_start_step_and_num_steps(tmp_path):
     profiler = ProfilerCallback(start_step=2, num_steps=2, output_dir=tmp_path)
     assert (profiler.wait, profiler.warmup, profiler.active) == (1, 1, 2)
     tiny_trainer([profiler], max_steps=5).train()

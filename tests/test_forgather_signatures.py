@@ -1,9 +1,10 @@
-"""Every constructor seed 004 quotes, read from the seed at run time, against ours.
+"""Every constructor Forgather's callback documentation quotes, read from it at run time,
+against ours.
 
-For each class whose source the seed shows, its ``__init__`` is parsed out of
-the seed text; the class of the same name in ``hookloop.compat.hf`` must take
+For each class whose source the document shows, its ``__init__`` is parsed out of
+its text; the class of the same name in ``hookloop.compat.hf`` must take
 the same parameters in the same order with the same defaults, and must build
-when called the way the seed's signature allows: positionally with every
+when called the way Forgather's signature allows: positionally with every
 default, and by keyword.
 """
 
@@ -16,25 +17,25 @@ import textwrap
 from typing import Any
 
 import pytest
-from tests._seed_examples import seed_text
 
 import hookloop.compat.hf as hf
+from _reference_examples import document_text
 
 #: Constructors not delivered yet (a strict xfail each); none at the moment.
 NOT_YET: dict[str, str] = {}
 
 
 class Writer:
-    """The least a SummaryWriter must do for the seed's callbacks."""
+    """The least a SummaryWriter must do for Forgather's callbacks."""
 
     def add_scalar(self, *args: Any, **kwargs: Any) -> None: ...
     def add_text(self, *args: Any, **kwargs: Any) -> None: ...
     def flush(self) -> None: ...
 
 
-def seed_constructors() -> dict[str, ast.arguments]:
-    """``{class name: its __init__ arguments}`` for each class whose source the seed quotes."""
-    lines = seed_text("004").splitlines()
+def documented_constructors() -> dict[str, ast.arguments]:
+    """``{class name: its __init__ arguments}`` for each class whose source the document quotes."""
+    lines = document_text("forgather_callbacks").splitlines()
     found: dict[str, ast.arguments] = {}
     for i, line in enumerate(lines):
         head = re.match(r"class (\w+)\b.*:\s*$", line)
@@ -55,7 +56,7 @@ def seed_constructors() -> dict[str, ast.arguments]:
     return found
 
 
-def _seed_params(args: ast.arguments) -> list[tuple[str, Any, str]]:
+def _documented_params(args: ast.arguments) -> list[tuple[str, Any, str]]:
     """``(name, default or inspect.Parameter.empty, kind)`` after ``self``."""
     plain = args.args[1:]
     defaults = [inspect.Parameter.empty] * (len(plain) - len(args.defaults)) + [
@@ -72,7 +73,7 @@ def _seed_params(args: ast.arguments) -> list[tuple[str, Any, str]]:
 
 
 def _sample(name: str, tmp_path: Any) -> Any:
-    """A value for a parameter the seed gives no default."""
+    """A value for a parameter Forgather gives no default."""
     return {
         "summary_writer": Writer(),
         "prompts": ["def add"],
@@ -80,8 +81,8 @@ def _sample(name: str, tmp_path: Any) -> Any:
     }[name]
 
 
-def test_the_seed_quotes_the_constructors_this_check_relies_on():
-    names = set(seed_constructors())
+def test_the_document_quotes_the_constructors_this_check_relies_on():
+    names = set(documented_constructors())
     assert {
         "DefaultMetrics",
         "ProgressCallback",
@@ -102,9 +103,13 @@ def test_the_seed_quotes_the_constructors_this_check_relies_on():
 
 def _constructors() -> list[Any]:
     try:
-        found = seed_constructors()
+        found = documented_constructors()
     except pytest.skip.Exception:
-        return [pytest.param(None, None, marks=pytest.mark.skip(reason="seed 004 not found"))]
+        return [
+            pytest.param(
+                None, None, marks=pytest.mark.skip(reason="Forgather's documentation not found")
+            )
+        ]
     return [
         pytest.param(
             name,
@@ -117,14 +122,14 @@ def _constructors() -> list[Any]:
 
 
 @pytest.mark.parametrize(("name", "args"), _constructors())
-def test_compat_class_takes_the_seed_constructor(name, args, tmp_path):
+def test_compat_class_takes_forgathers_constructor(name, args, tmp_path):
     cls = getattr(hf, name)
-    seed = _seed_params(args)
+    theirs = _documented_params(args)
     ours = list(inspect.signature(cls.__init__).parameters.values())[1:]
-    # The seed's parameters come first, in its order, with its defaults; ours may add
+    # Forgather's parameters come first, in its order, with its defaults; ours may add
     # keyword-only ones after them, and *args / **kwargs taking Forgather's older forms.
-    assert [p.name for p in ours[: len(seed)]] == [n for n, _, _ in seed], name
-    for (pname, default, kind), param in zip(seed, ours, strict=False):
+    assert [p.name for p in ours[: len(theirs)]] == [n for n, _, _ in theirs], name
+    for (pname, default, kind), param in zip(theirs, ours, strict=False):
         if kind == "**kwargs":
             assert param.kind is inspect.Parameter.VAR_KEYWORD, pname
             continue
@@ -132,7 +137,7 @@ def test_compat_class_takes_the_seed_constructor(name, args, tmp_path):
         if kind == "positional":
             assert param.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD, pname
     open_ended = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    for extra in ours[len(seed) :]:
+    for extra in ours[len(theirs) :]:
         assert (
             extra.kind is inspect.Parameter.KEYWORD_ONLY
             or extra.kind in open_ended
@@ -141,7 +146,7 @@ def test_compat_class_takes_the_seed_constructor(name, args, tmp_path):
 
     values = [
         (pname, _sample(pname, tmp_path) if default is inspect.Parameter.empty else default, kind)
-        for pname, default, kind in seed
+        for pname, default, kind in theirs
         if kind != "**kwargs"
     ]
     positional = [v for _, v, kind in values if kind == "positional"]
@@ -150,4 +155,4 @@ def test_compat_class_takes_the_seed_constructor(name, args, tmp_path):
     by_name = cls(**{n: v for n, v, _ in values})
     assert type(by_position) is type(by_name) is cls
     if name == "JsonLogger":
-        assert cls(run="seed", lr=0.1).kwargs == {"run": "seed", "lr": 0.1}
+        assert cls(run="demo", lr=0.1).kwargs == {"run": "demo", "lr": 0.1}

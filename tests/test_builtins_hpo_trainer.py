@@ -1,4 +1,4 @@
-"""Seed 001's built-ins together: seed names, priorities, and every stateful one
+"""The HPO trainer's built-ins together: their names, priorities, and every stateful one
 continuing exactly across a real checkpoint resume."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import yaml
 
 import hookloop.compat.hpo as hpo
-from _seed_examples import example, with_imports
+from _reference_examples import example, with_imports
 from hookloop import Callback, Trainer
 from hookloop.callbacks.checkpoint_policy import CheckpointPolicy
 from hookloop.callbacks.early_stopping import EarlyStopping
@@ -38,8 +38,8 @@ from hookloop.testing import TinyModel, ToyData
 optuna = pytest.importorskip("optuna")
 
 
-def test_seed_names_and_priorities_follow_the_seed():
-    seed = {
+def test_hpo_trainer_names_and_priorities_follow_the_hpo_trainer():
+    theirs = {
         NaNDetectionCallback: (NaNDetection, 5),
         OptimizerModeCallback: (OptimizerMode, 10),
         GradientMonitorCallback: (GradientMonitor, 12),
@@ -49,16 +49,16 @@ def test_seed_names_and_priorities_follow_the_seed():
         EarlyStoppingCallback: (EarlyStopping, 90),
         CheckpointCallback: (CheckpointPolicy, 95),
     }
-    # two take the seed's own constructor: a direct subclass of the native built-in
+    # two take the HPO trainer's own constructor: a direct subclass of the native built-in
     constructors_of_their_own = {EarlyStoppingCallback, CheckpointCallback}
-    for alias, (native, priority) in seed.items():
+    for alias, (native, priority) in theirs.items():
         if alias in constructors_of_their_own:
             assert alias.__mro__[1] is native and alias.priority == priority
         else:
             assert alias is native and native.priority == priority
 
 
-def test_they_run_in_seed_order_within_each_event():
+def test_they_run_in_the_hpo_trainers_order_within_each_event():
     callbacks = [
         CheckpointPolicy(monitor="eval_loss"),
         EarlyStopping(),
@@ -143,13 +143,13 @@ def test_events_fired_with_an_empty_context_are_ignored():
         assert ctx.user_state == {}, type(cb).__name__
 
 
-# -- issue 18: the seed's own loop, fired through CallbackRunner ---------------------------
+# -- the HPO trainer's own loop, fired through CallbackRunner -----------------------------------
 
-SEED_IMPORT = {"from callbacks import": "from hookloop.compat.hpo import TrainingCallback"}
+DOCS_IMPORT = {"from callbacks import": "from hookloop.compat.hpo import TrainingCallback"}
 
 
-class SeedStyleTrainer:
-    """A trainer written the way seed 001 describes its own: seven ``fire`` points, a
+class DocumentedTrainer:
+    """A trainer written the way the HPO trainer's docs describe it: seven ``fire`` points, a
     stop check after each epoch, and ``val_loss = inf`` for a NaN run."""
 
     def __init__(self, model, optimizer, callbacks, *, steps_per_epoch=4, seed=0):
@@ -216,12 +216,16 @@ class SeedStyleTrainer:
         return val_loss
 
 
-def _seed_runner(epochs, **extra):
-    """The seed's callbacks list and runner, cut from the seed text and run as written."""
-    tracker_code = example("001", "from callbacks import TrainingCallback", ")")
+def _documented_runner(epochs, **extra):
+    """The docs' callbacks list and runner, cut from the docs' text and run as written."""
+    tracker_code = example("hpo_trainer_callbacks", "from callbacks import TrainingCallback", ")")
     namespace: dict = {}
-    exec(with_imports(tracker_code, SEED_IMPORT), namespace)
-    code = example("001", "callbacks_list = [", "callback_runner = CallbackRunner(callbacks_list)")
+    exec(with_imports(tracker_code, DOCS_IMPORT), namespace)
+    code = example(
+        "hpo_trainer_callbacks",
+        "callbacks_list = [",
+        "callback_runner = CallbackRunner(callbacks_list)",
+    )
     env = {name: getattr(hpo, name) for name in hpo.__all__}
     env.update(
         BestLossTrackerCallback=namespace["BestLossTrackerCallback"],
@@ -233,16 +237,16 @@ def _seed_runner(epochs, **extra):
 
 
 @pytest.mark.slow
-def test_the_seed_loop_runs_its_callbacks_list_as_written(monkeypatch, tmp_path, capsys):
+def test_the_documented_loop_runs_its_callbacks_list_as_written(monkeypatch, tmp_path, capsys):
     from hookloop.callbacks.wandb_logger import offline_history
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_CONSOLE", "off")
-    runner = _seed_runner(12)
+    runner = _documented_runner(12)
     model = torch.nn.Linear(4, 1)
-    trainer = SeedStyleTrainer(model, torch.optim.SGD(model.parameters(), lr=0.05), runner)
+    trainer = DocumentedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.05), runner)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the overfit warning, once the trend shows
         final = trainer.train(12)
@@ -261,7 +265,7 @@ def test_the_seed_loop_runs_its_callbacks_list_as_written(monkeypatch, tmp_path,
     assert rows[-1]["predicted_final_loss"] == trainer._loss_prediction
     assert trainer._max_grad_norm == rows[-1]["max_grad_norm"]
     out = capsys.readouterr().out.splitlines()
-    # the W&B console summary every 10 epochs, and the seed tracker's own summary
+    # the W&B console summary every 10 epochs, and the docs' tracker's own summary
     assert [line.split(":")[0] for line in out if line.startswith("epoch ")] == [
         "epoch 0",
         "epoch 10",
@@ -272,12 +276,12 @@ def test_the_seed_loop_runs_its_callbacks_list_as_written(monkeypatch, tmp_path,
     )
 
 
-def test_a_nan_run_stops_the_seed_loop_and_reports_inf():
-    runner = _seed_runner(5, WandbLoggingCallback=lambda: hpo.NaNDetectionCallback())
+def test_a_nan_run_stops_the_documented_loop_and_reports_inf():
+    runner = _documented_runner(5, WandbLoggingCallback=lambda: hpo.NaNDetectionCallback())
     model = torch.nn.Linear(4, 1)
     with torch.no_grad():
         model.weight.fill_(float("nan"))
-    trainer = SeedStyleTrainer(model, torch.optim.SGD(model.parameters(), lr=0.05), runner)
+    trainer = DocumentedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.05), runner)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert trainer.train(5) == math.inf
@@ -286,8 +290,8 @@ def test_a_nan_run_stops_the_seed_loop_and_reports_inf():
     assert nan.nan_detected and "train_loss is nan at epoch 0" in nan.reason
 
 
-def test_the_seed_early_stopping_config_reads_min_delta_as_relative():
-    block = example("001", "early_stopping_config:", "min_delta: 0.0001")
+def test_the_hpo_trainers_early_stopping_config_reads_min_delta_as_relative():
+    block = example("hpo_trainer_callbacks", "early_stopping_config:", "min_delta: 0.0001")
     config = hpo.EarlyStoppingConfig.from_dict(yaml.safe_load(block)["early_stopping_config"])
     assert (config.enabled, config.patience, config.mode, config.min_delta) == (
         True,
@@ -295,15 +299,15 @@ def test_the_seed_early_stopping_config_reads_min_delta_as_relative():
         "min",
         1e-4,
     )
-    seed = hpo.early_stopping_from_config(config)
+    theirs = hpo.early_stopping_from_config(config)
     native = EarlyStopping(patience=20, min_delta=1e-4)  # hookloop's: absolute
     # Each value beats the one before by 0.0004 or more (more than 1e-4 absolute), and
     # none beats 100 by 0.01 % (99.99).
     values = [100.0] + [99.999 - 0.0004 * i for i in range(20)]
-    runner = hpo.CallbackRunner([seed, native])
+    runner = hpo.CallbackRunner([theirs, native])
     for epoch, value in enumerate(values):
         runner.fire("on_val_end", None, epoch=epoch, val_loss=value, metrics={})
-    assert seed.should_stop and seed.stopped_step == 20  # 20 epochs without 0.01 %
+    assert theirs.should_stop and theirs.stopped_step == 20  # 20 epochs without 0.01 %
     assert not native.should_stop  # each value beat the best by more than 1e-4
     assert hpo.early_stopping_from_config({"enabled": False}) is None
     with pytest.raises(ValueError, match="patience must be an int >= 1"):
@@ -314,14 +318,14 @@ def test_the_seed_early_stopping_config_reads_min_delta_as_relative():
         hpo.EarlyStoppingConfig(min_delta=2.0)
 
 
-def test_seed_checkpointing_saves_every_n_epochs_keeps_k_and_the_best(tmp_path):
+def test_hpo_trainer_checkpointing_saves_every_n_epochs_keeps_k_and_the_best(tmp_path):
     from hookloop.checkpoint import STATE_FILE
 
     checkpoint = hpo.CheckpointCallback(tmp_path / "ckpt", save_every_n_epochs=2, keep_last_k=2)
     early = hpo.EarlyStoppingCallback(patience=100)
     runner = hpo.CallbackRunner([checkpoint, early, hpo.OptimizerModeCallback()])
     model = torch.nn.Linear(4, 1)
-    trainer = SeedStyleTrainer(model, torch.optim.SGD(model.parameters(), lr=0.05), runner)
+    trainer = DocumentedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.05), runner)
     trainer.train(7)
 
     best_epoch = trainer.val_losses.index(min(trainer.val_losses)) + 1
@@ -344,7 +348,7 @@ def test_seed_checkpointing_saves_every_n_epochs_keeps_k_and_the_best(tmp_path):
         hpo.CallbackRunner([hpo.CheckpointCallback()]).fire("on_train_begin", trainer)
 
 
-def test_the_seed_pruner_reports_each_epochs_val_loss_to_optuna():
+def test_the_hpo_trainers_pruner_reports_each_epochs_val_loss_to_optuna():
     study = optuna.create_study(pruner=optuna.pruners.MedianPruner(n_startup_trials=1))
     seen = []
 
@@ -352,7 +356,7 @@ def test_the_seed_pruner_reports_each_epochs_val_loss_to_optuna():
         lr = [0.05, 0.5, 0.01][trial.number]
         runner = hpo.CallbackRunner([hpo.PrunerCallback(trial), hpo.OptimizerModeCallback()])
         model = torch.nn.Linear(4, 1)
-        trainer = SeedStyleTrainer(model, torch.optim.SGD(model.parameters(), lr=lr), runner)
+        trainer = DocumentedTrainer(model, torch.optim.SGD(model.parameters(), lr=lr), runner)
         seen.append(trainer)
         return trainer.train(4)
 
@@ -390,11 +394,11 @@ def test_the_dialect_early_stopping_is_relative_inside_a_hookloop_trainer_too(ma
         def on_eval_end(self, ctx):
             self.seen.append(ctx.metrics["eval_loss"])
 
-    seed = hpo.EarlyStoppingCallback(patience=2, min_delta=1e-3)  # 0.1 % better than the best
+    theirs = hpo.EarlyStoppingCallback(patience=2, min_delta=1e-3)  # 0.1 % better than the best
     evals = Evals()
-    trainer = make_trainer([seed, evals], n=8, eval_n=8, max_epochs=20, eval_every=1)
+    trainer = make_trainer([theirs, evals], n=8, eval_n=8, max_epochs=20, eval_every=1)
     result = trainer.train()
-    assert seed.monitor == "eval_loss" and seed.threshold_mode == "rel"
+    assert theirs.monitor == "eval_loss" and theirs.threshold_mode == "rel"
     relative = _stop_index(evals.seen, lambda v, best: v < best - 1e-3 * abs(best))
     assert relative is not None and len(evals.seen) == relative + 1
     assert "EarlyStopping" in result.stop_reason
