@@ -260,8 +260,8 @@ def test_the_documented_loop_runs_its_callbacks_list_as_written(monkeypatch, tmp
         assert row["lr"] == 0.05
         # GradientMonitor: the epoch's largest step norm, computed here independently
         assert row["max_grad_norm"] == pytest.approx(max(trainer.step_norms[epoch]), rel=1e-5)
-        # LossPrediction: nothing for the first 10 epochs, then the -log10 score
-        assert ("predicted_final_loss" in row) == (epoch >= 9), epoch
+        # LossPrediction: nothing before epoch 10 (0-based), then the -log10 score
+        assert ("predicted_final_loss" in row) == (epoch >= 10), epoch
     assert rows[-1]["predicted_final_loss"] == trainer._loss_prediction
     assert trainer._max_grad_norm == rows[-1]["max_grad_norm"]
     out = capsys.readouterr().out.splitlines()

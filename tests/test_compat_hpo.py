@@ -333,7 +333,7 @@ class StopsAt(TrainingCallback):
 def test_should_stop_ends_a_hookloop_run_after_that_epoch(make_trainer):
     result = make_trainer(as_native(StopsAt(1, "should_stop")), eval_n=8, max_epochs=5).train()
     assert (result.epoch, result.step) == (2, 8)
-    assert result.stop_reason == "StopsAt set should_stop (seed-001 stop signal)"
+    assert result.stop_reason == "StopsAt set should_stop (HPO-trainer stop signal)"
 
 
 def test_nan_detected_ends_the_run_and_scores_it_as_failed(make_trainer):
@@ -565,7 +565,7 @@ def test_a_stateful_seed_callback_is_checkpointed_under_its_class_name():
 
 def test_an_unknown_event_is_refused_with_a_suggestion():
     runner = CallbackRunner([Record([])])
-    with pytest.raises(ValueError, match=r"unknown seed-001 event 'on_val_ends'.*'on_val_end'"):
+    with pytest.raises(ValueError, match=r"unknown HPO-trainer event 'on_val_ends'.*'on_val_end'"):
         runner.fire("on_val_ends", trainer=None)
     with pytest.raises(ValueError, match=r"'on_eval_end' is a native.*calls it 'on_val_end'"):
         runner.fire("on_eval_end", trainer=None)
@@ -576,7 +576,7 @@ def test_a_misspelt_hook_is_refused_because_it_would_never_run():
         def on_val_ends(self, trainer, **kwargs):
             pass
 
-    with pytest.raises(ValueError, match=r"Typo.on_val_ends matches no seed-001.*'on_val_end'"):
+    with pytest.raises(ValueError, match=r"Typo.on_val_ends matches no HPO-trainer.*'on_val_end'"):
         CallbackRunner([Typo()])
 
 
@@ -596,8 +596,8 @@ def test_a_priority_that_is_not_an_int_is_refused(priority):
 @pytest.mark.parametrize(
     ("bad", "message"),
     [
-        (lambda trainer: None, "takes seed-001 TrainingCallback objects.*got function"),
-        ("on_val_end", "takes seed-001 TrainingCallback objects.*got str"),
+        (lambda trainer: None, "takes HPO-trainer TrainingCallback objects.*got function"),
+        ("on_val_end", "takes HPO-trainer TrainingCallback objects.*got str"),
         (Record, "the class Record; write Record()"),
     ],
 )
@@ -612,7 +612,7 @@ def test_a_runner_needs_a_list_of_distinct_callbacks():
         CallbackRunner(record)
     with pytest.raises(ValueError, match="in the list twice"):
         CallbackRunner([record, record])
-    with pytest.raises(TypeError, match="HpoAdapter wraps a seed-001 TrainingCallback"):
+    with pytest.raises(TypeError, match="HpoAdapter wraps an HPO-trainer TrainingCallback"):
         HpoAdapter(NaNDetectionCallback())
 
 

@@ -1,6 +1,6 @@
-"""Seed 001's callback dialect: ``TrainingCallback`` hooks that take ``(trainer, **fields)``.
+"""The HPO trainer's callback dialect: ``TrainingCallback`` hooks that take ``(trainer, **fields)``.
 
-Code written for seed 001 runs with its import line changed to this package.
+Code written for the HPO trainer runs with its import line changed to this package.
 A runner fires the seven events (:data:`EVENTS`) at callbacks in priority order,
 in a loop you write yourself:
 
@@ -12,16 +12,16 @@ in a loop you write yourself:
 epoch 0: val_loss 0.25
 
 or inside a hookloop Trainer, next to native callbacks:
-``Trainer(..., callbacks=runner.native())``. There each seed callback becomes
+``Trainer(..., callbacks=runner.native())``. There each HPO-trainer callback becomes
 an :class:`HpoAdapter` with the same priority; its hooks get an
-:class:`HpoTrainer` (seed 001's ``trainer._<name>`` attributes, served from
-``ctx.user_state``) and the fields in :data:`FIELDS`. The nine seed built-ins
-are native hookloop callbacks, importable here (and only here) under their seed
-names; a runner
+:class:`HpoTrainer` (the HPO trainer's ``trainer._<name>`` attributes, served from
+``ctx.user_state``) and the fields in :data:`FIELDS`. The nine HPO-trainer built-ins
+are native hookloop callbacks, importable here (and only here) under the HPO
+trainer's names; a runner
 passes them through to the Trainer unchanged, and ``fire`` drives them in your
-own loop through their seed faces (:mod:`hookloop.compat.hpo.faces`), as the
-seed's trainer does. ``EarlyStoppingCallback`` and ``CheckpointCallback`` take
-the seed's parameters (relative ``min_delta``, ``early_stopping_config``,
+own loop through their HPO-trainer faces (:mod:`hookloop.compat.hpo.faces`), as the
+HPO trainer does. ``EarlyStoppingCallback`` and ``CheckpointCallback`` take
+the HPO trainer's parameters (relative ``min_delta``, ``early_stopping_config``,
 ``save_every_n_epochs``, ``keep_last_k``; :mod:`hookloop.compat.hpo.builtins`).
 """
 
@@ -43,7 +43,7 @@ from hookloop.compat.hpo.callback import EVENTS, TrainingCallback
 from hookloop.compat.hpo.runner import CallbackRunner, as_native
 from hookloop.compat.hpo.trainer_view import CONVENTION, HpoTrainer
 
-# Seed 001's names of the native built-ins that behave as the seed says unchanged.
+# The HPO trainer's names of the native built-ins that behave as the HPO trainer's do, unchanged.
 GradientMonitorCallback = GradientMonitor
 LossPredictionCallback = LossPrediction
 NaNDetectionCallback = NaNDetection

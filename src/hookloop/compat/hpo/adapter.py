@@ -1,22 +1,22 @@
-"""Run a seed-001 ``TrainingCallback`` inside a hookloop Trainer, as a native callback.
+"""Run an HPO-trainer ``TrainingCallback`` inside a hookloop Trainer, as a native callback.
 
-An :class:`HpoAdapter` wraps one seed callback and keeps its priority, so seed
+An :class:`HpoAdapter` wraps one HPO-trainer callback and keeps its priority, so HPO-trainer
 and native callbacks interleave by priority in one ``CallbackManager``. When a
-native event fires, the adapter calls the seed hooks that
+native event fires, the adapter calls the HPO-trainer hooks that
 :mod:`hookloop.compat.mapping` lists for it, with the ``trainer`` view of
 :mod:`hookloop.compat.hpo.trainer_view` and the keyword fields of :data:`FIELDS`.
 
-Each adapter handles only the native events its seed callback needs (its class
+Each adapter handles only the native events its HPO-trainer callback needs (its class
 is made for that set of hooks by :func:`hookloop.compat._toolkit.adapt`, the one
 adapter mechanism of every dialect), so an unused hook costs nothing per step
 and ``describe_events()`` shows exactly where it runs. Build one with
 :func:`adapt` (or ``as_native`` / ``CallbackRunner.native()``).
 
-Stop: seed 001's trainer ends training once a callback sets ``should_stop`` or
+Stop: the HPO trainer ends training once a callback sets ``should_stop`` or
 ``nan_detected``. After each hook the adapter checks both and turns either into
 ``ctx.control.request_stop``, which the loop acts on at the end of the current
 step (or epoch). A ``nan_detected`` stop reason carries NaNDetection's prefix, so
-``objective_value`` scores the run as failed, as the seed does.
+``objective_value`` scores the run as failed, as the HPO trainer does.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from hookloop.compat.mapping import dialect_events
 from hookloop.state import CallbackContext
 from hookloop.step import to_float
 
-#: The keyword fields each seed event gets inside a hookloop run.
+#: The keyword fields each HPO-trainer event gets inside a hookloop run.
 #: ``epoch`` is 0-based; ``loss`` and ``grad_norm`` are 0-dim tensors (reading
 #: one is a device sync); ``metrics`` holds the evaluation results under their
 #: native names (``eval_loss`` ...); ``train_loss`` is the mean step loss of the
@@ -93,10 +93,10 @@ class _EpochTotals:
 
 
 class HpoAdapter(DialectAdapter):
-    """One seed-001 callback as a native hookloop callback (same priority, same name).
+    """One HPO-trainer callback as a native hookloop callback (same priority, same name).
 
     ``adapt(callback)`` builds one that handles just the native events
-    ``callback`` needs. A seed callback with ``state_dict()``/``load_state_dict()``
+    ``callback`` needs. An HPO-trainer callback with ``state_dict()``/``load_state_dict()``
     is saved and restored in checkpoints under its class name (or its ``name``
     attribute, when it has one).
     """
@@ -108,27 +108,27 @@ class HpoAdapter(DialectAdapter):
         super().__init__(callback)
         self.priority = callback.priority
         self.hooks = overridden_hooks(callback)
-        self.written: dict[str, None] = {}  # user_state keys the seed callback wrote
+        self.written: dict[str, None] = {}  # user_state keys the HPO-trainer callback wrote
         self._view: HpoTrainer | None = None
         self._epoch = _EpochTotals()
 
     @property
     def callback(self) -> TrainingCallback:
-        """The seed callback this adapter runs."""
+        """The HPO-trainer callback this adapter runs."""
         return self.wrapped
 
     def __repr__(self) -> str:
         return f"HpoAdapter({self.callback!r})"
 
     def trainer_view(self, ctx: CallbackContext) -> HpoTrainer:
-        """The ``trainer`` the seed hooks receive: one view per run context."""
+        """The ``trainer`` the HPO-trainer hooks receive: one view per run context."""
         if self._view is None or context_of(self._view) is not ctx:
             self._view = HpoTrainer(ctx, self.written)
         return self._view
 
     # -- dispatch --------------------------------------------------------------
     def dispatch(self, native: str, ctx: CallbackContext) -> None:
-        """Keep the epoch's totals, then call the seed hooks mapped to ``native``."""
+        """Keep the epoch's totals, then call the HPO-trainer hooks mapped to ``native``."""
         if native == "on_epoch_start":
             self._epoch.reset()
         elif native == "on_train_step_end":
@@ -175,14 +175,16 @@ class HpoAdapter(DialectAdapter):
         for flag in _STOP_FLAGS:
             if getattr(self.callback, flag, False):
                 prefix = f"{NAN_PREFIX} " if flag == "nan_detected" else ""
-                ctx.control.request_stop(f"{prefix}{self.name} set {flag} (seed-001 stop signal)")
+                ctx.control.request_stop(
+                    f"{prefix}{self.name} set {flag} (HPO-trainer stop signal)"
+                )
                 return
 
     # -- handing shared values on to loggers ------------------------------------
     def on_before_log(self, ctx: CallbackContext) -> None:
-        """Put the numbers the seed callback stored as ``trainer._<name>`` into ``ctx.logs``.
+        """Put the numbers the HPO-trainer callback stored as ``trainer._<name>`` into ``ctx.logs``.
 
-        That is how seed 001's "store it on the trainer so the logger picks it
+        That is how the HPO trainer's "store it on the trainer so the logger picks it
         up" reaches ``WandbLoggingCallback`` and every other native logger.
         Native values of the same name win.
         """
@@ -195,7 +197,7 @@ class HpoAdapter(DialectAdapter):
 
 
 def adapt(callback: TrainingCallback) -> HpoAdapter:
-    """The native callback for one seed-001 callback."""
+    """The native callback for one HPO-trainer callback."""
     _check(callback)
     return _adapt(HpoAdapter, callback, _native_events(overridden_hooks(callback)))
 
@@ -203,7 +205,7 @@ def adapt(callback: TrainingCallback) -> HpoAdapter:
 def _check(callback: object) -> None:
     if not isinstance(callback, TrainingCallback):
         raise TypeError(
-            f"HpoAdapter wraps a seed-001 TrainingCallback, got {type(callback).__name__}"
+            f"HpoAdapter wraps an HPO-trainer TrainingCallback, got {type(callback).__name__}"
         )
     check_training_callback(callback)
 

@@ -1,14 +1,18 @@
-"""Seed 001's built-ins where the seed's constructor or numbers differ from hookloop's.
+"""The HPO trainer's built-ins whose constructor or numbers differ from hookloop's.
 
-- :class:`EarlyStoppingCallback`: the seed's defaults (``val_loss``, patience
-  20, ``min_delta=1e-4``) and its reading of ``min_delta`` as *relative*
+- :class:`EarlyStoppingCallback`: the HPO trainer's defaults (``val_loss``,
+  patience 20, ``min_delta=1e-4``) and its reading of ``min_delta`` as *relative*
   (1e-4 = 0.01 % better than the best), from :class:`EarlyStoppingConfig`
-  (the seed's ``early_stopping_config``) or keywords;
+  (the HPO trainer's ``early_stopping_config``) or keywords. Its state loads
+  from hookloop's checkpoints and from the HPO trainer's own
+  (``counter``, ``best_value``, ``should_stop``);
 - :class:`CheckpointCallback`: ``save_every_n_epochs``, ``keep_last_k`` and the
-  best checkpoint by ``monitor``. Inside a hookloop Trainer it asks the loop
-  for saves (the run's ``checkpoint.*`` keys keep them); in a loop you write
-  and drive with ``CallbackRunner.fire`` it saves to ``checkpoint_dir`` itself,
-  through hookloop's :class:`~hookloop.checkpoint.CheckpointManager`.
+  best checkpoint by ``monitor``. Given ``checkpoint_dir`` it saves there itself
+  (in a loop you write and drive with ``CallbackRunner.fire``, and inside a
+  hookloop Trainer alike), through hookloop's
+  :class:`~hookloop.checkpoint.CheckpointManager`, keeping the newest
+  ``keep_last_k`` and the best. Without ``checkpoint_dir``, inside a hookloop
+  Trainer, it asks the loop for saves and the run's ``checkpoint.*`` keys keep them.
 
 Both are native hookloop callbacks (subclasses of the native ones), so
 ``runner.native()`` passes them through; ``fire`` drives them through
@@ -17,6 +21,7 @@ Both are native hookloop callbacks (subclasses of the native ones), so
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,19 +29,25 @@ from typing import Any
 
 from hookloop.callbacks.checkpoint_policy import CheckpointPolicy
 from hookloop.callbacks.early_stopping import EarlyStopping
-from hookloop.callbacks.monitor import check_metric_name, check_mode
+from hookloop.callbacks.monitor import as_float, check_metric_name, check_mode
+from hookloop.compat._toolkit import is_stateful
+from hookloop.state import CallbackContext
 
-#: Seed 001 calls the evaluation loss ``val_loss``; a hookloop Trainer reports ``eval_loss``.
-SEED_TO_NATIVE_METRIC = {"val_loss": "eval_loss"}
+#: The HPO trainer calls the evaluation loss ``val_loss``; a hookloop Trainer reports ``eval_loss``.
+HPO_TO_NATIVE_METRIC = {"val_loss": "eval_loss"}
+
+#: The keys of early-stopping state as the HPO trainer saves it.
+HPO_EARLY_STOPPING_KEYS = ("counter", "best_value", "should_stop")
 
 
 def native_metric(name: str) -> str:
-    return SEED_TO_NATIVE_METRIC.get(name, name)
+    return HPO_TO_NATIVE_METRIC.get(name, name)
 
 
 @dataclass
 class EarlyStoppingConfig:
-    """The seed's ``early_stopping_config``: ``enabled``, ``patience``, ``mode``, ``min_delta``.
+    """The HPO trainer's ``early_stopping_config``: ``enabled``, ``patience``, ``mode``,
+    ``min_delta``.
 
     ``min_delta`` is relative: an evaluation improves when it beats the best by
     more than ``min_delta * |best|``.
@@ -97,11 +108,13 @@ def early_stopping_from_config(
 
 
 class EarlyStoppingCallback(EarlyStopping):
-    """Seed 001's early stopping: ``should_stop`` after ``patience`` evaluations without a
-    relative improvement of more than ``min_delta`` (1e-4 = 0.01 %).
+    """The HPO trainer's early stopping: ``should_stop`` after ``patience`` evaluations
+    without a relative improvement of more than ``min_delta`` (1e-4 = 0.01 %).
 
     ``monitor="val_loss"`` is the evaluation loss (``eval_loss`` inside a hookloop
-    Trainer); state (best, counter) round-trips through ``state_dict``.
+    Trainer). ``state_dict()`` holds hookloop's state and, beside it, the HPO
+    trainer's three keys (``counter``, ``best_value``, ``should_stop``), so either
+    trainer can read it; ``load_state_dict`` reads either shape and refuses any other.
     """
 
     def __init__(
@@ -111,7 +124,7 @@ class EarlyStoppingCallback(EarlyStopping):
         patience: int = 20,
         min_delta: float = 1e-4,
     ) -> None:
-        self.seed_monitor = check_metric_name(monitor)
+        self.hpo_monitor = check_metric_name(monitor)
         super().__init__(native_metric(monitor), mode, patience, min_delta, threshold_mode="rel")
 
     @classmethod
@@ -120,21 +133,77 @@ class EarlyStoppingCallback(EarlyStopping):
     ) -> EarlyStoppingCallback | None:
         return early_stopping_from_config(config)
 
+    def state_dict(self) -> dict[str, Any]:
+        tracker = self.trackers[self.monitor]
+        return {
+            **super().state_dict(),
+            "counter": tracker.bad_count,
+            "best_value": tracker.best,
+            "should_stop": self.should_stop,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore hookloop's state (``trackers``) or the HPO trainer's (``counter``,
+        ``best_value``, ``should_stop``); any other shape is refused, naming its keys."""
+        if not isinstance(state, Mapping):
+            raise TypeError(
+                f"EarlyStoppingCallback state must be a dict, got {type(state).__name__}"
+            )
+        if "trackers" in state:
+            super().load_state_dict(dict(state))
+            if isinstance(state.get("should_stop"), bool):
+                self.should_stop = state["should_stop"]
+            return
+        if set(HPO_EARLY_STOPPING_KEYS) <= set(state):
+            self._load_hpo_state(state)
+            return
+        raise ValueError(
+            f"EarlyStoppingCallback cannot load a state with keys {sorted(map(str, state))}: "
+            f"it reads hookloop's ('trackers', 'best_steps') or the HPO trainer's "
+            f"{list(HPO_EARLY_STOPPING_KEYS)}"
+        )
+
+    def _load_hpo_state(self, state: Mapping[str, Any]) -> None:
+        counter, best, stop = (state[k] for k in HPO_EARLY_STOPPING_KEYS)
+        if isinstance(counter, bool) or not isinstance(counter, int) or counter < 0:
+            raise ValueError(f"early-stopping state 'counter' must be an int >= 0, got {counter!r}")
+        if best is not None and as_float(best) is None:
+            raise ValueError(f"early-stopping state 'best_value' must be a number, got {best!r}")
+        if not isinstance(stop, bool):
+            raise ValueError(f"early-stopping state 'should_stop' must be a bool, got {stop!r}")
+        tracker = self.trackers[self.monitor]
+        tracker.best = None if best is None else float(best)
+        tracker.bad_count = counter
+        tracker.updates = counter + (best is not None)
+        self.should_stop = stop
+
+
+class _DefaultKeepLast(int):
+    """``keep_last_k``'s default (3): an int that tells a value left out from one given."""
+
+
+_KEEP_LAST_DEFAULT = _DefaultKeepLast(3)
+
 
 class CheckpointCallback(CheckpointPolicy):
-    """Seed 001's checkpointing: every ``save_every_n_epochs`` epochs, the newest
+    """The HPO trainer's checkpointing: every ``save_every_n_epochs`` epochs, the newest
     ``keep_last_k`` kept, and the best by ``monitor`` kept besides.
 
-    ``checkpoint_dir`` is where a hand-written loop's checkpoints go (required
-    there); inside a hookloop Trainer the run's directory and ``checkpoint.*``
-    keys apply and ``checkpoint_dir`` must be left out.
+    With ``checkpoint_dir`` it saves there itself, at the end of each epoch that is
+    due or a new best: model, optimizer, scheduler and the other stateful
+    callbacks, as ``step-<epoch number>`` directories of hookloop's
+    :class:`~hookloop.checkpoint.CheckpointManager` (atomic; ``latest`` names the
+    newest), in a loop you write and inside a hookloop Trainer alike. Without it,
+    inside a hookloop Trainer, it asks the loop for saves into the run's
+    checkpoints, which the run's ``checkpoint.keep_last`` keeps: a ``keep_last_k``
+    given then must equal it (the run refuses to start otherwise, naming both).
     """
 
     def __init__(
         self,
         checkpoint_dir: str | Path | None = None,
         save_every_n_epochs: int = 1,
-        keep_last_k: int | None = 3,
+        keep_last_k: int | None = _KEEP_LAST_DEFAULT,
         monitor: str | None = "val_loss",
         mode: str = "min",
     ) -> None:
@@ -159,5 +228,102 @@ class CheckpointCallback(CheckpointPolicy):
         )
         self.checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
         self.save_every_n_epochs = self.every_n_epochs
-        self.keep_last_k = keep_last_k
-        self.seed_monitor = monitor
+        self._keep_last_given = keep_last_k is not _KEEP_LAST_DEFAULT
+        self.keep_last_k = None if keep_last_k is None else int(keep_last_k)
+        self.hpo_monitor = monitor
+        self._manager: Any = None
+        self._epoch_value: float | None = None
+        self._missing_warned = False
+
+    # -- saving to checkpoint_dir (a hand-written loop, or a Trainer) -----------------
+    def directory_manager(self) -> Any:
+        """The :class:`~hookloop.checkpoint.CheckpointManager` over ``checkpoint_dir``."""
+        if self._manager is not None:
+            return self._manager
+        from hookloop.checkpoint import CheckpointManager, SavePolicy
+
+        if self.checkpoint_dir is None:
+            raise ValueError(
+                "CheckpointCallback needs checkpoint_dir=... in a loop driven by "
+                "CallbackRunner.fire (inside a hookloop Trainer the run directory is used)"
+            )
+        policy = SavePolicy(
+            every=None,
+            keep_last=self.keep_last_k,
+            save_on_end=False,
+            monitor="val_loss" if self.monitor else None,
+            mode=self.mode,
+            keep_best=1,
+        )
+        self._manager = CheckpointManager(self.checkpoint_dir, policy)
+        return self._manager
+
+    def save_epoch(self, state: Mapping[str, Any], epoch: int, value: float | None) -> Path | None:
+        """The end of 0-based ``epoch`` whose monitored value is ``value``: save ``state`` to
+        ``checkpoint_dir`` when the epoch is due or a new best; the path, or None."""
+        number = epoch + 1
+        best = self.monitor is not None and value is not None and self.tracker.update(value)
+        periodic = bool(self.every_n_epochs) and number % self.every_n_epochs == 0
+        if not (best or periodic):
+            return None
+        metrics = {"val_loss": value} if value is not None else {}
+        path = self.directory_manager().save(state, step=number, epoch=epoch, metrics=metrics)
+        if best and path is not None:
+            self.best_path, self.best_step = str(path), number
+        return path
+
+    # -- inside a hookloop Trainer -----------------------------------------------------
+    def on_train_start(self, ctx: CallbackContext) -> None:
+        if self.checkpoint_dir is not None:
+            self._epoch_value = None
+            return
+        cfg = getattr(ctx.config, "checkpoint", None)
+        keep_last = getattr(cfg, "keep_last", None)
+        if self._keep_last_given and cfg is not None and keep_last != self.keep_last_k:
+            raise ValueError(
+                f"CheckpointCallback(keep_last_k={self.keep_last_k}) without checkpoint_dir "
+                f"saves into the run's checkpoints, which checkpoint.keep_last={keep_last} "
+                f"keeps: pass checkpoint_dir=... or set checkpoint.keep_last={self.keep_last_k}"
+            )
+        super().on_train_start(ctx)
+
+    def on_eval_end(self, ctx: CallbackContext) -> None:
+        if self.checkpoint_dir is None:
+            super().on_eval_end(ctx)
+            return
+        if self.monitor is None or not ctx.state.in_training or ctx.metrics is None:
+            return
+        value = as_float(ctx.metrics.get(self.monitor))
+        if value is None and not self._missing_warned:
+            self._missing_warned = True
+            warnings.warn(
+                f"CheckpointCallback: monitor {self.monitor!r} is not among the evaluation "
+                f"metrics {sorted(ctx.metrics)}; only the periodic checkpoints are saved",
+                stacklevel=2,
+            )
+        if value is not None:
+            self._epoch_value = value
+
+    def on_epoch_end(self, ctx: CallbackContext) -> None:
+        if self.checkpoint_dir is None:
+            super().on_epoch_end(ctx)
+            return
+        value, self._epoch_value = self._epoch_value, None
+        self.save_epoch(self._run_state(ctx), ctx.state.epoch, value)
+
+    def on_checkpoint_save(self, ctx: CallbackContext) -> None:
+        if self.checkpoint_dir is None:  # the run's saves are this callback's only then
+            super().on_checkpoint_save(ctx)
+
+    def _run_state(self, ctx: CallbackContext) -> dict[str, Any]:
+        from hookloop.checkpoint import CallbackStates
+
+        state: dict[str, Any] = {"model": ctx.model, "optimizer": ctx.optimizer}
+        if ctx.scheduler is not None and hasattr(ctx.scheduler, "state_dict"):
+            state["scheduler"] = ctx.scheduler
+        trainer = ctx.trainer
+        peers = trainer.callbacks.callbacks if trainer is not None else []
+        stateful = {cb.name: cb for cb in peers if cb is not self and is_stateful(cb)}
+        if stateful:
+            state["callbacks"] = CallbackStates(stateful)
+        return state

@@ -1,4 +1,4 @@
-"""The seed-001 callback base: seven events, hooks ``(self, trainer, **fields)``, a priority.
+"""The HPO-trainer callback base: seven events, hooks ``(self, trainer, **fields)``, a priority.
 
 The seven event names come from :mod:`hookloop.compat.mapping`, in the order a
 training run fires them:
@@ -21,12 +21,12 @@ from typing import Any
 from hookloop.compat._toolkit import check_priority, scan_hooks, stray_message, unknown_name
 from hookloop.compat.mapping import dialect_event_names, dialect_events
 
-#: The seed-001 events, in firing order.
+#: The HPO-trainer events, in firing order.
 EVENTS: tuple[str, ...] = dialect_event_names("hpo")
 
 
 class TrainingCallback:
-    """Base class for seed-001 callbacks: override the hooks you need; the others do nothing.
+    """Base class for HPO-trainer callbacks: override the hooks you need; the others do nothing.
 
     A hook receives the trainer, then keyword fields that depend on the event
     (inside a hookloop Trainer: :data:`hookloop.compat.hpo.FIELDS`). End every
@@ -70,7 +70,7 @@ assert {n for n in vars(TrainingCallback) if n.startswith("on_")} == set(EVENTS)
 
 
 def check_event(name: object) -> str:
-    """Return ``name`` if it is a seed-001 event; else raise ``ValueError`` with a suggestion."""
+    """``name`` if it is an HPO-trainer event; else a ``ValueError`` with a suggestion."""
     if isinstance(name, str) and name in EVENTS:
         return name
     raise ValueError(unknown_event_message(name))
@@ -79,11 +79,11 @@ def check_event(name: object) -> str:
 def unknown_event_message(name: object) -> str:
     counterpart = dialect_events("hpo").get(name) if isinstance(name, str) else None
     native = (
-        f" {name!r} is a native hookloop event; seed 001 calls it {counterpart[0]!r}."
+        f" {name!r} is a native hookloop event; the HPO trainer calls it {counterpart[0]!r}."
         if counterpart
         else ""
     )
-    return unknown_name("seed-001 event", name, EVENTS, listed="The events are", first=native)
+    return unknown_name("HPO-trainer event", name, EVENTS, listed="The events are", first=native)
 
 
 def overridden_hooks(callback: TrainingCallback) -> frozenset[str]:
@@ -97,7 +97,7 @@ def check_training_callback(callback: TrainingCallback) -> None:
     check_priority(getattr(callback, "priority", None), f"{name}.priority")
     stray = scan_hooks(callback, EVENTS, _is_base)[1]
     if stray:
-        raise ValueError(stray_message(name, stray[0], EVENTS, "seed-001"))
+        raise ValueError(stray_message(name, stray[0], EVENTS, "HPO-trainer"))
 
 
 def _is_base(owner: type) -> bool:

@@ -1,9 +1,9 @@
-"""Seed 001's nine built-ins in a loop you write: ``CallbackRunner(callbacks).fire(...)``.
+"""The HPO trainer's nine built-ins in a loop you write: ``CallbackRunner(callbacks).fire(...)``.
 
 The built-ins are native hookloop callbacks (inside a hookloop Trainer they
-read ``ctx``). In the seed's own loop there is no ``ctx``: the trainer fires
+read ``ctx``). In the HPO trainer's own loop there is no ``ctx``: the trainer fires
 seven events with keyword fields, and the built-ins talk through
-``trainer._<name>`` attributes. For each built-in a *face* gives the seed's
+``trainer._<name>`` attributes. For each built-in a *face* gives the HPO trainer's
 hooks, worked out from the fields and the trainer (``trainer.model``,
 ``trainer.optimizer``) with the same pure logic the native callback uses, and
 keeps its results on the native object (``nan_detected``, ``should_stop``,
@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +51,10 @@ from hookloop.callbacks.nan_detection import NaNDetection
 from hookloop.callbacks.optimizer_mode import OptimizerMode, has_modes
 from hookloop.callbacks.optuna_pruning import REASON_PREFIX as PRUNE_PREFIX
 from hookloop.callbacks.optuna_pruning import OptunaPruning
-from hookloop.callbacks.overfit import OverfitDetection, OverfitWarning, gap_ratio, is_diverging
+from hookloop.callbacks.overfit import OverfitDetection, OverfitWarning, gap_ratio
 from hookloop.callbacks.wandb_logger import WandbLoggingCallback
 from hookloop.compat._toolkit import is_stateful
+from hookloop.compat.hpo.builtins import CheckpointCallback
 from hookloop.compat.hpo.callback import TrainingCallback
 
 #: The W&B logger's console summary comes every this many epochs (epochs 0, 10, 20 …).
@@ -66,17 +68,17 @@ def _number(value: Any) -> float | None:
 
 
 def _store(loop_trainer: Any, name: str, value: Any) -> None:
-    """Seed 001's convention: results live on the trainer as ``trainer._<name>``.
+    """The HPO trainer's convention: results live on the trainer as ``trainer._<name>``.
 
-    ``loop_trainer`` (here and in every face) is the seed loop's own trainer object,
-    which its hooks receive and read by the seed's convention, not hookloop's Trainer.
+    ``loop_trainer`` (here and in every face) is the hand-written loop's own trainer object,
+    which its hooks receive and read by the HPO trainer's convention, not hookloop's Trainer.
     """
     if loop_trainer is not None:
         setattr(loop_trainer, name, value)
 
 
 class Face(TrainingCallback):
-    """Seed hooks over one native built-in (``native``); same priority."""
+    """HPO-trainer hooks over one native built-in (``native``); same priority."""
 
     def __init__(self, native: Callback, peers: Sequence[Any] = ()) -> None:
         self.native = native
@@ -151,6 +153,10 @@ class GradientMonitorFace(Face):
 
 
 class LossPredictionFace(Face):
+    """The HPO trainer's prediction: from epoch ``min_points`` (10) on, a least-squares line
+    through ``log(val_loss)`` against the evaluation's index (0, 1, 2 ...), read at
+    ``t = max_epochs``; None before."""
+
     native: LossPrediction
 
     def on_val_end(
@@ -160,16 +166,32 @@ class LossPredictionFace(Face):
         if value is None:
             return
         native = self.native
-        native.times.append(float(epoch + 1))
+        native.times.append(float(len(native.losses)))
         native.losses.append(value)
-        if len(native.losses) < native.min_points:
+        if epoch < native.min_points:
             _store(loop_trainer, "_loss_prediction", None)
             return
         native.prediction = prediction_score(native.times, native.losses, native.max_epochs)
         _store(loop_trainer, "_loss_prediction", native.prediction)
 
 
+def hpo_diverging(train_losses: Sequence[float], val_losses: Sequence[float], window: int) -> bool:
+    """The HPO trainer's test over the last ``window`` epochs (``window`` values): the train
+    loss never rises and the validation loss never falls from one epoch to the next.
+
+    >>> hpo_diverging([3, 2, 2, 1, 0.5], [1, 2, 2, 3, 4], window=5)  # flat steps count
+    True
+    >>> hpo_diverging([3, 2, 1, 0.5, 0.4], [1, 2, 3, 2, 4], window=5)
+    False
+    """
+    train, val = train_losses[-window:], val_losses[-window:]
+    return all(a >= b for a, b in pairwise(train)) and all(a <= b for a, b in pairwise(val))
+
+
 class OverfitFace(Face):
+    """The HPO trainer's overfitting check: from epoch ``warmup_epochs`` on, once
+    ``window_size`` epochs are in, over the last ``window_size`` values."""
+
     native: OverfitDetection
 
     def on_epoch_end(self, loop_trainer: Any, epoch: int = 0, **fields: Any) -> None:
@@ -179,13 +201,16 @@ class OverfitFace(Face):
         native = self.native
         native.train_history.append(train)
         native.eval_history.append(val)
-        if len(native.train_history) > native.warmup_epochs and is_diverging(
-            native.train_history, native.eval_history, native.window_size
+        window = native.window_size
+        if (
+            epoch >= native.warmup_epochs
+            and len(native.train_history) >= window
+            and hpo_diverging(native.train_history, native.eval_history, window)
         ):
             native.gap_ratio = gap_ratio(train, val)
             warnings.warn(
-                f"OverfitDetection: over the last {native.window_size} epoch(s) to epoch "
-                f"{epoch} train_loss fell while val_loss rose; gap ratio "
+                f"OverfitDetection: over the last {window} epoch(s) to epoch {epoch} "
+                f"train_loss did not rise while val_loss did not fall; gap ratio "
                 f"val_loss/train_loss = {native.gap_ratio:.3f}",
                 OverfitWarning,
                 stacklevel=2,
@@ -196,15 +221,27 @@ class OverfitFace(Face):
 
 
 class WandbFace(Face):
-    """One ``wandb.log`` row per epoch with the seed's keys, and a summary every 10 epochs."""
+    """One ``wandb.log`` row per epoch with the HPO trainer's keys, and a console summary
+    at epochs 0, 10, 20 ... and at the last one.
+
+    Rows go to the W&B run already open in this process (``wandb.run``, the one you
+    opened with ``wandb.init``), which stays yours to finish; without one, the
+    callback opens a run with its own settings and finishes it at ``on_train_end``.
+    ``lr`` is read from ``trainer.optimizer`` (its first parameter group), as the
+    HPO trainer does; a loop without an optimizer may pass ``lr=`` itself.
+    """
 
     native: WandbLoggingCallback
-    #: loop_trainer attribute -> W&B key, as the seed names them.
+    #: loop_trainer attribute -> W&B key, as the HPO trainer names them.
     PRODUCED = (
         ("_max_grad_norm", "max_grad_norm"),
         ("_overfit_gap_ratio", "overfit_gap_ratio"),
         ("_loss_prediction", "predicted_final_loss"),
     )
+
+    def __init__(self, native: Callback, peers: Sequence[Any] = ()) -> None:
+        super().__init__(native, peers)
+        self.owns_run = False
 
     def on_train_begin(self, loop_trainer: Any, **fields: Any) -> None:
         self._start(loop_trainer)
@@ -217,6 +254,10 @@ class WandbFace(Face):
 
         from hookloop.callbacks.wandb_logger import import_wandb
 
+        wandb = import_wandb()
+        if wandb.run is not None:  # the user's own run: log there, leave finishing to them
+            native.run, self.owns_run = wandb.run, False
+            return
         kwargs: dict[str, Any] = {
             "project": native.project,
             "name": native.run_name,
@@ -230,14 +271,15 @@ class WandbFace(Face):
             Path(native.dir).mkdir(parents=True, exist_ok=True)
             kwargs["dir"] = str(native.dir)
         kwargs.update(native.init_kwargs)
-        native.run = import_wandb().init(**{k: v for k, v in kwargs.items() if v is not None})
+        native.run = wandb.init(**{k: v for k, v in kwargs.items() if v is not None})
+        self.owns_run = True
 
     def on_epoch_end(self, loop_trainer: Any, epoch: int = 0, **fields: Any) -> None:
         self._start(loop_trainer)
         row: dict[str, Any] = {
             "train_loss": _number(fields.get("train_loss")),
             "val_loss": _number(fields.get("val_loss")),
-            "lr": _number(fields.get("lr")),
+            "lr": _learning_rate(loop_trainer, fields.get("lr")),
         }
         for key, value in (fields.get("metrics") or {}).items():
             number = _number(value)
@@ -247,7 +289,8 @@ class WandbFace(Face):
             if hasattr(loop_trainer, attr) and getattr(loop_trainer, attr) is not None:
                 row[key] = getattr(loop_trainer, attr)
         self.native.run.log(row)
-        if epoch % SUMMARY_EVERY == 0:
+        total = getattr(loop_trainer, "_total_epochs", None)
+        if epoch % SUMMARY_EVERY == 0 or (isinstance(total, int) and epoch == total - 1):
             from tqdm import tqdm
 
             shown = ", ".join(
@@ -260,9 +303,20 @@ class WandbFace(Face):
             )
 
     def on_train_end(self, loop_trainer: Any, **fields: Any) -> None:
-        if self.native.run is not None:
-            self.native.run.finish()
-            self.native.run = None
+        run, self.native.run = self.native.run, None
+        if run is not None and self.owns_run:
+            run.finish()
+        self.owns_run = False
+
+
+def _learning_rate(loop_trainer: Any, given: Any) -> float | None:
+    """``trainer.optimizer.param_groups[0]["lr"]``, else the ``lr`` field a loop passed."""
+    groups = getattr(getattr(loop_trainer, "optimizer", None), "param_groups", None)
+    if groups:
+        lr = _number(groups[0].get("lr"))
+        if lr is not None:
+            return lr
+    return _number(given)
 
 
 class PrunerFace(Face):
@@ -302,7 +356,7 @@ class EarlyStoppingFace(Face):
         raw = (
             val_loss
             if monitor == "eval_loss"
-            else metrics.get(getattr(native, "seed_monitor", monitor), metrics.get(monitor))
+            else metrics.get(getattr(native, "hpo_monitor", monitor), metrics.get(monitor))
         )
         value = _number(raw)
         if value is None:
@@ -320,45 +374,21 @@ class CheckpointFace(Face):
 
     native: CheckpointPolicy
 
-    def __init__(self, native: Callback, peers: Sequence[Any] = ()) -> None:
-        super().__init__(native, peers)
-        self.manager: Any = None
-
     def on_train_begin(self, loop_trainer: Any, **fields: Any) -> None:
-        self._manager()
+        self._callback().directory_manager()
 
-    def _manager(self) -> Any:
-        if self.manager is not None:
-            return self.manager
-        from hookloop.checkpoint import CheckpointManager, SavePolicy
-
-        directory = getattr(self.native, "checkpoint_dir", None)
-        if directory is None:
+    def _callback(self) -> CheckpointCallback:
+        if not isinstance(self.native, CheckpointCallback):
             raise ValueError(
-                "CheckpointCallback needs checkpoint_dir=... in a loop driven by "
-                "CallbackRunner.fire (inside a hookloop Trainer the run directory is used)"
+                f"{type(self.native).__name__} saves only inside a hookloop Trainer; in a loop "
+                "driven by CallbackRunner.fire use CheckpointCallback(checkpoint_dir=...)"
             )
-        policy = SavePolicy(
-            every=None,
-            keep_last=getattr(self.native, "keep_last_k", None),
-            save_on_end=False,
-            monitor="val_loss" if self.native.monitor else None,
-            mode=self.native.mode,
-            keep_best=1,
-        )
-        self.manager = CheckpointManager(directory, policy)
-        return self.manager
+        return self.native
 
     def on_epoch_end(self, loop_trainer: Any, epoch: int = 0, **fields: Any) -> None:
         from hookloop.checkpoint import CallbackStates
 
-        native = self.native
-        number = epoch + 1
-        val = _number(fields.get("val_loss"))
-        best = native.monitor is not None and val is not None and native.tracker.update(val)
-        periodic = bool(native.every_n_epochs) and number % native.every_n_epochs == 0
-        if not (best or periodic):
-            return
+        native = self._callback()
         state: dict[str, Any] = {"model": loop_trainer.model, "optimizer": loop_trainer.optimizer}
         scheduler = getattr(loop_trainer, "scheduler", None)
         if scheduler is not None and hasattr(scheduler, "state_dict"):
@@ -370,10 +400,7 @@ class CheckpointFace(Face):
         }
         if stateful:
             state["callbacks"] = CallbackStates(stateful)
-        metrics = {"val_loss": val} if val is not None else {}
-        path = self._manager().save(state, step=number, epoch=epoch, metrics=metrics)
-        if best and path is not None:
-            native.best_path, native.best_step = str(path), number
+        native.save_epoch(state, epoch, _number(fields.get("val_loss")))
 
 
 _FACES: tuple[tuple[type, type[Face]], ...] = (
@@ -390,7 +417,7 @@ _FACES: tuple[tuple[type, type[Face]], ...] = (
 
 
 def face_for(callback: Callback, peers: Sequence[Any] = ()) -> Face | None:
-    """The seed-hook face of one of the nine built-ins; None for any other native callback."""
+    """The HPO-trainer face of one of the nine built-ins; None for any other native callback."""
     for native_type, face in _FACES:
         if isinstance(callback, native_type):
             return face(callback, peers)

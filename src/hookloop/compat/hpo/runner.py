@@ -1,4 +1,4 @@
-"""``CallbackRunner``: seed 001's list of callbacks, sorted by priority once, fired by name.
+"""``CallbackRunner``: the HPO trainer's list of callbacks, sorted by priority once, fired by name.
 
 Use it standalone in a loop you write (``fire(event, trainer, **fields)``), or
 hand its callbacks to a hookloop Trainer with :meth:`CallbackRunner.native`.
@@ -28,9 +28,9 @@ HpoCallbacks = Iterable[TrainingCallback | Callback]
 class CallbackRunner:
     """Callbacks sorted by ``priority`` (lower first; ties keep list order), fired by event name.
 
-    The list may mix seed-001 ``TrainingCallback`` objects and native hookloop
-    callbacks (the nine seed built-ins are native). ``fire`` drives the former
-    and the nine built-ins (through their seed faces, :mod:`hookloop.compat.hpo.faces`);
+    The list may mix HPO-trainer ``TrainingCallback`` objects and native hookloop
+    callbacks (the nine HPO-trainer built-ins are native). ``fire`` drives the former
+    and the nine built-ins (through their HPO-trainer faces, :mod:`hookloop.compat.hpo.faces`);
     inside a hookloop Trainer, :meth:`native` runs them all.
     """
 
@@ -52,15 +52,15 @@ class CallbackRunner:
                 raise ValueError(f"{item!r} is in the list twice; it would run twice per event")
         #: The callbacks in the order they run.
         self.callbacks: list[TrainingCallback | Callback] = sorted(items, key=_priority)
-        # The nine seed built-ins are native; fire() drives them through their seed faces.
+        # The nine built-ins are native; fire() drives them through their HPO-trainer faces.
         self._faces = {id(cb): face_for(cb, self.callbacks) for cb in self.callbacks}
-        seed_hooks = [
+        hpo_hooks = [
             cb if isinstance(cb, TrainingCallback) else self._faces[id(cb)] for cb in self.callbacks
         ]
         self._handlers = {
             event: tuple(
                 getattr(cb, event)
-                for cb in seed_hooks
+                for cb in hpo_hooks
                 if cb is not None and event in overridden_hooks(cb)
             )
             for event in EVENTS
@@ -69,7 +69,7 @@ class CallbackRunner:
     def fire(self, event: str, trainer: Any, **fields: Any) -> None:
         """Call ``on_<event>(trainer, **fields)`` on every callback, in priority order.
 
-        Other native callbacks than the nine seed built-ins run only inside a
+        Other native callbacks than the nine HPO-trainer built-ins run only inside a
         hookloop Trainer: a runner holding one refuses to fire (``TypeError``).
 
         An exception from a hook propagates with a note naming the callback and event.
@@ -81,7 +81,7 @@ class CallbackRunner:
         if native:
             names = ", ".join(type(cb).__name__ for cb in native)
             raise TypeError(
-                f"fire() calls seed-001 hooks, but {names} are native hookloop callbacks, "
+                f"fire() calls HPO-trainer hooks, but {names} are native hookloop callbacks, "
                 "which run only inside a hookloop Trainer: pass runner.native() to "
                 "Trainer(callbacks=...), or leave them out of a runner you fire yourself"
             )
@@ -120,7 +120,7 @@ class CallbackRunner:
 
 
 def as_native(callbacks: CallbackRunner | TrainingCallback | HpoCallbacks) -> list[Callback]:
-    """Native callbacks for a runner, one seed-001 callback, or a list (see ``native()``)."""
+    """Native callbacks for a runner, one HPO-trainer callback, or a list (see ``native()``)."""
     if isinstance(callbacks, CallbackRunner):
         return callbacks.native()
     if isinstance(callbacks, (TrainingCallback, Callback)):
@@ -140,7 +140,7 @@ def _check_item(item: object) -> None:
         check_priority(getattr(item, "priority", None), f"{type(item).__name__}.priority")
     else:
         raise TypeError(
-            "CallbackRunner takes seed-001 TrainingCallback objects (or native hookloop "
+            "CallbackRunner takes HPO-trainer TrainingCallback objects (or native hookloop "
             f"callbacks), got {type(item).__name__}: subclass "
             "hookloop.compat.hpo.TrainingCallback and override its on_* hooks"
         )

@@ -1,6 +1,6 @@
-"""The ``trainer`` a seed-001 hook receives inside a hookloop run.
+"""The ``trainer`` an HPO-trainer hook receives inside a hookloop run.
 
-Seed-001 callbacks talk to each other through attributes on the trainer: a
+HPO-trainer callbacks talk to each other through attributes on the trainer: a
 producer writes ``trainer._max_grad_norm``, a consumer checks
 ``hasattr(trainer, "_max_grad_norm")``. hookloop callbacks talk through
 ``ctx.user_state`` instead, and the native Trainer has no such attributes. So
@@ -10,10 +10,10 @@ the hook gets an :class:`HpoTrainer`, a view of the run's ``ctx`` where
   ``config``, ``device``, ``epoch``, ``step``, ``max_epochs``, ``state``,
   ``control``, and ``native`` (the hookloop Trainer itself);
 - ``trainer._<name>`` reads and writes ``ctx.user_state["<name>"]``, so a value a
-  seed callback writes lasts across events and is visible to native callbacks,
-  and what native callbacks publish there is visible to seed callbacks;
-- the seed's three producer attributes (:data:`CONVENTION`) are served from
-  what the native built-ins publish. As in the seed, each reads None while its
+  HPO-trainer callback writes lasts across events and is visible to native callbacks,
+  and what native callbacks publish there is visible to HPO-trainer callbacks;
+- the HPO trainer's three producer attributes (:data:`CONVENTION`) are served from
+  what the native built-ins publish. As in the HPO trainer, each reads None while its
   producer is registered but has no value yet, and does not exist (``hasattr``
   is False) when the producer is not registered at all.
 
@@ -32,14 +32,14 @@ from hookloop.callbacks.overfit import OverfitDetection
 if TYPE_CHECKING:
     from hookloop.state import CallbackContext
 
-#: Seed-001 attribute -> (``ctx.user_state`` key, the native callback that publishes it).
+#: HPO-trainer attribute -> (``ctx.user_state`` key, the native callback that publishes it).
 CONVENTION: dict[str, tuple[str, type]] = {
     "_max_grad_norm": ("max_grad_norm", GradientMonitor),
     "_overfit_gap_ratio": ("overfit_gap_ratio", OverfitDetection),
     "_loss_prediction": ("predicted_final_loss", LossPrediction),
 }
 
-#: The public attributes a seed-001 hook may read from its ``trainer``.
+#: The public attributes an HPO-trainer hook may read from its ``trainer``.
 READABLE = (
     "model",
     "optimizer",
@@ -71,7 +71,7 @@ def _is_shared(name: str) -> bool:
 
 
 class HpoTrainer:
-    """A seed-001 ``trainer`` backed by a hookloop ``CallbackContext`` (see the module docstring).
+    """The HPO trainer's ``trainer``, backed by a ``CallbackContext`` (see the module docstring).
 
     ``written`` collects the ``user_state`` keys this view has stored, so the
     adapter can hand them on to loggers.
@@ -139,7 +139,7 @@ class HpoTrainer:
         # Called only for names that are not found above.
         if not _is_shared(name):
             raise AttributeError(
-                f"a seed-001 trainer has no attribute {name!r}; it offers "
+                f"the HPO trainer's trainer view has no attribute {name!r}; it offers "
                 f"{', '.join(READABLE)}, and shared values as trainer._<name>"
             )
         ctx = self._hpo_ctx
@@ -163,7 +163,7 @@ class HpoTrainer:
         if not _is_shared(name):
             shown = name.lstrip("_")
             raise AttributeError(
-                f"trainer.{name} cannot be set by a seed-001 callback: the trainer's own "
+                f"trainer.{name} cannot be set by an HPO-trainer callback: the trainer's own "
                 f"attributes are read-only. Share a value as trainer._{shown} instead "
                 f"(native callbacks see it as ctx.user_state[{shown!r}])"
             )
