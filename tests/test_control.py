@@ -48,8 +48,11 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.mark.parametrize("command", list(COMMANDS))
 def test_parse_command_accepts_each_command(command):
-    assert parse_command(json.dumps({"command": command}).encode()) == command
-    assert parse_command(json.dumps({"command": command, "extra": [1]}).encode()) == command
+    body = {"command": command}
+    if command == "set":  # the one command that needs values
+        body["values"] = {"lr": 0.1}
+    assert parse_command(json.dumps(body).encode()) == command
+    assert parse_command(json.dumps({**body, "extra": [1]}).encode()) == command
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ The Trainer fires these events, in this order (``k`` = ``train.grad_accum``)::
           unscale, clip (grad norm kept a tensor)   on_before_optimizer_step
           optimizer.step(), scheduler.step()        on_after_optimizer_step
           step counters advanced                    on_train_step_end
+          if a live `set` is agreed (hookloop.loop.live): on_settings_change (ctx.changes)
           if logging is due or requested:           on_before_log  (producers fill ctx.logs)
                                                     on_log         (loggers read ctx.logs)
           if evaluation is due or requested:        on_eval_start
@@ -54,6 +55,7 @@ class Event(str, Enum):
     BEFORE_OPTIMIZER_STEP = "on_before_optimizer_step"
     AFTER_OPTIMIZER_STEP = "on_after_optimizer_step"
     TRAIN_STEP_END = "on_train_step_end"
+    SETTINGS_CHANGE = "on_settings_change"
     BEFORE_LOG = "on_before_log"
     LOG = "on_log"
     EVAL_START = "on_eval_start"
@@ -107,6 +109,7 @@ LIFECYCLE_EVENTS: frozenset[str] = frozenset(
         "on_exception",
         "on_checkpoint_save",
         "on_checkpoint_load",
+        "on_settings_change",
     }
 )
 
@@ -127,6 +130,7 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     "on_test_end": ("metrics", "total_loss_dict", "non_loss_data"),
     "on_checkpoint_save": ("checkpoint_path", "checkpoint_timing"),
     "on_checkpoint_load": ("checkpoint_path", "rewind"),
+    "on_settings_change": ("changes",),
     "on_exception": ("exception",),
 }
 

@@ -20,6 +20,7 @@ the loop.
 from __future__ import annotations
 
 import difflib
+import sys
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ KINDS: dict[str, str] = {
     "rewind": "roll back to a checkpoint before a divergence and go on",
     "signal": "a SIGTERM/SIGINT was caught (comes with a stop)",
 }
+#: ``Control.next_due`` when no request waits for a later step.
+NEVER = sys.maxsize
 #: The kinds the loop and its schedules decide on themselves.
 BUILT_IN_KINDS = frozenset(KINDS)
 
@@ -184,7 +187,7 @@ class Control:
     Requests are thread-safe: another thread may file them at any time.
     """
 
-    __slots__ = ("_asked", "_lock", "pending", "skip_requested")
+    __slots__ = ("_asked", "_later", "_lock", "next_due", "pending", "skip_requested")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -194,11 +197,39 @@ class Control:
         self.skip_requested = False
         #: Whether any request waits: the loop reads this one attribute after every step.
         self.pending = False
+        #: Requests filed for the end of a later step (:meth:`request_later`), in step order.
+        self._later: list[tuple[int, str, dict[str, Any]]] = []
+        #: The step whose end files the next of them (a huge number: none waits).
+        self.next_due = NEVER
 
     # -- asking ------------------------------------------------------------
     def request(self, kind: str, /, **values: Any) -> None:
         """File a request of ``kind`` (a name of :data:`KINDS`) carrying ``values``."""
         self._file((check_kind(kind), values))
+
+    def request_later(self, step: int, kind: str, /, **values: Any) -> None:
+        """File a request of ``kind`` when step ``step`` ends (a replayed live change): the
+        loop's schedule visits that step's end and takes it with whatever else is filed."""
+        check_kind(kind)
+        with self._lock:
+            self._later.append((int(step), kind, values))
+            self._later.sort(key=lambda entry: entry[0])
+            self.next_due = self._later[0][0]
+
+    def cancel_later(self, kind: str) -> None:
+        """Forget the requests of ``kind`` filed for later steps (a resume plans them anew)."""
+        with self._lock:
+            self._later = [entry for entry in self._later if entry[1] != kind]
+            self.next_due = self._later[0][0] if self._later else NEVER
+
+    def file_due(self, step: int) -> None:
+        """File the requests meant for the end of ``step`` or earlier."""
+        with self._lock:
+            due = [entry for entry in self._later if entry[0] <= step]
+            self._later = self._later[len(due) :]
+            self.next_due = self._later[0][0] if self._later else NEVER
+        for _, kind, values in due:
+            self._file((kind, values))
 
     def request_all(self, asked: Iterable[tuple[str, dict[str, Any]]]) -> None:
         """File several requests as one (a drain on the loop's thread sees all or none)."""

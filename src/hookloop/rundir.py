@@ -38,6 +38,7 @@ CHECKPOINTS_DIR = "checkpoints"
 LOCAL_CHECKPOINTS_DIR = "local_checkpoints"
 SAMPLES_FILE = "samples.txt"
 PROGRESS_FILE = "progress.txt"
+CHANGES_FILE = "changes.jsonl"
 PLOTS_DIR = "plots"
 PROFILE_DIR = "profile"
 WANDB_DIR = "wandb"
@@ -81,6 +82,11 @@ class RunDir:
     @property
     def samples(self) -> Path:
         return self.root / SAMPLES_FILE
+
+    @property
+    def changes(self) -> Path:
+        """Every live ``set`` applied to the run (:mod:`hookloop.loop.live`)."""
+        return self.root / CHANGES_FILE
 
     @property
     def progress_log(self) -> Path:

@@ -298,10 +298,13 @@ class CallbackContext:
       ``on_test_end``)
     - ``exception``: the exception being raised (``on_exception``)
     - ``rewind``: the :class:`Rewind` of a rollback (``on_checkpoint_load`` fired by it)
+    - ``changes``: the :class:`~hookloop.loop.live.SettingChange` records of a live ``set``
+      just applied (``on_settings_change``)
     """
 
     __slots__ = (
         "batch",
+        "changes",
         "checkpoint_path",
         "checkpoint_timing",
         "config",
@@ -360,16 +363,17 @@ class CallbackContext:
         self.non_loss_data: Any = None
         self.exception: BaseException | None = None
         self.rewind: Rewind | None = None
+        self.changes: tuple[Any, ...] | None = None
 
     def clear_event_fields(self) -> None:
         """Reset every per-event field to None."""
         self.batch = self.outputs = self.loss = self.loss_dict = self.grad_norm = None
         self.skipped_iter = self.logs = self.metrics = self.checkpoint_path = self.rewind = None
-        self.checkpoint_timing = self.exception = self.non_loss_data = None
+        self.checkpoint_timing = self.exception = self.non_loss_data = self.changes = None
 
     @property
     def total_loss_dict(self) -> dict[str, float] | None:
-        """Seed-000 name for ``metrics``."""
+        """Megatron-Bridge's name for ``metrics``."""
         return self.metrics
 
     def __repr__(self) -> str:

@@ -11,7 +11,9 @@ A checkpoint's identity is authenticated, so that one flipped bit cannot reorder
 run's history: the manifest carries a SHA-256 of its own fields (format 2), its name
 and step must be those of the directory it lies in, and checkpoints are ordered by
 the step in their directory names (which only the commit's rename sets), never by
-what a manifest says. Format 1 manifests (no checksum) are still read.
+what a manifest says. Format 3 checkpoints also hold the live ``set`` changes
+(``trainer_state.pt``'s ``settings`` entry); formats 2 and 1 (no checksum) are still
+read, as checkpoints of runs nobody steered.
 
 ``HOOKLOOP_CHECKPOINT_FAULT`` (:data:`FAULT_ENV`) makes the process die, or a save
 fail as a full disk would, at a named point of this protocol: the crash tests use it.
@@ -33,10 +35,10 @@ from hookloop.rundir import CHECKPOINTS_DIR
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
-FORMAT_VERSION = 2
-#: Manifest formats this hookloop reads: 1 (before the manifest carried its own
-#: checksum) and 2.
-READABLE_FORMATS = (1, 2)
+FORMAT_VERSION = 3
+#: Formats this hookloop reads: 1 (before the manifest carried its own checksum), 2
+#: (before checkpoints held the live settings) and 3.
+READABLE_FORMATS = (1, 2, 3)
 #: A checkpoint directory's name: the step it holds, zero-padded.
 _STEP_NAME = re.compile(r"step-(\d+)")
 #: Crash-safety testing: ``POINT`` or ``POINT@STEP`` makes the process die (``os._exit``)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from typing import Any
@@ -62,6 +63,8 @@ def add_ctl_command(subparsers: Any) -> argparse.ArgumentParser:
         description=(
             "status: progress and metrics; stop: finish the step, save, exit; save: write a "
             "checkpoint; save-and-stop; abort: exit without saving; eval: evaluate now; "
+            "set KEY=VALUE ...: change live settings (lr, lr_scale, weight_decay, "
+            "clip_grad_norm, log_every, ...; also `hookloop ctl set JOB KEY=VALUE`); "
             "token: print the bearer token (for the dashboard); url: print the dashboard URL."
         ),
     )
@@ -153,6 +156,8 @@ def run_jobs(args: argparse.Namespace) -> int:
 
 
 def run_ctl(args: argparse.Namespace) -> int:
+    if args.job == "set" and args.action != "set":  # `hookloop ctl set JOB KEY=VALUE ...`
+        args.job, args.action = args.action, "set"
     if not args.action.isidentifier() and args.action not in ACTIONS:
         return _error(_unknown(args.action, list(COMMANDS)), USAGE)
     try:
@@ -217,15 +222,32 @@ def _unknown(action: str, commands: list[str]) -> str:
     return f"unknown action {action!r}; valid: {', '.join(valid)}"
 
 
+def _scalar(raw: str) -> Any:
+    """A command-line value: a number as Python reads it (YAML takes ``3e-4`` for a
+    string), anything else as YAML (``true``, ``null``, ``[0.9, 0.95]``)."""
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return yaml.safe_load(raw) if raw else ""
+
+
+_KEY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)?(@\w+)?")
+
+
 def _parse_values(pairs: list[str]) -> dict[str, Any]:
     """``KEY=VALUE`` arguments as a dict, each value read as YAML (``3e-4``, ``true``, ...)."""
     values: dict[str, Any] = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
-        if not sep or not key.isidentifier():
-            raise ValueError(f"values are KEY=VALUE with KEY a name, got {pair!r}")
+        if not sep or not _KEY.fullmatch(key):
+            raise ValueError(
+                f"values are KEY=VALUE with KEY a name (lr, lr@1, EarlyStopping.patience), "
+                f"got {pair!r}"
+            )
         try:
-            values[key] = yaml.safe_load(raw) if raw else ""
+            values[key] = _scalar(raw)
         except yaml.YAMLError:
             raise ValueError(f"the value of {key} is not a YAML scalar: {raw!r}") from None
     return values

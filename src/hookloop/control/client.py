@@ -33,6 +33,18 @@ ALIASES = {
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
+def client_name() -> str:
+    """How a change this client sends is recorded: ``hookloop ctl (user@host)``."""
+    import getpass
+    import socket
+
+    try:
+        user = getpass.getuser()
+    except Exception:  # no user name in this environment
+        user = "?"
+    return f"hookloop ctl ({user}@{socket.gethostname()})"
+
+
 class ControlError(RuntimeError):
     """The job answered with an error (``status`` is the HTTP code, 0 if unreachable)."""
 
@@ -123,7 +135,7 @@ class JobClient:
                 f"unknown command {command!r}; valid: {', '.join(dict.fromkeys(valid))} "
                 f"(or {', '.join(ALIASES)})"
             )
-        body: dict[str, Any] = {"command": name}
+        body: dict[str, Any] = {"command": name, "client": client_name()}
         if values:
             body["values"] = dict(values)
         return self._checked("POST", f"jobs/{self.job_id}/control", body)

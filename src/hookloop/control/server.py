@@ -105,6 +105,8 @@ class Command:
     check: Callable[[dict[str, Any]], None] | None = None
     needs: str | None = None
     ends: bool = False
+    #: The command takes any keys (``set``: the job checks them against what it can change).
+    any_values: bool = False
 
 
 #: Every command the server takes, by name (:func:`register_command` adds one).
@@ -135,6 +137,13 @@ SERVER_COMMANDS: dict[str, Command] = {
         "run an evaluation at the end of the current step and go on",
         lambda v: [("evaluate", {})],
         needs="eval data",
+    ),
+    "set": Command(
+        "change live settings (lr, lr_scale, weight_decay, clip_grad_norm, log_every, ...) "
+        "at the end of the current step, on every rank, recorded and replayed on resume",
+        lambda v: [("set", v)],
+        needs="live settings",
+        any_values=True,
     ),
     # Forgather's clients may post it; it changes nothing (GET .../status reads the status)
     "status": Command("change nothing: acknowledge (GET /jobs/{id}/status reads it)", lambda v: []),
@@ -226,15 +235,28 @@ def _values(command: str, values: Any, key: str = "values") -> dict[str, Any]:
     elif not isinstance(values, dict):
         raise CommandError(f'"{key}" must be a JSON object, got {type(values).__name__}')
     unknown = sorted(set(values) - set(spec.takes))
-    if unknown:
+    if unknown and not spec.any_values:
         takes = ", ".join(spec.takes) if spec.takes else "none"
         raise CommandError(f"{command} takes no value {unknown[0]!r}; it takes: {takes}")
+    if spec.any_values and not values:
+        raise CommandError(f'{command} needs at least one value in "{key}", e.g. {{"lr": 3e-4}}')
     missing = [k for k in spec.takes if k not in values]
     if missing:
         raise CommandError(f'{command} needs the value {missing[0]!r} in "values"')
     if spec.check is not None:
         spec.check(values)
     return values
+
+
+def client_of(body: bytes, user_agent: str, remote: str | None) -> str:
+    """Who sent a command, for the record of a change: the body's ``"client"`` (printable,
+    cut to 80 characters) or the User-Agent, and the address it came from."""
+    named: Any = None
+    with contextlib.suppress(ValueError, RecursionError, AttributeError):
+        named = json.loads(body).get("client")
+    text = named if isinstance(named, str) and named.strip() else user_agent or "unknown"
+    text = "".join(ch for ch in text if ch.isprintable())[:80] or "unknown"
+    return f"{text} ({remote})" if remote else text
 
 
 def is_loopback(host: str) -> bool:
@@ -419,6 +441,7 @@ class ControlServer(Callback):
         self._can_save = False
         self._can_evaluate = False
         self._user_state: dict[str, Any] = {}
+        self._live: Any = None  # the loop's LiveSettings (hookloop.loop.live)
 
     # -- events (training thread) ----------------------------------------------
     def on_train_start(self, ctx: CallbackContext) -> None:
@@ -428,6 +451,8 @@ class ControlServer(Callback):
         self._user_state = ctx.user_state  # what other callbacks publish (e.g. stragglers)
         self._can_save = ctx.run.can_checkpoint
         self._can_evaluate = ctx.run.has_eval_data
+        parts = getattr(ctx.trainer, "parts", None)
+        self._live = getattr(parts, "live", None)
         self._snapshot = _Snapshot()
         try:
             self._start(ctx)
@@ -668,7 +693,8 @@ class ControlServer(Callback):
             body = await request.read()
             try:
                 command, values = parse_request(body)
-                step = self._file(command, values)
+                client = client_of(body, request.headers.get("User-Agent", ""), request.remote)
+                step = self._file(command, values, client)
             except CommandError as err:
                 return _json({"error": str(err), "valid_commands": list(COMMANDS)}, err.status)
             return _json(
@@ -728,10 +754,14 @@ class ControlServer(Callback):
         shown = asked if len(asked) <= 80 else asked[:77] + "..."
         return _json({"error": f"no job {shown!r} here; this server runs job {self.job_id!r}"}, 404)
 
-    def _file(self, command: str, values: dict[str, Any] | None = None) -> int:
+    def _file(
+        self, command: str, values: dict[str, Any] | None = None, client: str = "unknown"
+    ) -> int:
         """File ``command`` on the loop's Control; returns the step it was filed at."""
         snap, control, state = self._snapshot, self._control, self._state
         spec = SERVER_COMMANDS[command]
+        if spec.needs == "live settings":
+            values = self._checked_settings(values or {}, client)
         requests = spec.requests(values or {})
         if not requests:  # Forgather's "status": nothing to file, whatever the phase
             return state.step if state is not None else 0
@@ -742,6 +772,8 @@ class ControlServer(Callback):
                 f"{command}: this job has no output directory, so it cannot save checkpoints",
                 409,
             )
+        if spec.needs == "live settings" and self._live is None:
+            raise CommandError(f"{command}: this job's loop has no live settings", 409)
         if spec.needs == "eval data" and not self._can_evaluate:
             raise CommandError(f"{command}: this job has no evaluation data", 409)
         with snap.lock:
@@ -756,6 +788,19 @@ class ControlServer(Callback):
             snap.filed.append({"command": command, "step": step, "time": time.time()})
         log.info("control: %s filed at step %d", command, step)
         return step
+
+    def _checked_settings(self, values: dict[str, Any], client: str) -> dict[str, Any]:
+        """A ``set``'s values checked against the run (400 naming the key), as the request
+        the loop applies: one entry keyed by a time-ordered id."""
+        live = self._live
+        if live is None:
+            raise CommandError("set: this job's loop has no live settings", 409)
+        try:
+            checked = live.check(values)
+        except ValueError as err:
+            raise CommandError(f"set: {err}") from None
+        ident = f"{time.time_ns():020d}"
+        return {ident: {"values": checked, "client": client}}
 
     def _job_entry(self) -> dict[str, Any]:
         record = self._record
@@ -815,6 +860,9 @@ class ControlServer(Callback):
                 # StragglerDetection's latest report (replaced whole, never mutated), or None
                 "stragglers": self._user_state.get("stragglers"),
                 "stopping": snap.stopping,
+                # the values `set` can change now, and the changes applied so far
+                "settings": self._live.values() if self._live is not None else None,
+                "changes": list(self._live.history[-20:]) if self._live is not None else [],
                 "history_seq": snap.seq,
                 "recent_commands": list(snap.filed),
                 "can_save": self._can_save,

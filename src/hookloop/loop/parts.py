@@ -34,6 +34,7 @@ from hookloop.data import DataPosition, is_map_style, make_loader
 from hookloop.distributed import parallelize, rank_info
 from hookloop.gcpolicy import GCPolicy
 from hookloop.loop.evaluation import Evaluation
+from hookloop.loop.live import LiveSettings
 from hookloop.loop.logbook import LogBook
 from hookloop.loop.schedule import Schedule, StopSignals
 from hookloop.loop.stepper import Clipping, MicroStep, Stepper
@@ -76,6 +77,7 @@ class Dialect:
     evaluation: Callable[[Parts], Evaluation] | None = None
     checkpoints: Callable[[Parts, Path, bool], CheckpointManager] | None = None
     schedule: Callable[[Parts], Schedule] | None = None
+    live: Callable[[Parts], LiveSettings] | None = None
     #: A save asked for at a step already saved announces that checkpoint again.
     announce_repeated_saves: bool = False
     #: The dialect steps a metric-driven LR scheduler (``ReduceLROnPlateau``) after its
@@ -125,6 +127,7 @@ class Parts:
     stepper: Stepper = None  # type: ignore[assignment]
     checkpointer: Checkpointer = None  # type: ignore[assignment]
     schedule: Schedule = None  # type: ignore[assignment]
+    live: LiveSettings = None  # type: ignore[assignment]
     dialect: Dialect = field(default_factory=Dialect)
 
 
@@ -180,6 +183,7 @@ def build_parts(given: Inputs, dialect: Dialect | None = None) -> Parts:
     p.stepper = _stepper(p)
     p.checkpointer = _checkpointer(p, persistent, local)
     p.schedule = (dialect.schedule or _schedule)(p)
+    p.live = (dialect.live or _live)(p)
     return p
 
 
@@ -347,6 +351,7 @@ def named_state(p: Parts) -> dict[str, Any]:
         "data": p.position,
         "log_pending": p.logbook.window,
         "rewind": p.rewinder,
+        "settings": p.live,
         "rng": RNGState(),
     }
     return state
@@ -453,6 +458,30 @@ def _checkpointer(
         timer=p.timers["checkpoint-save"],
         announce_repeats=p.dialect.announce_repeated_saves,
     )
+
+
+def live_inputs(p: Parts) -> dict[str, Any]:
+    """What :class:`LiveSettings` is built with (a dialect's subclass too)."""
+    return dict(
+        optimizer=p.optimizer,
+        scheduler=p.scheduler,
+        config=p.config,
+        clipping=p.stepper.clipping,
+        checkpointer=p.checkpointer,
+        callbacks=p.callbacks,
+        control=p.control,
+        progress=p.progress,
+        run_dir=p.ctx.run.dir
+        or (
+            p.checkpointer.persistent
+            and RunDir.of_checkpoint(p.checkpointer.persistent.storage.root)
+        ),
+        has_eval=p.loaders.eval is not None,
+    )
+
+
+def _live(p: Parts) -> LiveSettings:
+    return LiveSettings(**live_inputs(p))
 
 
 def _schedule(p: Parts) -> Schedule:

@@ -126,11 +126,14 @@ class Schedule:
         intervals = [cfg.log_every, cfg.exit_interval, *self.checkpointer.intervals()]
         if self.has_eval:
             intervals.append(cfg.eval_every)
-        self.next_boundary = min([(step // n + 1) * n for n in intervals if n], default=sys.maxsize)
+        due = [(step // n + 1) * n for n in intervals if n]
+        self.next_boundary = min([*due, self.control.next_due], default=sys.maxsize)
 
     def take_requests(self) -> Requests:
         """The requests filed since the last look and a caught signal, agreed across ranks."""
         caught, world_size = self.signals.caught, self.progress.world_size
+        if self.control.next_due <= self.progress.step:  # a replayed change is due
+            self.control.file_due(self.progress.step)
         if caught is None and world_size == 1 and not self.control.pending:
             return NO_REQUESTS  # what drain() returns then, without its calls
         requests = self.control.drain(signal=caught, world_size=world_size, device=self.device)

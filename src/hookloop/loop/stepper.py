@@ -80,7 +80,9 @@ class Clipping:
     def __init__(
         self, max_norm: float | None, *, always_measure: bool = False, foreach: bool | None = True
     ) -> None:
-        self.max_norm = max_norm if max_norm else (math.inf if always_measure else None)
+        #: What ``max_norm`` becomes when clipping is turned off mid-run (a live ``set``).
+        self.off_value = math.inf if always_measure else None
+        self.max_norm = max_norm if max_norm else self.off_value
         self.foreach = foreach
 
 

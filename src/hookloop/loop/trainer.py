@@ -196,6 +196,8 @@ class Trainer:
         try:
             if self.resume is not None and self.checkpoints is not None:
                 self.checkpointer.resume(self.resume)
+            # live changes past the restored step, or those of the run --replay names
+            p.live.plan_replays(p.live.replay_from, fresh=self.resume is None)
             p.fire("on_data_init_start")  # model, optimizer, checkpoint ready; no data read
             self.model.train()
             st.in_training = True  # evaluations from here on are part of training
@@ -359,10 +361,25 @@ class Trainer:
             "evaluate": lambda values: self._evaluate_in_training(),
             "save": lambda values: self.checkpointer.save(),
             "save_local": lambda values: self.checkpointer.save_local(),
-            "rewind": lambda values: self.checkpointer.rewind(values["request"]),
+            "rewind": self._rewind,
+            "set": self._set,
             "stop": self._stop,
             "abort": lambda values: self._stop({**values, "reason": f"abort: {values['reason']}"}),
         }
+
+    def _rewind(self, values: dict[str, Any]) -> None:
+        self.checkpointer.rewind(values["request"])
+        self.parts.live.plan_replays(self.parts.live.replay_from)  # past the step rewound to
+
+    def _set(self, values: dict[str, Any]) -> None:
+        """A live ``set`` (:mod:`hookloop.loop.live`): applied, recorded, announced."""
+        changes = self.parts.live.apply(values)
+        if changes and self.callbacks.index["on_settings_change"]:
+            self.ctx.changes = tuple(changes)
+            try:
+                self.callbacks.fire("on_settings_change", self.ctx)
+            finally:
+                self.ctx.changes = None
 
     def _stop(self, values: dict[str, Any]) -> None:
         """A stop or an abort (which saves nothing at the end) sets why training ends."""

@@ -1,0 +1,551 @@
+"""Live settings: change a running job's hyperparameters, recorded and replayed exactly.
+
+``hookloop ctl set JOB lr=3e-4 clip_grad_norm=0.5`` (or ``POST /jobs/<id>/control``
+with ``{"command": "set", "values": {...}}``) files one ``set`` request. The server
+checks it first (:meth:`LiveSettings.check`: an unknown key, a wrong type, a value
+out of range or a key fixed for the run's life is refused whole, naming the key and
+what is allowed, and nothing changes). The loop agrees it across ranks like any
+request and, at the end of the step it was agreed at, on every rank,
+:meth:`LiveSettings.apply`:
+
+1. works out each key's old and new value;
+2. appends one record to the run directory's ``changes.jsonl`` (rank 0; flushed and
+   fsynced before anything changes, so no applied change is ever missing from it);
+3. changes the values and fires ``on_settings_change`` with ``ctx.changes`` (the
+   loggers write it into ``metrics.jsonl``, TensorBoard and ``progress.txt``).
+
+What can change (:meth:`LiveSettings.settable` lists a run's own):
+
+=====================  ==================================================================
+``lr``                 the learning rate's peak: with a schedule, its base rates
+                       (``base_lrs``) and the current rate are scaled alike, so warm-up
+                       and decay go on in the same shape; without one, the rate itself
+``lr_scale``           multiply the current rate (and the schedule's peak) by a factor
+``weight_decay``,      the optimizer's own hyperparameters, where its parameter groups
+``momentum``,          have them; ``KEY@N`` changes parameter group ``N`` alone
+``betas``, ``eps``
+``clip_grad_norm``     the gradient-clipping norm (null: off)
+``log_every``,         the cadences (``train.log_every``, ``train.eval_every``,
+``eval_every``,        ``checkpoint.every``)
+``save_every``
+``Callback.attr``      an attribute a callback lists in its ``settable`` tuple (the new
+                       value must have the old one's type)
+=====================  ==================================================================
+
+Replay. The changes travel in each checkpoint (the ``settings`` entry: every change
+up to its step, and the current value of each changed key the optimizer does not
+hold itself). A resume restores them, then re-applies every record of
+``changes.jsonl`` past the restored step at the step it was first applied at, so a
+steered run killed at any moment and resumed ends on the same weights, bit for bit,
+as if it had never stopped. ``hookloop train --replay RUN`` replays a finished run's
+changes from scratch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from hookloop.distributed import broadcast_object, rank_info
+from hookloop.requests import register_kind
+from hookloop.rundir import RunDir
+
+register_kind("set", "change live settings (learning rate, clipping, cadences, ...)")
+
+#: The optimizer hyperparameters ``set`` may change, where the param groups have them.
+OPTIMIZER_KEYS = ("lr", "weight_decay", "momentum", "betas", "eps")
+#: Config keys fixed for a run's life (the shape of the model, the data, the budget...).
+FIXED_REASON = "it is fixed for the run's life (change it in the config and start a new run)"
+#: The longest client description kept in a record.
+MAX_CLIENT = 120
+
+
+class SettingError(ValueError):
+    """A ``set`` that cannot be applied; the message is one line naming the key."""
+
+
+@dataclass(frozen=True)
+class SettingChange:
+    """One key changed by a ``set`` (``ctx.changes`` during ``on_settings_change``)."""
+
+    step: int
+    key: str
+    old: Any
+    new: Any
+    client: str
+    time: float
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Setting:
+    """One settable value: how to read it, check a new one, and write it."""
+
+    doc: str
+    get: Callable[[], Any]
+    put: Callable[[Any], None]
+    check: Callable[[str, Any], Any]
+    in_optimizer: bool = False  # restored with the optimizer / scheduler state
+
+
+# -- checking values ---------------------------------------------------------------------
+
+
+def _number(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SettingError(f"{key} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise SettingError(f"{key} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def positive(key: str, value: Any) -> float:
+    number = _number(key, value)
+    if number <= 0:
+        raise SettingError(f"{key} must be a finite number > 0, got {value!r}")
+    return number
+
+
+def non_negative(key: str, value: Any) -> float:
+    number = _number(key, value)
+    if number < 0:
+        raise SettingError(f"{key} must be a finite number >= 0, got {value!r}")
+    return number
+
+
+def fraction(key: str, value: Any) -> float:
+    number = _number(key, value)
+    if not 0 <= number < 1:
+        raise SettingError(f"{key} must be a number in [0, 1), got {value!r}")
+    return number
+
+
+def betas(key: str, value: Any) -> tuple[float, float]:
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise SettingError(f"{key} must be a list of two numbers in [0, 1), got {value!r}")
+    return (fraction(key, value[0]), fraction(key, value[1]))
+
+
+def positive_or_off(key: str, value: Any) -> float | None:
+    return None if value is None else positive(key, value)
+
+
+def interval(key: str, value: Any, *, off: Any) -> int | None:
+    """A step interval: an int >= 1, or ``off`` (0 or null) to turn it off."""
+    if value is None or (value == 0 and not isinstance(value, bool)):
+        return off
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        shown = "0" if off == 0 else "null"
+        raise SettingError(f"{key} must be an int >= 1 ({shown}: off), got {value!r}")
+    return value
+
+
+def same_type(key: str, old: Any, value: Any) -> Any:
+    """A callback's settable: the new value has the old one's type (an int for a float)."""
+    if old is None or (type(value) is type(old) and not isinstance(value, (list, dict))):
+        return value
+    if isinstance(old, float) and type(value) is int:
+        return float(value)
+    raise SettingError(
+        f"{key} must be a {type(old).__name__} like its value {old!r}, got {value!r}"
+    )
+
+
+def plain(value: Any) -> Any:
+    """A value as JSON writes it (tuples as lists)."""
+    return list(value) if isinstance(value, tuple) else value
+
+
+# -- the settings of one run ---------------------------------------------------------------
+
+
+class LiveSettings:
+    """The live settings of one run (a part of the loop; see the module doc)."""
+
+    def __init__(
+        self,
+        *,
+        optimizer: Any,
+        scheduler: Any,
+        config: Any,
+        clipping: Any,
+        checkpointer: Any,
+        callbacks: Any,
+        control: Any,
+        progress: Any,
+        run_dir: RunDir | None,
+        has_eval: bool,
+    ) -> None:
+        self.optimizer, self.scheduler, self.config = optimizer, scheduler, config
+        self.clipping, self.checkpointer, self.callbacks = clipping, checkpointer, callbacks
+        self.control, self.progress, self.run_dir, self.has_eval = (
+            control,
+            progress,
+            run_dir,
+            has_eval,
+        )
+        #: Every change applied so far (and restored from the checkpoint), oldest first.
+        self.history: list[dict[str, Any]] = []
+        #: A run whose changes ``hookloop train --replay`` re-applies from scratch.
+        self.replay_from: Path | None = None
+        self._settings = self._loop_settings()
+
+    # -- what can change --------------------------------------------------------------
+    def _loop_settings(self) -> dict[str, Setting]:
+        cfg, ck = self.config.train, self.checkpointer
+        settings: dict[str, Setting] = {}
+        for key in OPTIMIZER_KEYS:
+            groups = self.optimizer.param_groups
+            if all(key in g for g in groups):
+                settings[key] = self._group_setting(key, None)
+                for index in range(len(groups)):
+                    settings[f"{key}@{index}"] = self._group_setting(key, index)
+        clipping = self.clipping
+
+        def put_clip(value: Any) -> None:
+            clipping.max_norm = value if value is not None else clipping.off_value
+
+        settings["clip_grad_norm"] = Setting(
+            "the gradient-clipping norm (null: off)",
+            lambda: None if clipping.max_norm in (None, math.inf) else clipping.max_norm,
+            put_clip,
+            positive_or_off,
+        )
+        settings["log_every"] = Setting(
+            "fire the logging events every N steps (0: never)",
+            lambda: cfg.log_every,
+            lambda v: setattr(cfg, "log_every", v),
+            lambda k, v: interval(k, v, off=0),
+        )
+        if self.has_eval:
+            settings["eval_every"] = Setting(
+                "evaluate every N steps (null: not by steps)",
+                lambda: cfg.eval_every,
+                lambda v: setattr(cfg, "eval_every", v),
+                lambda k, v: interval(k, v, off=None),
+            )
+        persistent = ck.persistent if ck is not None else None
+        if persistent is not None:
+            policy = persistent.policy
+            settings["save_every"] = Setting(
+                "save a checkpoint every N steps (null: only at the end and on request)",
+                lambda: policy.every,
+                lambda v: setattr(policy, "every", v),
+                lambda k, v: interval(k, v, off=None),
+            )
+        return settings
+
+    def _group_setting(self, key: str, index: int | None) -> Setting:
+        check = {
+            "lr": positive,
+            "weight_decay": non_negative,
+            "momentum": fraction,
+            "betas": betas,
+            "eps": positive,
+        }[key]
+        where = "every parameter group" if index is None else f"parameter group {index}"
+        if key == "lr":
+            return Setting(
+                f"the learning rate's peak in {where}",
+                lambda: self._one([self._peak(i) for i in self._chosen(key, index)]),
+                lambda v: [self._set_peak(i, v) for i in self._chosen(key, index)] and None,
+                check,
+                in_optimizer=True,
+            )
+
+        def put(value: Any) -> None:
+            groups = self.optimizer.param_groups  # replaced by a resume: read it each time
+            for i in self._chosen(key, index):
+                groups[i][key] = value
+
+        return Setting(
+            f"the optimizer's {key} in {where}",
+            lambda: self._one(
+                [plain(self.optimizer.param_groups[i][key]) for i in self._chosen(key, index)]
+            ),
+            put,
+            check,
+            in_optimizer=True,
+        )
+
+    def _chosen(self, key: str, index: int | None) -> list[int]:
+        """The parameter groups a key changes: group ``index``, or every group (for
+        ``weight_decay``, every group that decays, unless none does)."""
+        if index is not None:
+            return [index]
+        groups = self.optimizer.param_groups
+        every = list(range(len(groups)))
+        if key == "weight_decay":
+            return [i for i in every if groups[i]["weight_decay"]] or every
+        return every
+
+    @staticmethod
+    def _one(values: list[Any]) -> Any:
+        return values[0] if all(v == values[0] for v in values) else values
+
+    def _peak(self, index: int) -> float:
+        base = getattr(self.scheduler, "base_lrs", None)
+        if base is not None and index < len(base):
+            return float(base[index])
+        return float(self.optimizer.param_groups[index]["lr"])
+
+    def _set_peak(self, index: int, value: float) -> None:
+        group, base = self.optimizer.param_groups[index], getattr(self.scheduler, "base_lrs", None)
+        ratio = value / self._peak(index)
+        group["lr"] = group["lr"] * ratio
+        if "initial_lr" in group:
+            group["initial_lr"] = value
+        if base is not None and index < len(base):
+            base[index] = value
+
+    def callback_settings(self) -> dict[str, Setting]:
+        """The attributes callbacks list in their ``settable`` tuple, as ``Name.attr``."""
+        found: dict[str, Setting] = {}
+        for cb in self.callbacks.callbacks:
+            for attr in getattr(cb, "settable", ()) or ():
+                key = f"{cb.name}.{attr}"
+                found[key] = Setting(
+                    f"{type(cb).__name__}.{attr}",
+                    lambda cb=cb, attr=attr: getattr(cb, attr),
+                    lambda v, cb=cb, attr=attr: setattr(cb, attr, v),
+                    lambda k, v, cb=cb, attr=attr: same_type(k, getattr(cb, attr), v),
+                )
+        return found
+
+    def settable(self) -> dict[str, Setting]:
+        """Every key this run can change now, with its setting."""
+        return {**self._settings, **self.callback_settings()}
+
+    def values(self) -> dict[str, Any]:
+        """The current value of every settable key (``KEY@N`` only where the groups differ)."""
+        settable, out = self.settable(), {}
+        for key, setting in settable.items():
+            base, _, index = key.partition("@")
+            if index:
+                groups = [
+                    settable[f"{base}@{i}"].get() for i in range(len(self.optimizer.param_groups))
+                ]
+                if all(v == groups[0] for v in groups):
+                    continue
+            out[key] = plain(setting.get())
+        return out
+
+    def describe(self) -> str:
+        keys = [k for k in self.settable() if "@" not in k]
+        groups = len(self.optimizer.param_groups)
+        per_group = f"; per parameter group: KEY@N with N < {groups}" if groups > 1 else ""
+        return ", ".join([*keys[:1], "lr_scale", *keys[1:]]) + per_group
+
+    # -- checking a request -----------------------------------------------------------
+    def check(self, values: Any) -> dict[str, Any]:
+        """The values of a ``set``, checked whole against this run (:class:`SettingError`
+        naming the first wrong key); the checked values come back normalised."""
+        if not isinstance(values, dict) or not values:
+            raise SettingError(
+                f"set needs at least one KEY=VALUE; settable here: {self.describe()}"
+            )
+        settable, checked = self.settable(), {}
+        if "lr" in values and "lr_scale" in values:
+            raise SettingError("give lr or lr_scale, not both")
+        for key, value in values.items():
+            if key == "lr_scale":
+                checked[key] = positive(key, value)
+                continue
+            setting = settable.get(key)
+            if setting is None:
+                raise SettingError(self._unknown(key))
+            if (
+                key in OPTIMIZER_KEYS
+                and isinstance(current := setting.get(), list)
+                and (key != "betas" or isinstance(current[0], list))
+            ):
+                raise SettingError(
+                    f"{key}: the parameter groups hold different values {current}; set "
+                    f"{key}@N for group N (N < {len(self.optimizer.param_groups)})"
+                    + ("" if key != "lr" else " or scale them all with lr_scale")
+                )
+            checked[key] = setting.check(key, value)
+        return checked
+
+    def _unknown(self, key: Any) -> str:
+        name = str(key)
+        base = name.split("@")[0]
+        if "@" in name and base in OPTIMIZER_KEYS and base in self._settings:
+            groups = len(self.optimizer.param_groups)
+            return (
+                f"{name}: this optimizer has {groups} parameter group(s); "
+                f"use {base}@N with N < {groups}"
+            )
+        if base in OPTIMIZER_KEYS:
+            return (
+                f"{name}: this run's optimizer ({type(self.optimizer).__name__}) has no {base}; "
+                f"settable here: {self.describe()}"
+            )
+        if base in fixed_keys(self.config):
+            return f"{name} cannot change mid-run: {FIXED_REASON}; settable: {self.describe()}"
+        shown = name if len(name) <= 60 else name[:57] + "..."
+        return f"unknown setting {shown!r}; settable here: {self.describe()}"
+
+    # -- applying a request (the loop, on every rank) --------------------------------
+    def apply(self, request: dict[str, Any]) -> list[SettingChange]:
+        """Carry out the ``set`` requests agreed at this step's end, oldest first."""
+        applied: list[SettingChange] = []
+        for ident in sorted(request):
+            asked = request[ident]
+            replayed = bool(asked.get("replay"))
+            try:
+                values = self.check(asked["values"])
+            except SettingError as err:  # the run changed since the server checked it
+                if rank_info()[0] == 0:
+                    print(f"hookloop: set not applied: {err}", flush=True)
+                continue
+            changes = self._plan(values, str(asked.get("client") or "unknown"))
+            record = {
+                "id": ident,
+                "step": self.progress.step,
+                "values": {k: plain(v) for k, v in values.items()},
+                "changes": [c.to_json() for c in changes],
+                "client": changes[0].client if changes else "",
+                "time": time.time(),
+            }
+            if not replayed:
+                self._append(record)
+            self._put(values)
+            self.history.append(record)
+            applied.extend(changes)
+        return applied
+
+    def _plan(self, values: dict[str, Any], client: str) -> list[SettingChange]:
+        settable, step, now = self.settable(), self.progress.step, time.time()
+        changes = []
+        for key, value in values.items():
+            if key == "lr_scale":
+                old = settable["lr"].get()
+                new = [v * value for v in old] if isinstance(old, list) else old * value
+                changes.append(SettingChange(step, "lr", old, new, client, now))
+                continue
+            changes.append(
+                SettingChange(step, key, plain(settable[key].get()), plain(value), client, now)
+            )
+        return changes
+
+    def _put(self, values: dict[str, Any]) -> None:
+        settable = self.settable()
+        for key, value in values.items():
+            if key == "lr_scale":
+                for index in range(len(self.optimizer.param_groups)):
+                    self._set_peak(index, self._peak(index) * value)
+            else:
+                settable[key].put(value)
+
+    def _append(self, record: dict[str, Any]) -> None:
+        """One record in ``changes.jsonl``, on disk before the change is made (rank 0)."""
+        if self.run_dir is None or rank_info()[0] != 0:
+            return
+        path = self.run_dir.changes
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record, allow_nan=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    # -- replay ---------------------------------------------------------------------------
+    def plan_replays(self, source: RunDir | None = None, *, fresh: bool = False) -> int:
+        """File, for the step each was applied at, every recorded change past the current
+        step that this run has not applied (after a resume or a rewind, or from ``source``
+        for ``--replay``). Returns how many are planned. ``fresh``: a new run in this
+        directory; the changes a former run recorded are kept aside, not replayed."""
+        if fresh and source is None:
+            self._set_aside()
+            return 0
+        self.control.cancel_later("set")
+        own = source is None or (self.run_dir is not None and source.root == self.run_dir.root)
+        source = source or self.run_dir
+        records = None
+        if rank_info()[0] == 0 or rank_info()[2] == 1:
+            records = read_changes(source.changes) if source is not None else []
+        if rank_info()[2] > 1:
+            records = broadcast_object(records)
+        done = {r["id"] for r in self.history}
+        step, planned = self.progress.step, 0
+        for record in records or ():
+            if record["id"] in done or record["step"] <= step:
+                continue
+            entry = {"values": record["values"], "client": record["client"], "replay": own}
+            self.control.request_later(record["step"], "set", **{record["id"]: entry})
+            planned += 1
+        return planned
+
+    def _set_aside(self) -> None:
+        """A former run's ``changes.jsonl`` becomes ``changes-<time>.jsonl`` (rank 0)."""
+        if self.run_dir is None or rank_info()[0] != 0 or not self.run_dir.changes.is_file():
+            return
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        os.replace(self.run_dir.changes, self.run_dir.changes.with_name(f"changes-{stamp}.jsonl"))
+
+    # -- checkpoint state -----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        settable = self.settable()
+        changed = {k for r in self.history for k in r["values"]} - {"lr_scale"}
+        current = {
+            k: plain(settable[k].get())
+            for k in sorted(changed)
+            if k in settable and not settable[k].in_optimizer
+        }
+        return {"history": [dict(r) for r in self.history], "values": current}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.history = [dict(r) for r in saved.get("history", ())]
+        settable = self.settable()
+        for key, value in saved.get("values", {}).items():
+            if key in settable:
+                settable[key].put(tuple(value) if isinstance(value, list) else value)
+
+
+def read_changes(path: Path) -> list[dict[str, Any]]:
+    """The records of a ``changes.jsonl`` in order (a torn last line, from a kill, skipped;
+    any other malformed line is an error naming it)."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return []
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("not a change record")
+            if not isinstance(record.get("values"), dict) or not isinstance(record.get("id"), str):
+                raise ValueError("not a change record")
+        except ValueError:
+            if number == len(lines):
+                break  # the line being written when the process was killed
+            raise ValueError(
+                f"{path}:{number} is not a change record (a JSON object with id, step, values)"
+            ) from None
+        records.append(record)
+    return records
+
+
+def fixed_keys(config: Any) -> set[str]:
+    """Config keys of any section: ``set`` refuses these as fixed for the run's life."""
+    keys: set[str] = set()
+    for section in vars(config).values():
+        names = getattr(section, "__dataclass_fields__", None)
+        if names:
+            keys.update(names)
+    keys.update(("batch_size", "seed", "model", "grad_accum", "max_steps", "max_epochs"))
+    return keys
+
+
+def describe_changes(changes: Iterable[SettingChange]) -> str:
+    """``lr 0.001 -> 0.0003, clip_grad_norm 1.0 -> 0.5`` (for logs and text entries)."""
+    return ", ".join(f"{c.key} {c.old!r} -> {c.new!r}" for c in changes)
