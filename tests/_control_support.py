@@ -144,7 +144,7 @@ class Job:
             json.dumps(asked).encode(),
             headers={"Content-Type": "application/json"},
         )
-        # seed 004's acknowledgement: 200 {"status": "acknowledged", "command": name, ...}
+        # Forgather's acknowledgement: 200 {"status": "acknowledged", "command": name, ...}
         assert code == 200 and body["status"] == "acknowledged", (code, body)
         assert body["command"] == name, body
         return body

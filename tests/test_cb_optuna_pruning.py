@@ -139,7 +139,7 @@ def test_a_direct_evaluate_after_training_is_not_reported(make_config, tmp_path)
     assert sorted(study.trials[0].intermediate_values) == [2, 4]
 
 
-# -- the objective's value, as seed 001 returns it -------------------------------------------
+# -- the objective's value, as the HPO trainer returns it ------------------------------------
 
 
 def _result(stop_reason="max_steps", **metrics):
@@ -151,7 +151,7 @@ def test_objective_value_is_the_final_metric_for_a_finished_run():
     assert objective_value(_result(eval_acc=0.9), "eval_acc", "maximize") == 0.9
 
 
-def test_a_failed_run_returns_inf_like_the_seed():
+def test_a_failed_run_returns_inf_like_the_hpo_trainer():
     nan_stop = "NaNDetection: non-finite loss (nan) at step 3 (the step's update was skipped)"
     assert objective_value(_result(nan_stop, eval_loss=0.5)) == math.inf  # last eval was fine
     assert objective_value(_result(f"abort: {nan_stop}", eval_loss=0.5)) == math.inf
@@ -176,7 +176,7 @@ def test_a_nan_trial_completes_with_value_inf_in_the_study(make_config, tmp_path
     assert sorted(trial.intermediate_values) == [2]  # evaluated once, stopped at step 3
 
 
-def test_seed_name_priority_and_validation(tmp_path):
+def test_hpo_trainer_name_priority_and_validation(tmp_path):
     assert PrunerCallback is OptunaPruning
     assert OptunaPruning.priority == 85
     trial = optuna.trial.FixedTrial({})

@@ -97,8 +97,8 @@ def test_the_readme_second_command_is_what_ci_runs():
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_the_systems_are_called_by_their_names(page):
-    # "seed 001", "seed-004": planning-document numbers; module paths such as
-    # hookloop.compat.hf.seed004 (an old path, still importable) are not prose.
+    # each system by its name, never by a document number; the deprecated module path
+    # hookloop.compat.hf.seed004 (still importable for one release) is not prose.
     found = re.findall(r"\bseed[ -]\d{3}\b", page.read_text(encoding="utf-8"), re.I)
     assert not found
 

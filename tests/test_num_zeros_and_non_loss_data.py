@@ -1,4 +1,4 @@
-"""Seed 003's step and evaluation extras: ``num_zeros_in_grad`` in the step logs
+"""Megatron-Bridge's step and evaluation extras: ``num_zeros_in_grad`` in the step logs
 (``train.log_num_zeros_in_grad``) and ``non_loss_data_func`` called on the model at
 each evaluation, its result on ``ctx.non_loss_data`` during ``on_eval_end``."""
 
@@ -147,13 +147,13 @@ def test_pretrain_passes_non_loss_data_func_to_the_loop():
     assert seen.at_end == ["Sequential", "Sequential"]
 
 
-def test_seed_pretrain_hands_non_loss_data_to_callbacks_and_tensorboard(tmp_path):
-    """Seed 003's pair: ``non_loss_data_func(model)`` after each evaluation, and
+def test_pretrain_hands_non_loss_data_to_callbacks_and_tensorboard(tmp_path):
+    """Megatron-Bridge's pair: ``non_loss_data_func(model)`` after each evaluation, and
     ``process_non_loss_data_func(data, iteration, writer)`` with the TensorBoard writer."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from hookloop.compat.megatron_bridge.recipes import tiny_gpt_pretrain_config
-    from hookloop.compat.megatron_bridge.training.callbacks import Callback as SeedCallback
+    from hookloop.compat.megatron_bridge.training.callbacks import Callback as BridgeCallback
     from hookloop.compat.megatron_bridge.training.gpt_step import forward_step
     from hookloop.compat.megatron_bridge.training.pretrain import pretrain
 
@@ -169,7 +169,7 @@ def test_seed_pretrain_hands_non_loss_data_to_callbacks_and_tensorboard(tmp_path
         processed.append((data, iteration))
         writer.add_scalar("weight-norm", data, iteration)
 
-    class Seen(SeedCallback):
+    class Seen(BridgeCallback):
         def on_eval_end(self, context):
             at_eval_end.append(context.non_loss_data)
 
@@ -183,14 +183,14 @@ def test_seed_pretrain_hands_non_loss_data_to_callbacks_and_tensorboard(tmp_path
     # Evaluations at steps 2 and 4, the validation after training, then the test phase (the
     # config splits off test data), as Megatron-Bridge's pretrain runs them.
     assert [step for _, step in processed] == [2, 4, 4, 4]
-    assert at_eval_end == [data for data, _ in processed]  # the seed callbacks saw it too
+    assert at_eval_end == [data for data, _ in processed]  # the dialect callbacks saw it too
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     written = [(e.step, e.value) for e in events.Scalars("weight-norm")]
     assert written == [(s, pytest.approx(v)) for v, s in processed]
 
 
-def test_seed_processing_without_a_non_loss_data_func_is_refused():
+def test_processing_without_a_non_loss_data_func_is_refused():
     from hookloop.compat.megatron_bridge.recipes import tiny_gpt_pretrain_config
     from hookloop.compat.megatron_bridge.training.gpt_step import forward_step
     from hookloop.compat.megatron_bridge.training.pretrain import pretrain

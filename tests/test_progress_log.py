@@ -95,7 +95,7 @@ def test_only_rank_zero_writes(tmp_path):
 
 def test_first_job_start_follows_megatrons_rules(tmp_path):
     """Earliest start of the newest unbroken series with this world size, and the
-    FLOPs of the last save before it (seed 003: get_start_time_from_progress_log)."""
+    FLOPs of the last save before it (Megatron-Bridge's get_start_time_from_progress_log)."""
     path = tmp_path / "progress.txt"
 
     def line(t, gpus, *rest):

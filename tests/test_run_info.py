@@ -205,7 +205,7 @@ def test_hf_arguments_follow_ctx_run(tmp_path):
     assert bare.args.output_dir is None
 
 
-def test_the_seed_001_view_reads_the_device_from_ctx_run():
+def test_the_hpo_trainer_view_reads_the_device_from_ctx_run():
     view = HpoTrainer(CallbackContext(run=RunInfo(device=torch.device("cpu"))))
     assert view.device == torch.device("cpu")
     bare = HpoTrainer(CallbackContext())

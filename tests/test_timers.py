@@ -1,5 +1,5 @@
 """Named timers: the stopwatch itself, what the loop fills, what the logs show, and the
-seed-000 dialect's ``context.state.timers``."""
+Megatron-Bridge dialect's ``context.state.timers``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from hookloop import Callback, CallbackManager, Config, DataConfig, TrainConfig, Trainer
 from hookloop.compat.megatron_bridge.recipes import small_gpt_pretrain_config
-from hookloop.compat.megatron_bridge.training.callbacks import Callback as SeedCallback
+from hookloop.compat.megatron_bridge.training.callbacks import Callback as BridgeCallback
 from hookloop.compat.megatron_bridge.training.gpt_step import forward_step
 from hookloop.compat.megatron_bridge.training.pretrain import pretrain
 from hookloop.config import apply_overrides
@@ -149,12 +149,12 @@ class _Recorder(Callback):
         self.logs.append(dict(ctx.logs))
 
 
-def test_seed_000_callbacks_read_the_loops_timers_from_context_state():
-    """A callback in the seed-000 style reads ``context.state.timers`` and sees the
+def test_megatron_bridge_callbacks_read_the_loops_timers_from_context_state():
+    """A callback in Megatron-Bridge's style reads ``context.state.timers`` and sees the
     loop's named timers with positive elapsed times."""
     seen: list[dict[str, float]] = []
 
-    class TimerReport(SeedCallback):
+    class TimerReport(BridgeCallback):
         def on_train_step_end(self, context):
             timers = context.state.timers
             seen.append(

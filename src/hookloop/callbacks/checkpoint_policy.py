@@ -1,6 +1,6 @@
 """Decide *when* to checkpoint from the callback side: per epoch, per step, on a new best.
 
-Seed 001's ``CheckpointCallback`` saved every N epochs and whenever the
+The HPO trainer's ``CheckpointCallback`` saved every N epochs and whenever the
 monitored metric reached a new best. In hookloop the *what* and *where* belong
 to ``hookloop.checkpoint.CheckpointManager`` (what is captured, atomic writes,
 retention); this callback only asks for saves with ``ctx.control.request_save()``

@@ -5,7 +5,7 @@ long before they finish. Each evaluation during training is reported to the
 trial (``trial.report(value, step)``); when the study's pruner answers
 ``trial.should_prune()``, the run ends:
 
-- ``raise_pruned=True`` (the default, as in seed 001): ``optuna.TrialPruned`` is
+- ``raise_pruned=True`` (the default, as in the HPO trainer): ``optuna.TrialPruned`` is
   raised from ``on_eval_end``. The user sees ``trainer.train()`` raise it, with a
   note naming this callback and the event; ``on_exception`` runs, nothing is
   saved, and ``study.optimize`` records the trial as PRUNED.
@@ -59,7 +59,7 @@ def objective_value(result: Any, monitor: str = "eval_loss", direction: str = "m
       ``optuna.TrialPruned``, so the trial is recorded as pruned;
     - failed (NaNDetection stopped it, or ``metrics[monitor]`` is missing or not
       finite): ``inf`` for ``direction="minimize"``, ``-inf`` for ``"maximize"``
-      (seed 001 returns ``val_loss = inf``);
+      (the HPO trainer returns ``val_loss = inf``);
     - otherwise the final ``metrics[monitor]``.
     """
     check_metric_name(monitor)

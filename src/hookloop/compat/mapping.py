@@ -105,12 +105,16 @@ def table() -> list[tuple[str, dict[str, tuple[str, ...]]]]:
 
 
 def markdown_table() -> str:
-    """The table as Markdown, one row per native event, as the README shows it.
+    """The table as Markdown, one row per native event, as docs/callbacks.md shows it.
 
     >>> print(markdown_table().splitlines()[2])
     | `on_init_end` | - | - | `on_init_end` |
     """
-    titles = {"megatron_bridge": "seed 000", "hpo": "seed 001", "hf": "seed 004 / HF"}
+    titles = {
+        "megatron_bridge": "Megatron-Bridge",
+        "hpo": "the HPO trainer",
+        "hf": "transformers' Trainer",
+    }
     lines = [
         "| native | " + " | ".join(titles[d] for d in DIALECTS) + " |",
         "|---" * (len(DIALECTS) + 1) + "|",

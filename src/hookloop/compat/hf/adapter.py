@@ -12,7 +12,7 @@ the first applies HF's flag resets and keeps ``log_history``; the last updates
 How a handler is called is decided once, when it is wrapped (never per call):
 ``(args, state, control, **kwargs)`` positionally when its first three
 parameters are ``args, state, control`` or carry other names; by keyword when
-it names some of them elsewhere (seed 004's ``on_log_step(self, state, logs,
+it names some of them elsewhere (Forgather's ``on_log_step(self, state, logs,
 **kwargs)``). A handler without ``**kwargs`` is given only the keywords it names.
 """
 
@@ -358,7 +358,7 @@ class HFSession:
 
 class _HFAdapter(DialectAdapter):
     """One HF-style callback, seen by the engine as a native callback (built by
-    :meth:`HFSession.wrap`). Seed 004's ``state_dict``/``load_state_dict`` is
+    :meth:`HFSession.wrap`). Forgather's ``state_dict``/``load_state_dict`` is
     checkpointed under ``name``; HF's ``ExportableState`` goes into
     ``TrainerState.stateful_callbacks`` instead."""
 

@@ -1,10 +1,10 @@
-"""``TrainerCallback``: the base class of the HuggingFace / seed 004 dialect.
+"""``TrainerCallback``: the base class of the HF dialect (transformers' Trainer, Forgather).
 
 A handler is ``on_<event>(self, args, state, control, **kwargs)`` and may
 return ``None`` or a control object; only the events a subclass overrides are
 ever called. The event names are the dialect's column of
 :mod:`hookloop.compat.mapping`. Handlers written as
-``on_log_step(self, state, logs, **kwargs)`` (seed 004's form) work too: the
+``on_log_step(self, state, logs, **kwargs)`` (Forgather's form) work too: the
 adapter passes ``args``, ``state`` and ``control`` by name to any handler whose
 first three parameters are not exactly those.
 

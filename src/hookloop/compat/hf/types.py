@@ -1,7 +1,7 @@
 """The objects an HF-style handler receives: ``args``, ``state`` and ``control``.
 
 They carry HuggingFace's field names so that callbacks written for
-``transformers.Trainer`` (or seed 004) read them unmodified. They are views for
+``transformers.Trainer`` (or Forgather's trainer) read them unmodified. They are views for
 the dialect only: the engine's own counters stay in :class:`hookloop.TrainState`
 and its requests in :class:`hookloop.Control`; the adapter copies one way into
 ``TrainerState`` and turns ``TrainerControl`` flags into native requests.
@@ -539,7 +539,7 @@ CONTROL_FLAGS = (
 
 @dataclass
 class TrainerControl:
-    """HF's five flags plus seed 004's ``should_abort_without_save``.
+    """HF's five flags plus Forgather's ``should_abort_without_save``.
 
     A handler sets a flag; the adapter files the matching native request
     (stop, save, evaluate, log, abort) as soon as the handler returns. As in
@@ -582,4 +582,4 @@ class TrainerControl:
         return {"args": {name: getattr(self, name) for name in _HF_FLAGS}, "attributes": {}}
 
 
-_HF_FLAGS = CONTROL_FLAGS[:5]  # transformers' five (seed 004's abort is never saved set)
+_HF_FLAGS = CONTROL_FLAGS[:5]  # transformers' five (Forgather's abort is never saved set)
