@@ -605,3 +605,28 @@ def test_profiler_writes_forgathers_file_names_and_prints_its_tables(tmp_path, c
     assert sorted(p.name for p in (tmp_path / "prof").iterdir()) == ["real_training_rank0.json"]
     out = capsys.readouterr().out
     assert "CPU time summary (steps 2-3)" in out
+
+
+@pytest.mark.parametrize(
+    ("old", "names"),
+    [
+        ("hookloop.compat.hf.seed004", ["JsonLogger", "ProgressCallback", "DiLoCoCallback"]),
+        ("hookloop.compat.hf.seed004_diloco", ["DiLoCoCallback"]),
+    ],
+)
+def test_the_deprecated_module_paths_still_import_and_warn_with_the_new_one(
+    old, names, monkeypatch
+):
+    import importlib
+    import sys
+
+    import hookloop.compat.forgather as forgather
+
+    monkeypatch.delitem(sys.modules, old, raising=False)
+    with pytest.warns(DeprecationWarning, match="moved to hookloop.compat.forgather") as seen:
+        module = importlib.import_module(old)
+    (message,) = [str(w.message) for w in seen]
+    # the message names the old path and the new one, nothing else of the old naming
+    assert message.lower().count("seed") == message.count(old.rsplit(".", 1)[1])
+    for name in names:
+        assert getattr(module, name) is getattr(forgather, name)
