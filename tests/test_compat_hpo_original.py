@@ -303,3 +303,23 @@ def test_early_stopping_state_with_a_wrong_value_is_refused_by_name():
         hpo.EarlyStoppingCallback().load_state_dict(
             {"counter": -1, "best_value": 0.5, "should_stop": False}
         )
+
+
+def test_inside_a_trainer_the_documented_settings_give_the_originals_prediction(make_trainer):
+    class Evals(hpo.TrainingCallback):
+        def __init__(self):
+            self.seen = []
+
+        def on_val_end(self, trainer, val_loss, **kwargs):
+            self.seen.append(val_loss)
+
+    max_epochs = 12
+    evals = Evals()
+    prediction = hpo.LossPredictionCallback(max_epochs + 1, min_points=11)
+    trainer = make_trainer(
+        [prediction, *hpo.as_native(evals)], n=8, eval_n=8, max_epochs=max_epochs
+    )
+    trainer.train()  # 2 steps an epoch, one evaluation at each epoch's end
+
+    assert len(prediction.losses) == max_epochs
+    assert prediction.prediction == pytest.approx(original_score(evals.seen, max_epochs), rel=1e-9)
