@@ -5,8 +5,9 @@ read ``ctx``). In the HPO trainer's own loop there is no ``ctx``: the trainer fi
 seven events with keyword fields, and the built-ins talk through
 ``trainer._<name>`` attributes. For each built-in a *face* gives the HPO trainer's
 hooks, worked out from the fields and the trainer (``trainer.model``,
-``trainer.optimizer``) with the same pure logic the native callback uses, and
-keeps its results on the native object (``nan_detected``, ``should_stop``,
+``trainer.optimizer``) as the original HPO trainer's built-in does (with the
+native callback's pure helpers wherever their numbers agree), and keeps its
+results on the native object (``nan_detected``, ``should_stop``,
 ``epoch_maxima``, ``prediction``, ``gap_ratio``, ``pruned`` …):
 
 =========================  =====================  =========================================
@@ -17,11 +18,16 @@ OptimizerModeCallback      epoch begin, val begin ``optimizer.train()`` / ``opti
 GradientMonitorCallback    epoch begin, step end, ``trainer._max_grad_norm``: the epoch's
                            epoch end              largest gradient L2 norm; warns above the
                                                   threshold
-LossPredictionCallback     on_val_end             ``trainer._loss_prediction`` (-log10 of the
-                                                  predicted loss at ``max_epochs``)
+LossPredictionCallback     on_val_end             ``trainer._loss_prediction`` from epoch 10:
+                                                  -log10 of the loss a line through
+                                                  log(val_loss) against 0, 1, 2 … gives at
+                                                  ``t = max_epochs``
 OverfitDetectionCallback   on_epoch_end           ``trainer._overfit_gap_ratio`` (or None)
-WandbLoggingCallback       begin, epoch end, end  one W&B row per epoch; a console summary
-                                                  every 10 epochs
+                                                  over the last ``window_size`` values
+WandbLoggingCallback       begin, epoch end, end  one W&B row per epoch (``lr`` from the
+                                                  optimizer) into ``wandb.run`` when one is
+                                                  open; a console summary every 10 epochs
+                                                  and at the last
 PrunerCallback             on_val_end             ``trial.report(val_loss, epoch)``; raises
                                                   ``optuna.TrialPruned``
 EarlyStoppingCallback      on_val_end             ``should_stop`` after ``patience`` epochs
