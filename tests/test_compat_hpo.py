@@ -1,5 +1,6 @@
-"""Seed 001's dialect (hookloop.compat.hpo): the seed's example as written, priorities shared
-with native callbacks, the trainer-attribute convention, a hand-written loop, the event trace."""
+"""The HPO trainer's dialect (hookloop.compat.hpo): its documented example as written,
+priorities shared with native callbacks, the trainer-attribute convention, a hand-written
+loop, the event trace."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch.utils.data import Dataset
 
 import hookloop.compat.hpo as hpo
 from _golden import golden_run_config
-from _seed_examples import example, with_imports
+from _reference_examples import example, with_imports
 from hookloop import Callback, CallbackManager, Trainer
 from hookloop.callbacks import JsonLogger, read_jsonl
 from hookloop.callbacks.optuna_pruning import objective_value
@@ -31,14 +32,15 @@ from hookloop.compat.hpo import (
 )
 from hookloop.testing import TinyModel, ToyData
 
-SEED_IMPORT = {"from callbacks import": "from hookloop.compat.hpo import TrainingCallback"}
+HPO_IMPORT = {"from callbacks import": "from hookloop.compat.hpo import TrainingCallback"}
 
 
-def seed_best_loss_tracker() -> type:
-    """The seed's BestLossTrackerCallback, cut out of the seed text, its import line swapped."""
-    code = example("001", "from callbacks import TrainingCallback", ")")
+def hpo_best_loss_tracker() -> type:
+    """The documented BestLossTrackerCallback, cut out of the HPO trainer's text, its import
+    line swapped."""
+    code = example("hpo_trainer_callbacks", "from callbacks import TrainingCallback", ")")
     namespace: dict = {}
-    exec(with_imports(code, SEED_IMPORT), namespace)
+    exec(with_imports(code, HPO_IMPORT), namespace)
     return namespace["BestLossTrackerCallback"]
 
 
@@ -53,7 +55,7 @@ class EvalLosses(Callback):
 
 
 class Record(TrainingCallback):
-    """Seed-001 style: appends (label, event, step) to a shared list for every hook."""
+    """HPO-trainer style: appends (label, event, step) to a shared list for every hook."""
 
     def __init__(self, log: list, label: str = "", priority: int = 50) -> None:
         self.log, self.label, self.priority = log, label, priority
@@ -86,11 +88,13 @@ class Record(TrainingCallback):
         self._seen("on_train_end", trainer, kwargs)
 
 
-# -- the seed's example, as written --------------------------------------------------------
+# -- the HPO trainer's example, as written -------------------------------------------------
 
 
-def test_seed_best_loss_tracker_runs_in_a_hookloop_run_and_prints_its_summary(make_trainer, capsys):
-    tracker = seed_best_loss_tracker()()
+def test_the_documented_best_loss_tracker_runs_in_a_hookloop_run_and_prints_its_summary(
+    make_trainer, capsys
+):
+    tracker = hpo_best_loss_tracker()()
     evals = EvalLosses()
     runner = CallbackRunner([NaNDetectionCallback(), tracker, OptimizerModeCallback()])
     trainer = make_trainer([*runner.native(), evals], eval_n=8, max_epochs=4)
@@ -106,8 +110,8 @@ def test_seed_best_loss_tracker_runs_in_a_hookloop_run_and_prints_its_summary(ma
     assert HpoTrainer(trainer.ctx)._best_val_loss == best
 
 
-def test_a_value_a_seed_callback_stores_on_the_trainer_reaches_the_loggers(make_trainer, tmp_path):
-    tracker = seed_best_loss_tracker()()
+def test_a_value_an_hpo_callback_stores_on_the_trainer_reaches_the_loggers(make_trainer, tmp_path):
+    tracker = hpo_best_loss_tracker()()
     jsonl = tmp_path / "metrics.jsonl"
     # 2 steps an epoch, logged every step, evaluated at each epoch end.
     callbacks = [*as_native(tracker), JsonLogger(jsonl)]
@@ -129,15 +133,19 @@ def test_a_value_a_seed_callback_stores_on_the_trainer_reaches_the_loggers(make_
     assert trainer.callbacks.user_state["best_val_loss"] == min(evals)
 
 
-def test_seed_callback_list_runs_in_priority_order_whatever_the_insertion_order(
+def test_the_documented_callback_list_runs_in_priority_order_whatever_the_insertion_order(
     monkeypatch, tmp_path
 ):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    code = example("001", "callbacks_list = [", "callback_runner = CallbackRunner(callbacks_list)")
-    namespace = {name: getattr(hpo, name) for name in hpo.__all__}  # the seed's names
+    code = example(
+        "hpo_trainer_callbacks",
+        "callbacks_list = [",
+        "callback_runner = CallbackRunner(callbacks_list)",
+    )
+    namespace = {name: getattr(hpo, name) for name in hpo.__all__}  # the HPO trainer's names
     namespace.update(
-        BestLossTrackerCallback=seed_best_loss_tracker(),
+        BestLossTrackerCallback=hpo_best_loss_tracker(),
         run_config=type("RunConfig", (), {"epochs": 10}),
     )
     exec(code, namespace)
@@ -154,11 +162,11 @@ def test_seed_callback_list_runs_in_priority_order_whatever_the_insertion_order(
         ("WandbLoggingCallback", 80),
     ]
     native = runner.native()
-    assert [cb is seed for cb, seed in zip(native, runner.callbacks, strict=True)] == [
+    assert [cb is theirs for cb, theirs in zip(native, runner.callbacks, strict=True)] == [
         True,
         True,
         True,
-        False,  # the seed callback is adapted; the built-ins pass through unchanged
+        False,  # the HPO-trainer callback is adapted; the built-ins pass through unchanged
         True,
         True,
         True,
@@ -177,27 +185,27 @@ class NativeProbe(Callback):
         self.log.append((self.label, "on_epoch_end", ctx.state.step))
 
 
-def test_seed_and_native_callbacks_interleave_by_priority(make_trainer):
+def test_hpo_and_native_callbacks_interleave_by_priority(make_trainer):
     log: list = []
     runner = CallbackRunner(
         [
-            Record(log, "seed-90", priority=90),
+            Record(log, "hpo-90", priority=90),
             NativeProbe(log, "native-50", priority=50),
-            Record(log, "seed-11", priority=11),
-            Record(log, "seed-50", priority=50),
+            Record(log, "hpo-11", priority=11),
+            Record(log, "hpo-50", priority=50),
         ]
     )
     trainer = make_trainer([NativeProbe(log, "native-12", 12), *runner.native()], max_steps=4)
     trainer.train()
 
     epoch_end = [label for label, event, _ in log if event == "on_epoch_end"]
-    # Ties keep list order: the runner's native-50 was listed before seed-50.
-    assert epoch_end == ["seed-11", "native-12", "native-50", "seed-50", "seed-90"]
+    # Ties keep list order: the runner's native-50 was listed before hpo-50.
+    assert epoch_end == ["hpo-11", "native-12", "native-50", "hpo-50", "hpo-90"]
     names = [cb.name for cb in trainer.callbacks.list_callbacks("on_epoch_end")]
     assert names == ["Record", "NativeProbe", "NativeProbe", "Record", "Record"]
 
 
-def test_a_seed_callback_is_registered_only_for_the_native_events_it_needs():
+def test_an_hpo_callback_is_registered_only_for_the_native_events_it_needs():
     class OnlyValEnd(TrainingCallback):
         def on_val_end(self, trainer, **kwargs):
             pass
@@ -226,7 +234,7 @@ class Flipped(Dataset):
 
 
 class ReadsConvention(TrainingCallback):
-    """A seed-001 consumer, as the seed's W&B logger reads its producers."""
+    """An HPO-trainer consumer, as its W&B logger reads its producers."""
 
     priority = 80
     NAMES = ("_max_grad_norm", "_overfit_gap_ratio", "_loss_prediction")
@@ -413,7 +421,7 @@ def test_without_evaluation_data_epoch_end_says_so_with_none(make_trainer):
 # -- golden trace --------------------------------------------------------------------------
 
 # The same run as tests/test_trace.py (2 epochs of 2 steps, evaluation every 3 steps and
-# at each epoch end), seen through seed 001's seven events: (event, step).
+# at each epoch end), seen through the HPO trainer's seven events: (event, step).
 EXPECTED = [
     ("on_train_begin", 0),
     # epoch 1
@@ -436,7 +444,7 @@ EXPECTED = [
 ]
 
 
-def test_seed_event_order_matches_the_golden_trace():
+def test_hpo_event_order_matches_the_golden_trace():
     log: list = []
     recorder = Record(log)
     trainer = Trainer(
@@ -458,7 +466,7 @@ def test_seed_event_order_matches_the_golden_trace():
 
 
 class PatienceStop(TrainingCallback):
-    """Seed-001 style early stopping on val_loss, for the hand-written loop."""
+    """HPO-trainer style early stopping on val_loss, for the hand-written loop."""
 
     priority = 90
 
@@ -485,7 +493,7 @@ def test_runner_drives_a_hand_written_loop_until_a_callback_says_stop(capsys):
     trainer = MyTrainer()
     train_x, train_y = ToyData(n=16).x, ToyData(n=16).y
     val_x, val_y = Flipped().data.x, -Flipped().data.y  # gets worse as training improves
-    tracker = seed_best_loss_tracker()()
+    tracker = hpo_best_loss_tracker()()
     runner = CallbackRunner([PatienceStop(patience=2), Record(log, "rec", 0), tracker])
 
     runner.fire("on_train_begin", trainer)
@@ -538,7 +546,7 @@ def test_an_exception_in_a_hook_names_the_callback_and_event():
 # -- checkpoints ---------------------------------------------------------------------------
 
 
-def test_a_stateful_seed_callback_is_checkpointed_under_its_class_name():
+def test_a_stateful_hpo_callback_is_checkpointed_under_its_class_name():
     class Counts(TrainingCallback):
         def __init__(self) -> None:
             self.epochs = 0
@@ -617,8 +625,8 @@ def test_a_runner_needs_a_list_of_distinct_callbacks():
 
 
 def test_firing_a_runner_that_holds_native_callbacks_says_where_they_run():
-    # Issue 18: the nine seed built-ins are fired through their seed faces (see
-    # tests/test_builtins_001.py); any other native callback still runs only in a Trainer.
+    # The nine built-ins are fired through their HPO-trainer faces (see
+    # tests/test_builtins_hpo_trainer.py); any other native callback still runs only in a Trainer.
     runner = CallbackRunner([Record([]), NativeProbe([], "probe", 30)])
     with pytest.raises(TypeError, match=r"NativeProbe are native.*runner\.native\(\)"):
         runner.fire("on_train_begin", trainer=None)
@@ -634,16 +642,14 @@ def test_a_stop_flag_left_set_after_training_does_not_stop_a_direct_evaluation(m
 
 
 @pytest.mark.slow
-def test_the_seed_w_and_b_logger_gets_what_a_seed_callback_stored(
-    make_trainer, monkeypatch, tmp_path
-):
+def test_the_w_and_b_logger_gets_what_an_hpo_callback_stored(make_trainer, monkeypatch, tmp_path):
     from hookloop.callbacks.wandb_logger import offline_history
     from hookloop.compat.hpo import WandbLoggingCallback
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_CONSOLE", "off")
     runner = CallbackRunner(
-        [WandbLoggingCallback(dir=tmp_path, mode="offline"), seed_best_loss_tracker()()]
+        [WandbLoggingCallback(dir=tmp_path, mode="offline"), hpo_best_loss_tracker()()]
     )
     evals = EvalLosses()
     trainer = make_trainer([*runner.native(), evals], n=8, eval_n=8, max_epochs=2, log_every=1)
