@@ -30,7 +30,6 @@ from typing import Any
 from hookloop.callbacks.checkpoint_policy import CheckpointPolicy
 from hookloop.callbacks.early_stopping import EarlyStopping
 from hookloop.callbacks.monitor import as_float, check_metric_name, check_mode
-from hookloop.compat._toolkit import is_stateful
 from hookloop.state import CallbackContext
 
 #: The HPO trainer calls the evaluation loss ``val_loss``; a hookloop Trainer reports ``eval_loss``.
@@ -322,8 +321,8 @@ class CheckpointCallback(CheckpointPolicy):
         if ctx.scheduler is not None and hasattr(ctx.scheduler, "state_dict"):
             state["scheduler"] = ctx.scheduler
         trainer = ctx.trainer
-        peers = trainer.callbacks.callbacks if trainer is not None else []
-        stateful = {cb.name: cb for cb in peers if cb is not self and is_stateful(cb)}
+        peers = trainer.callbacks.stateful_callbacks() if trainer is not None else {}
+        stateful = {name: cb for name, cb in peers.items() if cb is not self}
         if stateful:
             state["callbacks"] = CallbackStates(stateful)
         return state
