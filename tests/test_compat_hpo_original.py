@@ -323,3 +323,14 @@ def test_inside_a_trainer_the_documented_settings_give_the_originals_prediction(
 
     assert len(prediction.losses) == max_epochs
     assert prediction.prediction == pytest.approx(original_score(evals.seen, max_epochs), rel=1e-9)
+
+
+def test_the_renamed_monitor_attribute_and_metric_table_still_answer_with_a_warning():
+    import hookloop.compat.hpo.builtins as builtins
+
+    with pytest.warns(DeprecationWarning, match="now hpo_monitor"):
+        assert hpo.EarlyStoppingCallback().seed_monitor == "val_loss"
+    with pytest.warns(DeprecationWarning, match="now hpo_monitor"):
+        assert hpo.CheckpointCallback(monitor=None).seed_monitor is None
+    with pytest.warns(DeprecationWarning, match="now HPO_TO_NATIVE_METRIC"):
+        assert builtins.SEED_TO_NATIVE_METRIC == {"val_loss": "eval_loss"}

@@ -43,6 +43,25 @@ def native_metric(name: str) -> str:
     return HPO_TO_NATIVE_METRIC.get(name, name)
 
 
+def __getattr__(name: str) -> Any:
+    if name == "SEED_TO_NATIVE_METRIC":
+        warnings.warn(
+            "hookloop.compat.hpo.builtins.SEED_TO_NATIVE_METRIC is now HPO_TO_NATIVE_METRIC",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return HPO_TO_NATIVE_METRIC
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _renamed_monitor(self: Any) -> str | None:
+    """The old name of ``hpo_monitor``, kept one release with a ``DeprecationWarning``."""
+    warnings.warn(
+        f"{type(self).__name__}.seed_monitor is now hpo_monitor", DeprecationWarning, stacklevel=2
+    )
+    return self.hpo_monitor
+
+
 @dataclass
 class EarlyStoppingConfig:
     """The HPO trainer's ``early_stopping_config``: ``enabled``, ``patience``, ``mode``,
@@ -131,6 +150,8 @@ class EarlyStoppingCallback(EarlyStopping):
         cls, config: EarlyStoppingConfig | Mapping[str, Any] | None
     ) -> EarlyStoppingCallback | None:
         return early_stopping_from_config(config)
+
+    seed_monitor = property(_renamed_monitor)
 
     def state_dict(self) -> dict[str, Any]:
         tracker = self.trackers[self.monitor]
@@ -233,6 +254,8 @@ class CheckpointCallback(CheckpointPolicy):
         self._manager: Any = None
         self._epoch_value: float | None = None
         self._missing_warned = False
+
+    seed_monitor = property(_renamed_monitor)
 
     # -- saving to checkpoint_dir (a hand-written loop, or a Trainer) -----------------
     def directory_manager(self) -> Any:
