@@ -49,6 +49,7 @@ def main() -> None:
 
     trainer.callbacks.register("on_log", record)
     applied: list[list[float]] = []  # [step, factor] where a valued request was acted on
+    settings: list[list] = []  # [step, changes, lr, clip] where a live set was applied
     if mode == "stop-on-rank-1":
         trainer.callbacks.register(
             "on_train_step_end",
@@ -65,6 +66,29 @@ def main() -> None:
             applied.append([trainer.state.step, values["factor"]])
 
         register_action("scale_lr", scale_lr)
+        # A live `set`, filed on rank 0 alone at step 5 as the control server files it.
+        trainer.callbacks.register(
+            "on_train_step_end",
+            lambda ctx: (
+                ctx.control.request(
+                    "set", **{"1": {"values": {"lr": 0.02, "clip_grad_norm": 0.3}, "client": "t"}}
+                )
+                if rank == 0
+                else None
+            ),
+            once=5,
+        )
+        trainer.callbacks.register(
+            "on_settings_change",
+            lambda ctx: settings.append(
+                [
+                    ctx.state.step,
+                    [[c.key, c.new] for c in ctx.changes],
+                    ctx.optimizer.param_groups[0]["lr"],
+                    trainer.stepper.clipping.max_norm,
+                ]
+            ),
+        )
         trainer.callbacks.register(
             "on_train_step_end",
             lambda ctx: ctx.control.request("scale_lr", factor=0.25) if rank == 1 else None,
@@ -112,6 +136,7 @@ def main() -> None:
     }
     if mode == "stop-on-rank-1":
         record["applied"] = applied
+        record["settings"] = settings
         record["lr"] = trainer.optimizer.param_groups[0]["lr"]
     if mode == "diloco":
         record["synced"] = synced

@@ -57,6 +57,14 @@ def test_a_request_with_a_value_filed_on_one_rank_acts_on_every_rank_at_the_same
     assert results[0]["params"] == results[1]["params"]  # the ranks stayed in step
 
 
+def test_a_live_set_filed_on_rank_0_lands_at_the_same_step_on_every_rank(asked_on_rank_1):
+    results = asked_on_rank_1
+    seen = [r["settings"] for r in results]
+    assert seen[0] == seen[1] and len(seen[0]) == 1
+    step, changes, _lr, clip = seen[0][0]
+    assert step == 5 and changes == [["lr", 0.02], ["clip_grad_norm", 0.3]] and clip == 0.3
+
+
 def test_a_nan_on_one_rank_skips_the_step_on_both(tmp_path):
     results = launch("nan-on-rank-1", tmp_path, "data.batch_size=16")
     assert [r["skipped"] for r in results] == [1, 1]

@@ -1,6 +1,7 @@
 """The ``hookloop`` command.
 
-hookloop train [--recipe NAME] [--config FILE] [--out DIR] [--resume auto|PATH] [KEY=VALUE ...]
+hookloop train [--recipe NAME] [--config FILE] [--out DIR] [--resume auto|PATH] [--replay RUN]
+               [KEY=VALUE ...]
 hookloop recipes
 hookloop config [--recipe NAME]
 hookloop plot RUN_DIR... [--out FILE] [--log-scale]
@@ -131,6 +132,12 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--out", help="run directory (default: runs/<recipe>-<time>)")
     train.add_argument("--resume", help="'auto' (newest valid checkpoint in --out) or a path")
     train.add_argument(
+        "--replay",
+        metavar="RUN",
+        help="train again from scratch with RUN's config.yaml and its live `set` changes "
+        "(changes.jsonl) applied at the steps they were applied at",
+    )
+    train.add_argument(
         "--allow-restart",
         action="store_true",
         help="with --resume auto: start over when every checkpoint is damaged (default: refuse)",
@@ -220,6 +227,8 @@ def _prepare(args: argparse.Namespace) -> tuple[Path, Config, dict[str, Any], bo
     """Rank 0's part: the run directory, the config it runs with, what a resume changed, and
     whether this command created the directory."""
     changes: dict[str, Any] = {}
+    if args.replay is not None:
+        _check_replay(args)
     saved = saved_config(Path(args.out)) if args.resume and args.out else None
     if saved is not None:
         cfg, changes = resume_config(
@@ -235,6 +244,31 @@ def _prepare(args: argparse.Namespace) -> tuple[Path, Config, dict[str, Any], bo
     created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir, cfg, changes, created
+
+
+def _check_replay(args: argparse.Namespace) -> None:
+    """``--replay RUN``: a run directory with a config.yaml (the config to train with unless
+    --config names another) and a readable changes.jsonl; never combined with --resume."""
+    from hookloop.loop.live import read_changes
+
+    if args.resume is not None:
+        raise UsageError("--replay trains from scratch; it cannot be combined with --resume")
+    source = RunDir(args.replay)
+    if not source.config.is_file():
+        raise UsageError(f"--replay {args.replay}: no {source.config.name} there (a run directory)")
+    if args.out is not None and Path(args.out).resolve() == source.root.resolve():
+        raise UsageError("--replay writes a new run: give --out a directory other than RUN")
+    try:
+        records = read_changes(source.changes)
+    except (ValueError, OSError) as err:
+        raise UsageError(f"--replay {args.replay}: {err}") from None
+    if args.config is None:
+        args.config = str(source.config)
+    print(
+        f"hookloop: replaying {args.replay}: {len(records)} live change(s) at steps "
+        f"{', '.join(str(r['step']) for r in records) or '-'}",
+        file=sys.stderr,
+    )
 
 
 class _RecordConfig(Callback):
@@ -317,6 +351,8 @@ def _train(args: argparse.Namespace) -> int:
         callbacks = _callbacks(cfg, run_dir, changes)
         with _signals_during_startup():  # train() installs its own handlers as it starts
             trainer = build_trainer(cfg, callbacks=callbacks, out_dir=run_dir, resume=args.resume)
+        if args.replay is not None:
+            trainer.parts.live.replay_from = RunDir(args.replay)
         if cfg.callbacks.profile:  # callbacks.profile=true: time every handler of this run
             trainer.callbacks.profile()
         result = trainer.train()

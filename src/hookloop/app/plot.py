@@ -55,6 +55,8 @@ class RunData:
     train: list[dict[str, Any]] = field(default_factory=list)
     eval: list[dict[str, Any]] = field(default_factory=list)
     starts: list[dict[str, Any]] = field(default_factory=list)
+    #: Live ``set`` changes (one record per key), in order.
+    changes: list[dict[str, Any]] = field(default_factory=list)
 
     def series(self, key: str, kind: str = "train") -> tuple[list[int], list[float]]:
         steps, values = [], []
@@ -89,6 +91,8 @@ def load_run(path: str | Path) -> RunData:
         kind, step = record.get("kind"), record.get("step")
         if kind == "start":
             run.starts.append(record)
+        elif kind == "set" and isinstance(step, int):
+            run.changes.append(record)
         elif kind in by_kind and isinstance(step, int):
             by_kind[kind][step] = record  # the later record of a step wins
     run.train = [by_kind["train"][s] for s in sorted(by_kind["train"])]
@@ -231,6 +235,24 @@ def _simple_panels(runs: list[RunData], specs: tuple[tuple[str, str, str], ...])
     return panels
 
 
+def _mark_changes(ax: Any, runs: list[RunData], colors: list[Any], *, label: bool) -> None:
+    """A dotted vertical line at each step a live ``set`` changed something (its keys and
+    new values written at the top of the first panel); the line's gid says what changed."""
+    for run, color in zip(runs, colors, strict=True):
+        by_step: dict[int, list[str]] = {}
+        for change in run.changes:
+            by_step.setdefault(change["step"], []).append(
+                f"{change.get('key')}={change.get('new')}"
+            )
+        for step, what in by_step.items():
+            text = ", ".join(what)
+            line = ax.axvline(step, color=color, linestyle=":", linewidth=1.2, alpha=0.8)
+            line.set_gid(f"live change at step {step}: {text}")
+            if label:
+                ax.annotate(text, (step, 1.0), xycoords=("data", "axes fraction"), fontsize=7,
+                            rotation=90, va="top", ha="right", color=color)  # fmt: skip
+
+
 def _heatmaps(runs: list[RunData]) -> list[tuple[RunData, str, list[str]]]:
     """(run, family, parameter keys) for each norm family, from the first run that has it."""
     found = []
@@ -292,7 +314,9 @@ def make_figure(run_dirs: list[str | Path], *, log_scale: bool = False) -> Any:
     colors = [f"C{i % 10}" for i in range(len(runs))]
     for n, (_, draw) in enumerate(panels):
         row, col = divmod(n, cols)
-        draw(fig.add_subplot(grid[row, col]), colors)
+        ax = fig.add_subplot(grid[row, col])
+        draw(ax, colors)
+        _mark_changes(ax, runs, colors, label=n == 0)
     for n, (run, family, keys) in enumerate(heatmaps):
         _draw_heatmap(fig, fig.add_subplot(grid[panel_rows + n, :]), run, family, keys)
     names = ", ".join(r.name for r in runs)

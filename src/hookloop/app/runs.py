@@ -64,6 +64,8 @@ class RunSummary:
     stop_reason: str | None
     started: float | None  # Unix time of the first start record
     params: dict[str, Any] | None = None  # a `hookloop tune` trial's values (params.yaml)
+    #: Live ``set`` changes (metrics.jsonl's ``set`` records): step, key, old, new, client.
+    changes: list[dict[str, Any]] | None = None
 
 
 def is_run_dir(path: Path) -> bool:
@@ -101,6 +103,11 @@ def summarize_run(run_dir: str | Path) -> RunSummary:
         stop_reason=end.get("stop_reason") if end else None,
         started=_time(starts[0]) if starts else (_time(records[0]) if records else None),
         params=_params(run_dir),
+        changes=[
+            {k: r.get(k) for k in ("step", "key", "old", "new", "client")}
+            for r in records
+            if r.get("kind") == "set"
+        ],
     )
 
 
@@ -193,8 +200,10 @@ def format_table(runs: list[RunSummary]) -> str:
     """An aligned text table: run, status, steps, best eval loss, wall time (and the
     searched values, when the runs are ``hookloop tune`` trials)."""
     with_params = any(run.params for run in runs)
+    with_changes = any(run.changes for run in runs)
     header = ("RUN", "STATUS", "STEPS", "BEST EVAL LOSS", "WALL TIME")
     header += ("PARAMS",) if with_params else ()
+    header += ("LIVE CHANGES",) if with_changes else ()
     rows = [header]
     for run in runs:
         status = run.status
@@ -205,6 +214,8 @@ def format_table(runs: list[RunSummary]) -> str:
         row = (run.name, status, steps, best, format_wall_time(run.wall_time_s))
         if with_params:
             row += (" ".join(f"{k}={_short(v)}" for k, v in (run.params or {}).items()),)
+        if with_changes:
+            row += (format_changes(run.changes or []),)
         rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     right = {2, 3, 4}  # numbers align right
@@ -216,6 +227,14 @@ def format_table(runs: list[RunSummary]) -> str:
         for row in rows
     ]
     return "\n".join(lines)
+
+
+def format_changes(changes: list[dict[str, Any]], shown: int = 3) -> str:
+    """``step 40: lr=0.0003; step 90: clip_grad_norm=0.5`` (the last ``shown``, and a count)."""
+    if not changes:
+        return "-"
+    text = "; ".join(f"step {c['step']}: {c['key']}={_short(c['new'])}" for c in changes[-shown:])
+    return text if len(changes) <= shown else f"{len(changes) - shown} more; {text}"
 
 
 # -- the command -----------------------------------------------------------------

@@ -25,6 +25,9 @@ other keys depend on the kind:
     step after the records past it were cut off as on a resume: ``count``,
     ``from_step``, ``to_step``, ``since_step``, ``batches_skipped``,
     ``checkpoint``, ``reason``, ``lr_factor``, ``lr_steps``.
+``set``
+    a live setting changed (:mod:`hookloop.loop.live`), one record per key, at the
+    step whose end applied it: ``key``, ``old``, ``new`` and ``client`` (who sent it).
 ``end``
     training ended: ``status`` (see :func:`run_status`) and ``stop_reason``;
     after an exception also ``error``. A killed process leaves no ``end``

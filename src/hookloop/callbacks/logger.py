@@ -259,6 +259,13 @@ class Logger(Callback, ABC):
             record = Record("train", st.step, st.epoch, _now(), values)
             self._last_task = self._background.submit(self.write, record)
 
+    def on_settings_change(self, ctx: CallbackContext) -> None:
+        """A live ``set`` (:mod:`hookloop.loop.live`): one ``set`` record per key changed."""
+        if ctx.state.is_rank_zero:
+            for change in ctx.changes or ():
+                values = {"key": change.key, "old": change.old, "new": change.new}
+                self._hand_over("set", ctx.state, {**values, "client": change.client})
+
     def on_eval_end(self, ctx: CallbackContext) -> None:
         self._record_metrics("eval", ctx)
 

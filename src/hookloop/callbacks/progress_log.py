@@ -16,7 +16,10 @@ where Megatron-LM writes it (its own reader takes the FLOPs from the eighth);
 ``Save time`` and ``Blocked`` (the checkpoint's :class:`~hookloop.state.SaveTiming`)
 come after them. A rewind
 after a divergence (:mod:`hookloop.checkpoint.rewind`) adds a ``Rewound`` line: ``Iteration``
-(where it was confirmed), ``To iteration``, ``Diverged from``, ``Batches skipped``.
+(where it was confirmed), ``To iteration``, ``Diverged from``, ``Batches skipped``. A live
+``set`` (:mod:`hookloop.loop.live`) adds a ``Changed setting`` line per key: ``Iteration``,
+``Key``, ``Old``, ``New``, ``Client``. Both sit after the three fields every line starts
+with, so readers that look for the lines they know (Megatron-LM's) pass them by.
 
 *Job throughput* counts the FLOPs and wall time of this job only. *Cumulative
 throughput* counts from the start of the first job that ran with the same
@@ -31,6 +34,7 @@ checkpoint on resume): the recipe's ``flops_per_sample`` or the user's
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid
@@ -50,6 +54,8 @@ SAVING_ASYNC = "Saving async checkpoint"
 #: A divergence rolled back (hookloop.checkpoint.rewind); Megatron-LM's tools skip lines
 #: they do not know.
 REWOUND = "Rewound"
+#: A live ``set`` (hookloop.loop.live), one line per key; Megatron-LM's tools skip it too.
+CHANGED_SETTING = "Changed setting"
 
 
 def job_id() -> str:
@@ -187,6 +193,20 @@ class ProgressLog(Callback):
     def job_started(self, ctx: CallbackContext) -> float:
         """When this job started (``time.time()``): here, when training starts."""
         return time.time()
+
+    def on_settings_change(self, ctx: CallbackContext) -> None:
+        if self._target is None:
+            return
+        for change in ctx.changes or ():
+            fields = [
+                CHANGED_SETTING,
+                f"Iteration: {change.step}",
+                f"Key: {change.key}",
+                f"Old: {json.dumps(change.old)}",
+                f"New: {json.dumps(change.new)}",
+                f"Client: {' '.join(change.client.split())}",
+            ]
+            self._append("\t".join(fields), ctx.state.world_size)
 
     def on_checkpoint_load(self, ctx: CallbackContext) -> None:
         rewind = ctx.rewind

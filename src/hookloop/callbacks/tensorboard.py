@@ -427,6 +427,9 @@ class TBLogger(Logger):
         elif kind in ("eval", "test"):
             self.writer._add_summary(values, record.step, kind)
             self.writer._flush_now()  # evaluations are rare: show them soon
+        elif kind == "set":  # a live change: a text entry at its step
+            text = f"`{values['key']}`: {values['old']!r} -> {values['new']!r} ({values['client']})"
+            self.writer._add_text("settings/changes", text, record.step, {})
         elif kind == "start":
             self._last_logs = {}
         elif kind == "end":
