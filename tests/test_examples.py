@@ -90,3 +90,19 @@ def test_hpo_trainer(tmp_path):
     assert re.search(r"^epoch 0: train_loss \S+ val_loss \S+ best \S+$", stdout, re.M)
     assert re.search(r"^ended after epoch \d+ \(step \d+\): EarlyStopping", stdout, re.M)
     assert (out / "checkpoints" / "latest").exists()
+
+
+@pytest.mark.parametrize(
+    ("page", "example"),
+    [
+        ("README.md", "examples/"),
+        ("docs/training.md", "../examples/native.py"),
+        ("docs/megatron-bridge.md", "../examples/megatron_bridge.py"),
+        ("docs/transformers-trainer.md", "../examples/transformers_trainer.py"),
+        ("docs/forgather.md", "../examples/forgather.py"),
+        ("docs/callbacks.md", "../examples/hpo_trainer.py"),
+    ],
+)
+def test_the_docs_link_the_examples(page, example):
+    text = (EXAMPLES.parent / page).read_text(encoding="utf-8")
+    assert f"]({example})" in text
