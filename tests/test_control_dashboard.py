@@ -1,5 +1,6 @@
 """The live dashboard in a real headless browser (Debian's chromium, driven by Playwright)
-against a real training process: it loads, its curve grows, its Stop button stops the job.
+against a real training process: it loads, its curve grows, its Stop button stops the job,
+and its Settings panel changes the running job's learning rate.
 
 The browser is installed here, once per session and only when this test runs: the
 `chromium` fixture calls scripts/install-browser.sh (apt-get, as root) when no chromium
@@ -8,9 +9,11 @@ is found, so a fresh Debian machine runs the test and no other run pays for the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -62,39 +65,29 @@ def chromium() -> str:
     )
 
 
-def test_dashboard_shows_a_growing_curve_and_its_stop_button_stops_the_job(tmp_path, chromium):
-    executable = chromium
+@contextlib.contextmanager
+def _browser(tmp_path: Path, executable: str) -> Iterator:
+    """A headless chromium context with its own profile under ``tmp_path``."""
     from playwright.sync_api import sync_playwright
 
-    job = Job(
-        tmp_path / "job", tmp_path / "jobs", "dash-job", "callbacks.profile=true", sleep=0.005
-    )
-    try:
-        with sync_playwright() as pw:
-            context = pw.chromium.launch_persistent_context(
-                str(tmp_path / "profile"),
-                executable_path=executable,
-                headless=True,
-                args=CHROMIUM_ARGS,
-            )
-            try:
-                _drive(context, job)
-            finally:
-                context.close()
-        assert job.wait_exit() == 0, job.stderr()
-        (step,) = job.checkpoints().values()
-        assert f"graceful_stop requested over HTTP at step {step}" in job.stderr()
-    finally:
-        job.kill()
+    with sync_playwright() as pw:
+        context = pw.chromium.launch_persistent_context(
+            str(tmp_path / "profile"), executable_path=executable, headless=True, args=CHROMIUM_ARGS
+        )
+        try:
+            yield context
+        finally:
+            context.close()
 
 
-def _drive(context, job: Job) -> None:
-    page = context.new_page()
+def _watch(page) -> tuple[list[str], list[str]]:
+    """The page's problems (script errors, console errors such as a Content-Security-Policy
+    violation) and the URLs it requests, as they happen."""
     problems: list[str] = []
     urls: list[str] = []
     page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
-    # (a refused token and the job's end log "Failed to load resource"; anything else,
-    # such as a Content-Security-Policy violation, is a problem)
+    # (a refused token, a refused command and the job's end log "Failed to load resource";
+    # anything else is a problem)
     page.on(
         "console",
         lambda msg: (
@@ -104,6 +97,33 @@ def _drive(context, job: Job) -> None:
         ),
     )
     page.on("request", lambda request: urls.append(request.url))
+    return problems, urls
+
+
+def _connect(page, job: Job) -> None:
+    """Open the job's dashboard and give it the token."""
+    page.fill("#token", job.token)
+    page.click("#connect")
+    page.wait_for_selector("#chart", state="visible", timeout=MS)
+
+
+def test_dashboard_shows_a_growing_curve_and_its_stop_button_stops_the_job(tmp_path, chromium):
+    job = Job(
+        tmp_path / "job", tmp_path / "jobs", "dash-job", "callbacks.profile=true", sleep=0.005
+    )
+    try:
+        with _browser(tmp_path, chromium) as context:
+            _drive(context, job)
+        assert job.wait_exit() == 0, job.stderr()
+        (step,) = job.checkpoints().values()
+        assert f"graceful_stop requested over HTTP at step {step}" in job.stderr()
+    finally:
+        job.kill()
+
+
+def _drive(context, job: Job) -> None:
+    page = context.new_page()
+    problems, urls = _watch(page)
     page.on("dialog", lambda dialog: dialog.accept())  # the Stop button asks to confirm
 
     job.ready()
@@ -118,9 +138,7 @@ def _drive(context, job: Job) -> None:
         timeout=MS,
     )
 
-    page.fill("#token", job.token)
-    page.click("#connect")
-    page.wait_for_selector("#chart", state="visible", timeout=MS)
+    _connect(page, job)
     page.wait_for_function(
         "() => Number(document.getElementById('chart').dataset.points) >= 2", timeout=MS
     )
@@ -158,3 +176,100 @@ def _drive(context, job: Job) -> None:
     assert not any(job.token in url for url in urls), "the token appeared in a URL"
     assert any(url.endswith("/control") for url in urls)
     assert problems == [], problems
+
+
+NEW_LR = 0.0123
+LR_INPUT = '#setting-fields input[data-key="lr"]'
+
+
+def test_dashboard_settings_panel_sets_the_running_jobs_lr_and_shows_a_refusal(tmp_path, chromium):
+    # the recipe's constant schedule: the logged lr is the peak a `set` changes
+    job = Job(tmp_path / "job", tmp_path / "jobs", "set-job", "scheduler.name=constant")
+    try:
+        with _browser(tmp_path, chromium) as context:
+            page = context.new_page()
+            problems, urls = _watch(page)
+            job.ready()
+            page.goto(job.record.url, timeout=MS)
+            page.wait_for_selector("#token", state="visible", timeout=MS)
+            _connect(page, job)
+            _set_lr_and_refuse_a_wrong_one(page, job)
+        assert not any(job.token in url for url in urls), "the token appeared in a URL"
+        assert problems == [], problems
+    finally:
+        job.kill()
+
+
+def _set_lr_and_refuse_a_wrong_one(page, job: Job) -> None:
+    settings = job.status()["settings"]
+    old_lr = settings["lr"]
+    assert settings["clip_grad_norm"] is None and old_lr != NEW_LR, settings
+    # an input per settable key, showing its value (null: empty, "off")
+    page.wait_for_function(
+        f"() => {{ const i = document.querySelector('{LR_INPUT}');"
+        f" return i !== null && i.value === '{old_lr!r}'; }}",
+        timeout=MS,
+    )
+    keys = page.eval_on_selector_all("#setting-fields input", "els => els.map(e => e.dataset.key)")
+    assert keys == list(settings), keys
+    clip = page.locator('#setting-fields input[data-key="clip_grad_norm"]')
+    assert clip.input_value() == "" and clip.get_attribute("placeholder") == "off"
+
+    # a new lr: one `set` with that key alone, acknowledged next to the button
+    page.fill(LR_INPUT, str(NEW_LR))
+    page.click("#apply")
+    page.wait_for_function(
+        "() => document.getElementById('setting-message').textContent.startsWith('acknowledged')",
+        timeout=MS,
+    )
+    (record,) = job.wait_for("the applied change", lambda: job.status()["changes"])
+    assert record["values"] == {"lr": NEW_LR}, record  # the edited key only
+    assert record["client"].startswith("dashboard"), record
+    (change,) = record["changes"]
+    assert (change["key"], change["old"], change["new"]) == ("lr", old_lr, NEW_LR), change
+    # the next logged row after the change trains at the new lr
+    after = job.wait_for(
+        "a logged row after the change",
+        lambda: [r for r in _train_rows(job) if r["step"] > record["step"]],
+    )
+    assert after[0]["lr"] == pytest.approx(NEW_LR, rel=1e-12), after[0]
+    before = [r["lr"] for r in _train_rows(job) if r["step"] < record["step"]]
+    assert all(lr == pytest.approx(old_lr, rel=1e-12) for lr in before), before
+    # the panel lists the change, and the applied input follows the job again
+    page.wait_for_function(
+        "() => document.querySelectorAll('#change-rows tr').length === 1", timeout=MS
+    )
+    cells = page.eval_on_selector_all("#change-rows td", "els => els.map(e => e.textContent)")
+    assert cells[:3] == [str(record["step"]), "lr", f"{old_lr!r} \u2192 {NEW_LR!r}"], cells
+    assert cells[3].startswith("dashboard"), cells
+    page.wait_for_function(
+        f"() => document.querySelector('{LR_INPUT}').value === '{NEW_LR!r}'"
+        " && !document.querySelector('" + LR_INPUT + "').classList.contains('edited')",
+        timeout=MS,
+    )
+
+    # a refused value: the server's one line on the page, and nothing changes
+    page.fill(LR_INPUT, "-1")
+    page.click("#apply")
+    page.wait_for_function(
+        "() => document.getElementById('setting-message').textContent.startsWith('set: lr')",
+        timeout=MS,
+    )
+    message = page.text_content("#setting-message")
+    assert message == "set: lr must be a finite number > 0, got -1", message
+    assert page.get_attribute("#setting-message", "class") == "bad"
+    shown = page.text_content("#step")
+    page.wait_for_function(  # the page has polled since: the typed value is still there
+        f"() => document.getElementById('step').textContent !== {shown!r}", timeout=MS
+    )
+    assert page.input_value(LR_INPUT) == "-1"
+    status = job.status()
+    assert status["settings"]["lr"] == NEW_LR, status["settings"]
+    assert [r["id"] for r in status["changes"]] == [record["id"]], status["changes"]
+
+
+def _train_rows(job: Job) -> list[dict]:
+    """The logged training rows, as the dashboard reads them (GET .../history)."""
+    code, body, _ = job.request("GET", job.api("history") + "?after=0")
+    assert code == 200, (code, body)
+    return [r for r in body["records"] if r.get("kind") == "train"]

@@ -4,6 +4,12 @@ No external assets: the style sheet and the script are inline, the chart is an
 inline SVG redrawn from ``/jobs/{id}/history``, and the page polls
 ``/jobs/{id}/status`` once a second.
 
+Its Settings panel shows the status's ``settings`` (one input per key, a list as
+``0.9, 0.95``, null as empty) and ``changes``; Apply sends one ``set`` with the
+edited keys only (``"client": "dashboard"``) and shows the server's answer, the
+refusal's one line included. An input the user has focused or edited is never
+overwritten by the refresh; an applied one follows the job again once it has acted.
+
 How the page authenticates, and why this way: it asks once for the job's
 token (``hookloop ctl JOB token`` prints it), keeps it in the tab's
 ``sessionStorage`` and sends it in an ``Authorization: Bearer`` header with each
@@ -74,13 +80,32 @@ button:disabled { opacity: .5; cursor: default; }
 #costs th, #costs td { text-align: right; padding: 2px 8px; border-bottom: 1px solid var(--grid); }
 #costs th:nth-child(-n+2), #costs td:nth-child(-n+2) { text-align: left; }
 #costs caption { text-align: left; color: var(--mute); padding-bottom: 6px; }
+#settings h2 { font-size: 14px; margin: 0 0 10px; }
+#setting-fields { display: grid; grid-template-columns: repeat(auto-fill, minmax(170px, 1fr));
+  gap: 8px 14px; margin-bottom: 10px; }
+#setting-fields label { display: flex; flex-direction: column; font-size: 12px; color: var(--mute);
+  font-family: ui-monospace, monospace; }
+#setting-fields input, #lr-scale { margin-top: 2px; padding: 4px 6px;
+  font: 13px ui-monospace, monospace; color: var(--fg);
+  background: var(--bg); border: 1px solid var(--grid); border-radius: 4px; }
+#setting-fields input.edited { border-color: var(--line); }
+#setting-message { color: var(--mute); }
+#setting-message.bad { color: var(--bad); }
+#changes { width: 100%; border-collapse: collapse; margin-top: 10px; font-size: 13px;
+  font-variant-numeric: tabular-nums; }
+#changes th, #changes td { text-align: left; padding: 2px 8px;
+  border-bottom: 1px solid var(--grid); }
+#changes caption { text-align: left; color: var(--mute); padding-bottom: 4px; }
 """
 
 SCRIPT = """
 "use strict";
 const KEY = "hookloop.token";
 const $ = (id) => document.getElementById(id);
-const state = { job: null, seq: 0, timer: null, train: [], evals: [], keys: new Set() };
+const state = {
+  job: null, seq: 0, timer: null, train: [], evals: [], keys: new Set(),
+  inputs: new Map(), settings: {},
+};
 
 function token() { return sessionStorage.getItem(KEY) || ""; }
 
@@ -245,6 +270,170 @@ function draw() {
   }
 }
 
+// -- the Settings panel: the job's live settings (a `set` changes them at a step's end) --
+const NUMBER = /^[+-]?(\\d+\\.?\\d*|\\.\\d+)([eE][+-]?\\d+)?$/;
+
+function settingText(v) {
+  // a value as its input shows it: a list as "0.9, 0.95", null (off) as empty
+  if (v === null || v === undefined) { return ""; }
+  if (Array.isArray(v)) {
+    const nested = v.some((x) => typeof x === "object" && x !== null);
+    return nested ? JSON.stringify(v) : v.map(String).join(", ");
+  }
+  return String(v);
+}
+
+function settingValue(text, current) {
+  // what an input's text stands for: numbers as numbers, empty as null (off), a list
+  // as a list; anything else goes as typed and the server says what the key takes
+  if (typeof current === "string") { return text; }
+  const t = text.trim();
+  if (t === "" || t === "null") { return null; }
+  if (t.startsWith("[")) {
+    try { return JSON.parse(t); } catch (e) { return t; }
+  }
+  if (Array.isArray(current) || t.includes(",")) {
+    return t.split(",").map((part) => settingValue(part, 0));
+  }
+  if (NUMBER.test(t) && isFinite(Number(t))) { return Number(t); }
+  if (t === "true" || t === "false") { return t === "true"; }
+  return t;
+}
+
+function changeText(v) {
+  if (v === null || v === undefined) { return "off"; }
+  return typeof v === "object" ? JSON.stringify(v) : String(v);
+}
+
+function isEdited(input) { return input.value !== input.dataset.shown; }
+
+function released(input, st) {
+  // an applied input keeps what was sent until the job has acted on it
+  const at = Number(input.dataset.hold);
+  return st.phase === "finished" || st.step >= at + 2
+    || (st.changes || []).some((rec) => rec.step >= at);
+}
+
+function refreshInput(input, value, st) {
+  // never overwrite what the user is typing or has typed and not yet applied
+  if (document.activeElement === input) { return; }
+  if (input.dataset.hold !== undefined) {
+    if (!released(input, st)) { return; }
+    delete input.dataset.hold;
+  } else if (isEdited(input)) {
+    return;
+  }
+  input.value = settingText(value);
+  input.dataset.shown = input.value;
+  input.placeholder = value === null ? "off" : "";
+  input.classList.remove("edited");
+}
+
+function settingInput(key) {
+  const label = document.createElement("label");
+  label.appendChild(document.createTextNode(key));
+  const input = document.createElement("input");
+  input.type = "text";
+  input.autocomplete = "off";
+  input.spellcheck = false;
+  input.dataset.key = key;
+  input.dataset.shown = "";
+  input.setAttribute("aria-label", key);
+  input.addEventListener("input", () => {
+    delete input.dataset.hold;
+    input.classList.toggle("edited", isEdited(input));
+  });
+  input.addEventListener("keydown", (ev) => { if (ev.key === "Enter") { applySettings(); } });
+  label.appendChild(input);
+  $("setting-fields").appendChild(label);
+  return input;
+}
+
+function renderSettings(st) {
+  const settings = st.settings;
+  const live = Boolean(settings) && typeof settings === "object" && !Array.isArray(settings);
+  $("settings").classList.toggle("hidden", !live);
+  if (!live) { return; }
+  state.settings = settings;
+  for (const [key, value] of Object.entries(settings)) {
+    if (!state.inputs.has(key)) { state.inputs.set(key, settingInput(key)); }
+    refreshInput(state.inputs.get(key), value, st);
+  }
+  for (const [key, input] of state.inputs) {
+    const idle = document.activeElement !== input && !isEdited(input);
+    if (!(key in settings) && idle) {
+      input.parentElement.remove();
+      state.inputs.delete(key);
+    }
+  }
+  $("apply").disabled = Boolean(st.stopping) || st.phase === "finished";
+  renderChanges(Array.isArray(st.changes) ? st.changes : []);
+}
+
+function renderChanges(records) {
+  const rows = [];
+  for (const rec of records.slice().reverse()) {
+    if (rec && Array.isArray(rec.changes)) { rows.push(...rec.changes); }
+  }
+  $("changes").classList.toggle("hidden", !rows.length);
+  const body = $("change-rows");
+  body.replaceChildren();
+  for (const c of rows.slice(0, 12)) {
+    const tr = document.createElement("tr");
+    const cells = [fmt(c.step), String(c.key),
+      changeText(c.old) + " \\u2192 " + changeText(c.new), String(c.client || "")];
+    for (const text of cells) {
+      const td = document.createElement("td");
+      td.textContent = text;
+      tr.appendChild(td);
+    }
+    body.appendChild(tr);
+  }
+}
+
+async function applySettings() {
+  // one `set` with the edited keys only
+  const values = {}, sent = [], msg = $("setting-message");
+  for (const [key, input] of state.inputs) {
+    if (isEdited(input) && input.dataset.hold === undefined) {
+      values[key] = settingValue(input.value, state.settings[key]);
+      sent.push(input);
+    }
+  }
+  const scale = $("lr-scale").value.trim();
+  if (scale) { values.lr_scale = settingValue(scale, 1); }
+  msg.className = "";
+  if (!Object.keys(values).length) {
+    msg.textContent = "nothing to apply: edit a value first";
+    return;
+  }
+  const asked = Object.entries(values).map(([k, v]) => k + "=" + JSON.stringify(v)).join(", ");
+  msg.textContent = "sending set " + asked + "\\u2026";
+  try {
+    const r = await api(base() + "/control", {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ command: "set", values: values, client: "dashboard" }),
+    });
+    if (r.status === 200) {
+      const at = typeof r.body.step === "number" ? r.body.step : 0;
+      for (const input of sent) { input.dataset.hold = String(at); }
+      $("lr-scale").value = "";
+      msg.textContent = (r.body.status || "acknowledged") + ": " + asked + " (filed at step "
+        + at + ", applied at the end of the step)";
+    } else {
+      msg.textContent = r.body.error || "HTTP " + r.status;
+      msg.className = "bad";
+    }
+  } catch (err) {
+    if (!(err instanceof Unauthorized)) {
+      msg.textContent = "set failed: " + err.message;
+      msg.className = "bad";
+    }
+  }
+  poll();
+}
+
 function base() { return "/jobs/" + encodeURIComponent(state.job); }
 
 async function poll() {
@@ -253,6 +442,7 @@ async function poll() {
     const st = await api(base() + "/status");
     if (st.status !== 200) { throw new Error(st.body.error || "HTTP " + st.status); }
     render(st.body);
+    renderSettings(st.body);
     renderCosts(st.body.callback_profile);
     if (st.body.history_seq > state.seq) {
       const h = await api(base() + "/history?after=" + state.seq);
@@ -320,6 +510,8 @@ $("forget").addEventListener("click", () => {
   showLogin(true, "Token forgotten.");
 });
 $("metric").addEventListener("change", draw);
+$("apply").addEventListener("click", applySettings);
+$("lr-scale").addEventListener("keydown", (ev) => { if (ev.key === "Enter") { applySettings(); } });
 $("log").addEventListener("change", draw);
 for (const b of document.querySelectorAll("button[data-command]")) {
   b.addEventListener("click", () => send(b.dataset.command, b.dataset.confirm));
@@ -381,6 +573,21 @@ BODY = """
         <button type="button" id="forget" class="legend">Forget token</button>
       </div>
       <div id="message"></div>
+    </section>
+    <section id="settings" class="hidden">
+      <h2>Settings</h2>
+      <div id="setting-fields"></div>
+      <div class="row">
+        <label>lr_scale <input id="lr-scale" type="text" autocomplete="off" spellcheck="false"
+          inputmode="decimal" placeholder="e.g. 0.5" aria-label="lr_scale"></label>
+        <button type="button" id="apply">Apply</button>
+        <span id="setting-message"></span>
+      </div>
+      <table id="changes" class="hidden">
+        <caption>Recent changes, newest first</caption>
+        <thead><tr><th>step</th><th>key</th><th>old &#8594; new</th><th>client</th></tr></thead>
+        <tbody id="change-rows"></tbody>
+      </table>
     </section>
     <section id="costs" class="hidden">
       <table>
