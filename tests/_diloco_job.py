@@ -57,7 +57,7 @@ def main() -> None:
 
         diloco = DiLoCo(sync_every=SYNC_EVERY, outer_lr=0.7, outer_momentum=0.9)
     else:
-        from hookloop.compat.hf import DiLoCoCallback  # the seed's name and constructor
+        from hookloop.compat.hf import DiLoCoCallback  # Forgather's name and constructor
 
         diloco = DiLoCoCallback(
             server,

@@ -79,8 +79,8 @@ def offline_wandb(monkeypatch, tmp_path):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
 
 
-def test_every_seed_name_is_importable_from_hookloop_callbacks_or_its_dialect():
-    # Names the seeds share with hookloop live in hookloop.callbacks; the seeds' own
+def test_every_systems_name_is_importable_from_hookloop_callbacks_or_its_dialect():
+    # Names the compatible systems share with hookloop live in hookloop.callbacks; their own
     # names for native callbacks live with their dialect (hookloop.compat).
     import hookloop.compat.hf as hf
     import hookloop.compat.hpo as hpo

@@ -120,8 +120,8 @@ def test_it_warns_when_retention_could_delete_the_best(make_config, tmp_path):
         trainer.train()
 
 
-def test_seed_name_priority_and_validation():
-    assert CheckpointCallback.__mro__[1] is CheckpointPolicy  # the seed's name lives in compat
+def test_hpo_trainer_name_priority_and_validation():
+    assert CheckpointCallback.__mro__[1] is CheckpointPolicy  # its HPO-trainer name lives in compat
     with pytest.raises(ImportError, match=r"hookloop\.compat\.hpo"):
         from hookloop.callbacks import CheckpointCallback as _  # noqa: F401
     assert CheckpointPolicy.priority == 95

@@ -55,7 +55,7 @@ def test_an_absolute_min_delta_ignores_small_improvements(make_trainer):
     assert stopper.trackers["eval_loss"].best == 0.8
 
 
-def test_a_relative_min_delta_reads_like_the_seed(make_trainer):
+def test_a_relative_min_delta_reads_like_the_hpo_trainer(make_trainer):
     # 0.79 is 1.25 % better than 0.8: enough for 1 %, not for 2 %.
     loose = EarlyStopping(patience=3, min_delta=0.01, threshold_mode="rel")
     assert _train(make_trainer, _Script(eval_loss=LOSS), loose).step == 16
@@ -144,8 +144,8 @@ def test_name_keys_the_checkpoint_state_by_monitor():
     assert clone.state_dict() == both.state_dict()
 
 
-def test_seed_name_priority_and_validation():
-    assert EarlyStoppingCallback.__mro__[1] is EarlyStopping  # the seed's name lives in compat
+def test_hpo_trainer_name_priority_and_validation():
+    assert EarlyStoppingCallback.__mro__[1] is EarlyStopping  # its HPO-trainer name lives in compat
     with pytest.raises(ImportError, match=r"hookloop\.compat\.hpo"):
         from hookloop.callbacks import EarlyStoppingCallback as _  # noqa: F401
     assert EarlyStopping.priority == 90

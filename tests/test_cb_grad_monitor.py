@@ -133,7 +133,7 @@ def test_total_grad_norm_matches_the_definition():
     assert total_grad_norm([]) is None
 
 
-def test_seed_name_priority_and_validation():
+def test_hpo_trainer_name_priority_and_validation():
     assert GradientMonitorCallback is GradientMonitor
     assert GradientMonitor.priority == 12
     for bad in (0, -1.0, "big", True):

@@ -105,8 +105,8 @@ def test_after_min_points_evaluations_the_prediction_is_logged_at_each_log(make_
     assert trainer.callbacks.user_state["predicted_final_loss"] == pytest.approx(expected)
 
 
-def test_seed_style_max_epochs_extrapolates_to_the_last_epoch(make_trainer):
-    pred = LossPredictionCallback(6, min_points=3)  # seed: LossPredictionCallback(max_epochs)
+def test_hpo_trainer_style_max_epochs_extrapolates_to_the_last_epoch(make_trainer):
+    pred = LossPredictionCallback(6, min_points=3)  # LossPredictionCallback(max_epochs)
     trainer = make_trainer([_ScriptedEval(), pred], n=16, eval_n=4, max_epochs=3)
     trainer.train()  # 4 steps an epoch, evaluated at each epoch end: steps 4, 8, 12
     assert pred.times == [4.0, 8.0, 12.0]
@@ -141,7 +141,7 @@ def test_a_missing_monitor_warns_once_and_predicts_nothing(make_trainer):
     assert pred.prediction is None
 
 
-def test_seed_name_priority_and_validation():
+def test_hpo_trainer_name_priority_and_validation():
     assert LossPredictionCallback is LossPrediction
     assert LossPrediction.priority == 70
     for kwargs, named in [

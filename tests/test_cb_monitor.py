@@ -35,7 +35,7 @@ def test_absolute_min_delta_ignores_changes_not_larger_than_it():
     assert t.bad_count == 0 and t.best == 0.89
 
 
-def test_relative_min_delta_is_a_fraction_of_the_best_as_in_the_seed():
+def test_relative_min_delta_is_a_fraction_of_the_best_as_in_the_hpo_trainer():
     t = MetricTracker("min", min_delta=1e-4, threshold_mode="rel")  # 0.01 %
     t.update(100.0)
     assert not t.update(99.995)  # 0.005 % better: noise

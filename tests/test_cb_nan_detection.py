@@ -146,7 +146,7 @@ def test_a_second_train_call_starts_clean(make_config):
     assert result.step == 6 and not cb.nan_detected
 
 
-def test_seed_name_is_the_same_class():
+def test_hpo_trainer_name_is_the_same_class():
     assert NaNDetectionCallback is NaNDetection
     assert NaNDetection.priority == 5
 

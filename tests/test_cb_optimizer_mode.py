@@ -165,7 +165,7 @@ def test_plain_optimizers_and_the_model_itself_are_left_alone():
         handler(ctx)  # no train()/eval() on AdamW: nothing happens, nothing raises
 
 
-def test_seed_name_priority_and_validation():
+def test_hpo_trainer_name_priority_and_validation():
     assert OptimizerModeCallback is OptimizerMode
     assert OptimizerMode.priority == 10
     with pytest.raises(ValueError, match="eval_after_training"):

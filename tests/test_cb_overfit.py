@@ -122,7 +122,7 @@ def test_an_epoch_without_a_logged_loss_is_left_out_with_one_warning(make_traine
     assert detector.train_history == []
 
 
-def test_seed_name_priority_and_validation():
+def test_hpo_trainer_name_priority_and_validation():
     assert OverfitDetectionCallback is OverfitDetection
     assert OverfitDetection.priority == 75
     for kwargs, named in [

@@ -144,7 +144,7 @@ class SpikeTracker:
 class DivergenceDetector(Callback):
     """Stops training when the monitored loss diverges (see the module doc).
 
-    Parameters keep the seed's names and meaning: ``smoothing`` (EMA weight of
+    Parameters keep Forgather's names and meaning: ``smoothing`` (EMA weight of
     the newest value, in (0, 1]), ``threshold`` (absolute rise of the average
     over its best; ``None`` disables), ``relative_threshold`` (ratio of the
     average to its best, > 1; ``None`` disables), ``patience``, ``warmup``
@@ -218,7 +218,7 @@ class DivergenceDetector(Callback):
         """``DivergenceDetector``, or ``DivergenceDetector[key]`` when not watching ``loss``."""
         return "DivergenceDetector" if self.key == "loss" else f"DivergenceDetector[{self.key}]"
 
-    # The seed's attribute names, read through to the tracker.
+    # Forgather's attribute names, read through to the tracker.
     smoothing = property(lambda self: self.tracker.smoothing)
     threshold = property(lambda self: self.tracker.threshold)
     relative_threshold = property(lambda self: self.tracker.relative_threshold)

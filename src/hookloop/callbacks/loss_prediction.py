@@ -9,10 +9,10 @@ The fit is ordinary least squares on ``log L`` against ``t`` (numpy), which is
 exact for a true exponential and cheap enough to redo after every evaluation.
 Time ``t`` is the optimizer step of each evaluation, so evaluations at any
 cadence (every N steps, every epoch, on request) lie on one axis; with one
-evaluation per epoch this is the seed's per-epoch fit with the time axis scaled
+evaluation per epoch this is the HPO trainer's per-epoch fit with the time axis scaled
 by ``steps_per_epoch``, which predicts the same final value.
 
-The published number is the seed's: ``-log10`` of the predicted final loss
+The published number is the HPO trainer's: ``-log10`` of the predicted final loss
 (larger is better; 2.0 means a loss of 0.01). When the fit is impossible
 (a non-positive or non-finite loss) or its prediction is not a finite positive
 number, it falls back to ``-log10`` of the latest loss.
@@ -63,7 +63,7 @@ def predict_loss(times: Sequence[float], losses: Sequence[float], horizon: float
 def prediction_score(
     times: Sequence[float], losses: Sequence[float], horizon: float | None
 ) -> float | None:
-    """``-log10`` of the predicted loss at ``horizon``, with the seed's fallback.
+    """``-log10`` of the predicted loss at ``horizon``, with the HPO trainer's fallback.
 
     Falls back to ``-log10(losses[-1])`` when there is no horizon, no fit, or the
     prediction is not finite and positive; None when the latest loss is not
@@ -103,14 +103,14 @@ def _fit_log_linear(
 class LossPrediction(Callback):
     """Predicts the final evaluation loss from an exponential fit (see the module docstring).
 
-    ``max_epochs`` (the seed's positional argument) or ``horizon_steps`` sets
+    ``max_epochs`` (the HPO trainer's positional argument) or ``horizon_steps`` sets
     where to extrapolate to; by default the run's step budget
     (``state.max_steps``). Nothing is predicted before ``min_points``
     evaluations. Outputs, once there is a prediction: ``prediction`` (the
     ``-log10`` score), ``predicted_loss`` (the loss itself, or None after a
     fallback), ``ctx.user_state["predicted_final_loss"]`` and, at every log
     event from then on, ``ctx.logs["predicted_final_loss"]`` (the score, as the
-    seed logs it). Evaluations outside a training run (a direct
+    HPO trainer logs it). Evaluations outside a training run (a direct
     ``trainer.evaluate()``) are not counted.
     """
 

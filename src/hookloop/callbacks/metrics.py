@@ -59,8 +59,8 @@ class DefaultMetrics(Callback):
 
     ``peak_flops`` is the hardware's peak FLOP/s summed over every rank (the FLOP
     count covers all ranks), e.g. ``989e12`` for one H100 SXM in dense bf16; with
-    ``None`` no ``mfu`` is logged. ``peak_hardware_flops`` is accepted as the
-    seed's name for the same value. ``seq_len`` gives tokens per sample for runs
+    ``None`` no ``mfu`` is logged. ``peak_hardware_flops`` is accepted as
+    Forgather's name for the same value. ``seq_len`` gives tokens per sample for runs
     whose forward step does not report token counts.
     """
 
@@ -79,7 +79,7 @@ class DefaultMetrics(Callback):
     ) -> None:
         if peak_hardware_flops is not None:
             if peak_flops is not None:
-                raise ValueError("give peak_flops or its seed name peak_hardware_flops, not both")
+                raise ValueError("give peak_flops or Forgather's peak_hardware_flops, not both")
             peak_flops = peak_hardware_flops
         if peak_flops is not None and (
             isinstance(peak_flops, bool)

@@ -248,8 +248,8 @@ class ParameterNormLogger(_PerParameterLogger):
 
     ``power_iters`` power-iteration steps run per matrix per call (twice as many
     the first time, with no vector to start from); the right singular vectors
-    are kept between calls and in checkpoints. ``power_iter_steps`` is the
-    seed's name for ``power_iters``.
+    are kept between calls and in checkpoints. ``power_iter_steps`` is
+    Forgather's name for ``power_iters``.
     """
 
     def __init__(
@@ -266,7 +266,7 @@ class ParameterNormLogger(_PerParameterLogger):
         super().__init__(include, path)
         if power_iter_steps is not None:
             if power_iters != 10:
-                raise ValueError("give power_iters or its seed name power_iter_steps, not both")
+                raise ValueError("give power_iters or Forgather's power_iter_steps, not both")
             power_iters = power_iter_steps
         for name, value in (("log_norms", log_norms), ("log_spectral_norms", log_spectral_norms)):
             if not isinstance(value, bool):

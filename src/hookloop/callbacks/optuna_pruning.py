@@ -16,7 +16,7 @@ trial (``trial.report(value, step)``); when the study's pruner answers
   with several processes: the stop request is agreed across ranks, an exception
   on rank 0 is not.
 
-:func:`objective_value` also gives the seed's value for a failed run: ``inf``
+:func:`objective_value` also gives the HPO trainer's value for a failed run: ``inf``
 (``-inf`` when maximizing) when NaNDetection stopped it or the metric is
 missing or not finite, so the study ranks it last.
 
@@ -83,7 +83,7 @@ class OptunaPruning(Callback):
     ``report_step`` is the step number given to Optuna: ``"step"`` (the
     optimizer step, the default; comparable across trials with the same
     evaluation cadence, and unchanged by a resume) or ``"eval"`` (the
-    evaluation's index, 0-based, as the seed's per-epoch report). See the
+    evaluation's index, 0-based, as the HPO trainer's per-epoch report). See the
     module docstring for what a pruned run looks like. ``pruned`` tells whether
     this run was pruned.
     """

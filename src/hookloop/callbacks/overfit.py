@@ -7,7 +7,7 @@ callback looks for exactly that and reports the gap ratio ``eval / train``,
 which reads the same at any loss scale (2.0: evaluation loss twice the train
 loss).
 
-Per-epoch values, as the seed keeps them: the train loss of an epoch is the mean
+Per-epoch values, as the HPO trainer keeps them: the train loss of an epoch is the mean
 of the losses logged during it (``ctx.logs["loss"]``, so it needs
 ``train.log_every``), the evaluation loss is the epoch's last evaluation
 (``eval_at_epoch_end`` gives one per epoch). An epoch without both is left out.

@@ -38,7 +38,7 @@ class ProfilerCallback(Callback):
     ``record_shapes``, ``with_stack``, ``with_flops`` and ``profile_memory`` are
     passed to ``torch.profiler.profile``; ``row_limit`` caps each table.
 
-    The seed's window, ``start_step`` and ``num_steps`` (record the ``num_steps``
+    Forgather's window, ``start_step`` and ``num_steps`` (record the ``num_steps``
     steps after ``start_step`` steps have run), is accepted instead of
     ``wait``/``warmup``/``active``: it records the same steps, after one warmup
     step when there is room for it.

@@ -158,7 +158,7 @@ class ProgressBar(Callback):
     text stream or ``"stdout"`` / ``"stderr"`` (default stderr). ``header_every``
     re-prints the plain-mode header after that many rows. ``min_interval``
     (seconds, default 0: every log event) is the least wall time between two
-    shown log events, in rows or in the bar's metrics. The seed's names
+    shown log events, in rows or in the bar's metrics. Forgather's names
     ``output_stream``, ``step_columns`` and ``header_interval`` are accepted too.
     """
 
@@ -180,7 +180,7 @@ class ProgressBar(Callback):
         columns = _alias("columns", columns, None, "step_columns", step_columns)
         if header_interval is not None:
             if header_every != 20:
-                raise ValueError("give header_every or its seed name header_interval, not both")
+                raise ValueError("give header_every or Forgather's header_interval, not both")
             header_every = header_interval
         if isinstance(header_every, bool) or not isinstance(header_every, int) or header_every < 1:
             raise ValueError(f"header_every must be an int >= 1, got {header_every!r}")

@@ -103,7 +103,7 @@ def tiny_gpt_pretrain_config(
 ) -> ConfigContainer:
     """A Megatron-Bridge-shaped config container for ``pretrain``/``finetune`` (seconds on a CPU).
 
-    Every keyword lands in its seed section (``train``, ``model``, ``optimizer``,
+    Every keyword lands in its Megatron-Bridge section (``train``, ``model``, ``optimizer``,
     ``checkpoint``, ``rng``); set any other field on the returned object.
     """
     cfg = ConfigContainer()

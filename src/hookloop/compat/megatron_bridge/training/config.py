@@ -1,6 +1,6 @@
 """``ConfigContainer``: a run's configuration in Megatron-Bridge's shape, sections and names.
 
-Seed code reads and sets ``cfg.train.train_iters``, ``cfg.train.global_batch_size``,
+Megatron-Bridge code reads and sets ``cfg.train.train_iters``, ``cfg.train.global_batch_size``,
 ``cfg.optimizer.lr``, ``cfg.checkpoint.save_interval`` …; this container has
 those sections and fields (a subset of Megatron-Bridge's, for the small byte-level
 GPT hookloop trains) and :meth:`ConfigContainer.to_native` turns it into the

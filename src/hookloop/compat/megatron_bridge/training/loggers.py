@@ -1,6 +1,6 @@
 """The TensorBoard and W&B writers a Megatron-Bridge-style run's config enables.
 
-Seed callbacks log through ``context.state.tensorboard_logger`` (a
+Megatron-Bridge callbacks log through ``context.state.tensorboard_logger`` (a
 ``torch.utils.tensorboard.SummaryWriter``) and ``context.state.wandb_logger``
 (the ``wandb`` module, after ``wandb.init``). As in Megatron-Bridge each is
 opened on first use and only on the last rank; elsewhere, and when the config
