@@ -391,6 +391,24 @@ def test_admin_routes_and_dashboard(server):
         assert b"<title>DiLoCo Dashboard</title>" in page.read()
 
 
+def test_the_outer_optimizer_is_set_from_the_command_line_and_each_change_recorded(server, capsys):
+    setter = ["diloco", "set", "--server", server.address, "--token", TOKEN]
+    assert cli_main([*setter, "lr=0.25", "momentum=0.5"]) == 0
+    assert "outer optimizer now lr 0.25, momentum 0.5" in capsys.readouterr().out
+    assert cli_main([*setter, "momentum=2"]) == 2  # refused by the server: nothing changes
+    assert "momentum must be a number in [0, 1)" in capsys.readouterr().err
+    assert cli_main([*setter, "beta=0.1"]) == 2
+    status = _client(server).get_status()
+    assert (status["outer_lr"], status["outer_momentum"]) == (0.25, 0.5)
+    lines = (Path(server.output_dir) / "changes.jsonl").read_text().splitlines()
+    assert len(lines) == 1
+    record = json.loads(lines[0])
+    assert record["changes"] == [
+        {"key": "lr", "old": 0.7, "new": 0.25}, {"key": "momentum", "old": 0.9, "new": 0.5},
+    ]  # fmt: skip
+    assert record["client"].startswith("hookloop ctl (")
+
+
 def _both(calls) -> list:
     """Run the calls at once (a sync barrier needs every worker inside it)."""
     out: list = [None] * len(calls)

@@ -215,6 +215,36 @@ def test_replay_on_the_command_line_refuses_what_it_cannot_do(tmp_path, capsys):
     assert "changes.jsonl:1 is not a change record" in capsys.readouterr().err
 
 
+def test_in_transformers_trainer_a_set_changes_the_arguments_and_the_state_too(tmp_path):
+    from hookloop.compat.hf import Trainer as HFTrainer
+    from hookloop.compat.hf import TrainingArguments
+
+    class Regression(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 1)
+
+        def forward(self, x, labels=None):
+            out = self.linear(x)
+            return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+    data = [{"x": row, "labels": row.sum(0, keepdim=True)} for row in x]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=12, logging_steps=4,
+                             per_device_train_batch_size=4, learning_rate=0.01,
+                             report_to=[], save_strategy="no")  # fmt: skip
+    steer = Steer({5: {"lr": 0.05, "log_every": 2, "clip_grad_norm": 0.3, "eps": 1e-6}})
+    trainer = HFTrainer(model=Regression(), args=args, train_dataset=data, callbacks=[steer])
+    with pytest.raises(SettingError, match="eval_every: eval_strategy is 'no'"):
+        trainer.loop.parts.live.check({"eval_every": 5})
+    trainer.train()
+    assert (args.learning_rate, args.logging_steps, args.max_grad_norm) == (0.05, 2, 0.3)
+    assert args.adam_epsilon == 1e-6 and trainer.state.logging_steps == 2
+    logged = {h["step"]: h["learning_rate"] for h in trainer.state.log_history if "loss" in h}
+    assert sorted(logged) == [4, 6, 8, 10, 12]  # every 4 steps, then every 2
+    assert logged[6] == pytest.approx(0.05 * 7 / 12)  # linear decay, from the new peak
+
+
 # -- records -----------------------------------------------------------------------------
 
 

@@ -281,7 +281,9 @@ class CallbackContext:
     """The one object every handler receives.
 
     Always set: ``trainer``, ``state``, ``control``, ``run`` (:class:`RunInfo`),
-    ``model``, ``optimizer``, ``scheduler``, ``config``, ``user_state``. Per-event
+    ``model``, ``optimizer``, ``scheduler``, ``config``, ``user_state``, and in training
+    ``settings`` (the run's :class:`~hookloop.loop.live.LiveSettings`: what a live ``set``
+    can change, its current values and the changes so far). Per-event
     fields are set only during the events that define them (``hookloop.events.EVENT_FIELDS``) and
     are ``None`` at every other time, so nothing stale leaks between events:
 
@@ -322,6 +324,7 @@ class CallbackContext:
         "rewind",
         "run",
         "scheduler",
+        "settings",
         "skipped_iter",
         "state",
         "trainer",
@@ -350,6 +353,7 @@ class CallbackContext:
         self.scheduler = scheduler
         self.config = config
         self.user_state = user_state if user_state is not None else {}
+        self.settings: Any = None
         self.batch: Any = None
         self.outputs: Any = None
         self.loss: torch.Tensor | None = None

@@ -310,6 +310,14 @@ def format_status(st: dict[str, Any], url: str | None = None, *, pid: int | None
     ckpt = st.get("checkpoint")
     if ckpt:
         lines.append(f"checkpoint  step {ckpt.get('step')}: {ckpt.get('path')}")
+    settings = st.get("settings") or {}
+    if settings:
+        lines.append("settings    " + "   ".join(f"{k} {num(v)}" for k, v in settings.items()))
+    for record in (st.get("changes") or [])[-3:]:  # the latest live changes
+        what = ", ".join(
+            f"{c['key']} {num(c['old'])} -> {num(c['new'])}" for c in record["changes"]
+        )
+        lines.append(f"changed     step {record['step']}: {what} ({record['client']})")
     if url:
         lines.append(f"{'dashboard' if hookloop else 'url':<11} {url}")
     return "\n".join(lines)

@@ -451,8 +451,7 @@ class ControlServer(Callback):
         self._user_state = ctx.user_state  # what other callbacks publish (e.g. stragglers)
         self._can_save = ctx.run.can_checkpoint
         self._can_evaluate = ctx.run.has_eval_data
-        parts = getattr(ctx.trainer, "parts", None)
-        self._live = getattr(parts, "live", None)
+        self._live = ctx.settings
         self._snapshot = _Snapshot()
         try:
             self._start(ctx)

@@ -77,7 +77,46 @@ def add_diloco_command(subparsers: Any) -> argparse.ArgumentParser:
     status.add_argument("--token", help="bearer token (default: $DILOCO_TOKEN)")
     status.add_argument("--json", action="store_true", help="the raw JSON reply")
     status.set_defaults(run=run_status)
+    setter = sub.add_parser(
+        "set",
+        help="change the outer optimizer's lr / momentum (Forgather's update_optimizer)",
+    )
+    setter.add_argument("--server", default="localhost:8512", help="host:port or URL")
+    setter.add_argument("--token", help="bearer token (default: $DILOCO_TOKEN)")
+    setter.add_argument("values", nargs="+", metavar="KEY=VALUE", help="lr=0.5 momentum=0.8")
+    setter.set_defaults(run=run_set)
     return parser
+
+
+def run_set(args: argparse.Namespace) -> int:
+    """``hookloop diloco set lr=0.5``: the server checks the values (exit 2 when refused),
+    applies them before the next outer step and records them in its changes.jsonl."""
+    from hookloop.control.client import client_name
+    from hookloop.diloco.client import DiLoCoClient
+
+    values: dict[str, Any] = {}
+    for pair in args.values:
+        key, sep, raw = pair.partition("=")
+        if not sep or key not in ("lr", "momentum"):
+            print(f"hookloop diloco set: error: expected lr=VALUE or momentum=VALUE, got {pair!r}",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        try:
+            values[key] = float(raw)
+        except ValueError:
+            print(f"hookloop diloco set: error: {key} must be a number, got {raw!r}",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+    token = args.token or os.environ.get("DILOCO_TOKEN") or None
+    client = DiLoCoClient(args.server, timeout=10, token=token)
+    try:
+        answer = client.control("update_optimizer", {**values, "client": client_name()})
+    except Exception as err:  # the server's refusal (HTTP 400) or an unreachable server
+        status = getattr(err, "status", None) or getattr(err, "code", None)
+        print(f"hookloop diloco set: error: {err}", file=sys.stderr)
+        return 2 if status == 400 else 1
+    print(f"outer optimizer now {', '.join(f'{k} {answer[k]}' for k in values)}")
+    return 0
 
 
 def _start_weights(args: argparse.Namespace) -> str | None:

@@ -54,6 +54,7 @@ import hmac
 import json
 import logging
 import math
+import os
 import ssl
 import sys
 import threading
@@ -778,6 +779,8 @@ class DiLoCoServer:
                 raise ProtocolError(str(err)) from None
             if not updated:
                 raise ProtocolError("No parameters to update (provide lr and/or momentum)")
+            group = self.outer_optimizer.param_groups[0]
+            self._record_change(updated, {k: group.get(k) for k in updated}, data.get("client"))
             for group in self.outer_optimizer.param_groups:
                 group.update(updated)
             self._outer_lr = float(self.outer_optimizer.param_groups[0]["lr"])
@@ -801,6 +804,26 @@ class DiLoCoServer:
         raise ProtocolError(
             f"Unknown control action: {action[:100]}; allowed: {', '.join(CONTROL_ACTIONS)}", 404
         )
+
+    def _record_change(self, new: dict[str, Any], old: dict[str, Any], client: Any) -> None:
+        """A change of the outer optimizer, as a live ``set`` of a training job is recorded:
+        a log line and a record in ``<output_dir>/changes.jsonl`` (fsynced before it is
+        made; the optimizer's own state, saved with each checkpoint, carries it on)."""
+        who = client if isinstance(client, str) and client.isprintable() else "unknown"
+        record = {
+            "sync_round": self._sync_round,
+            "changes": [{"key": k, "old": old[k], "new": v} for k, v in new.items()],
+            "client": who[:80],
+            "time": time.time(),
+        }
+        log.info("diloco: round %d: outer optimizer %s", self._sync_round, record["changes"])
+        if self.output_dir:
+            path = Path(self.output_dir) / "changes.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
 
     # -- HTTP ----------------------------------------------------------------------------------
     def _authorized(self, header: str) -> bool:

@@ -197,6 +197,7 @@ class LiveSettings:
         #: A run whose changes ``hookloop train --replay`` re-applies from scratch.
         self.replay_from: Path | None = None
         self._settings = self._loop_settings()
+        self._mirrors: dict[str, list[Callable[[Any], None]]] = {}
 
     # -- what can change --------------------------------------------------------------
     def _loop_settings(self) -> dict[str, Setting]:
@@ -305,6 +306,20 @@ class LiveSettings:
             group["initial_lr"] = value
         if base is not None and index < len(base):
             base[index] = value
+
+    def define(self, key: str, setting: Setting) -> None:
+        """Add a settable key, or replace how one is read and written (a dialect whose
+        cadences live elsewhere: transformers' ``TrainingArguments``)."""
+        self._settings[key] = setting
+
+    def remove(self, key: str) -> None:
+        """A key this run cannot change (a dialect without it)."""
+        self._settings.pop(key, None)
+
+    def mirror(self, key: str, follow: Callable[[Any], None]) -> None:
+        """Call ``follow(new value)`` after ``key`` changes (a dialect's copy of it, such as
+        ``TrainingArguments.learning_rate``), and after a resume restores it."""
+        self._mirrors.setdefault(key, []).append(follow)
 
     def callback_settings(self) -> dict[str, Setting]:
         """The attributes callbacks list in their ``settable`` tuple, as ``Name.attr``."""
@@ -445,6 +460,14 @@ class LiveSettings:
                     self._set_peak(index, self._peak(index) * value)
             else:
                 settable[key].put(value)
+            self._follow("lr" if key == "lr_scale" else key)
+
+    def _follow(self, key: str) -> None:
+        """Tell the key's mirrors its new value."""
+        if key in self._mirrors:
+            value = self.settable()[key].get()
+            for follow in self._mirrors[key]:
+                follow(value)
 
     def _append(self, record: dict[str, Any]) -> None:
         """One record in ``changes.jsonl``, on disk before the change is made (rank 0)."""
@@ -508,6 +531,8 @@ class LiveSettings:
         for key, value in saved.get("values", {}).items():
             if key in settable:
                 settable[key].put(tuple(value) if isinstance(value, list) else value)
+        for key in {k for r in self.history for k in r["values"]}:  # the dialects' copies
+            self._follow("lr" if key == "lr_scale" else key)
 
 
 def read_changes(path: Path) -> list[dict[str, Any]]:

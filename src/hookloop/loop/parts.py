@@ -183,7 +183,7 @@ def build_parts(given: Inputs, dialect: Dialect | None = None) -> Parts:
     p.stepper = _stepper(p)
     p.checkpointer = _checkpointer(p, persistent, local)
     p.schedule = (dialect.schedule or _schedule)(p)
-    p.live = (dialect.live or _live)(p)
+    p.live = p.ctx.settings = (dialect.live or _live)(p)
     return p
 
 

@@ -46,8 +46,15 @@ from hookloop.compat.hf.evaluation import ignored_keys
 from hookloop.compat.hf.loss import HFLoss
 from hookloop.compat.hf.types import eval_key
 from hookloop.loop.evaluation import Evaluation
+from hookloop.loop.live import LiveSettings, Setting, SettingError
 from hookloop.loop.logbook import LogBook
-from hookloop.loop.parts import Dialect, Parts, evaluation_inputs, steps_on_a_metric
+from hookloop.loop.parts import (
+    Dialect,
+    Parts,
+    evaluation_inputs,
+    live_inputs,
+    steps_on_a_metric,
+)
 from hookloop.loop.parts import plan_budget as native_budget
 from hookloop.loop.schedule import Action, Schedule, abort, passed_through
 from hookloop.loop.stepper import Clipping, MicroStep
@@ -68,6 +75,7 @@ def dialect(session: Any, hf_loss: HFLoss | None, compute_metrics: Any) -> Diale
         ),
         checkpoints=functools.partial(_checkpoints, session=session),
         schedule=functools.partial(_schedule, session=session),
+        live=functools.partial(_live, session=session),
         announce_repeated_saves=True,  # a step save and an epoch save: on_save fires twice
         steps_metric_scheduler=True,  # ReduceLROnPlateau after evaluations, as HF
     )
@@ -242,6 +250,63 @@ def _clipping(p: Parts, *, session: Any) -> Clipping:
     leaving ``foreach`` to torch."""
     limit = hf_optim.arg(session.args, "max_grad_norm", 1.0)
     return Clipping(limit if limit and limit > 0 else None, always_measure=True, foreach=None)
+
+
+# -- live settings ------------------------------------------------------------------------
+
+
+#: Live keys -> the TrainingArguments fields (and TrainerState fields) that hold them in HF.
+_INTERVALS = {
+    "log_every": ("logging_steps", "logging_strategy"),
+    "eval_every": ("eval_steps", "eval_strategy"),
+    "save_every": ("save_steps", "save_strategy"),
+}
+_ARGUMENTS = {"lr": "learning_rate", "weight_decay": "weight_decay", "eps": "adam_epsilon"}
+
+
+def _live(p: Parts, *, session: Any) -> LiveSettings:
+    """Live settings as transformers' Trainer keeps them: the cadences are the
+    ``*_steps`` of TrainingArguments and TrainerState (with a ``"steps"`` strategy), and
+    ``trainer.args`` follows every optimizer change."""
+    live = LiveSettings(**live_inputs(p))
+    args, state = session.args, session.state
+    if args is None:
+        return live
+    for key, (field, strategy_field) in _INTERVALS.items():
+
+        def check(name: str, value: Any, strategy_field: str = strategy_field) -> int:
+            strategy = flow.strategy(args, strategy_field)
+            if strategy != "steps":
+                raise SettingError(
+                    f"{name}: {strategy_field} is {strategy!r}, so its steps are not used "
+                    "(set it to 'steps' when you build the Trainer)"
+                )
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SettingError(f"{name} must be an int >= 1, got {value!r}")
+            return value
+
+        def put(value: int, field: str = field) -> None:
+            setattr(args, field, value)
+            setattr(state, field, value)
+
+        read = functools.partial(getattr, state, field)
+        live.define(key, Setting(f"TrainingArguments.{field}", read, put, check))
+    for key, field in _ARGUMENTS.items():
+        live.mirror(key, lambda value, field=field: _set_argument(args, field, value))
+    live.mirror("betas", lambda value: _set_betas(args, value))
+    live.mirror("clip_grad_norm", lambda value: _set_argument(args, "max_grad_norm", value or 0.0))
+    return live
+
+
+def _set_argument(args: Any, field: str, value: Any) -> None:
+    if not isinstance(value, list) and hasattr(args, field):  # groups that differ: no one value
+        setattr(args, field, value)
+
+
+def _set_betas(args: Any, value: Any) -> None:
+    if isinstance(value, list) and len(value) == 2 and not isinstance(value[0], list):
+        _set_argument(args, "adam_beta1", value[0])
+        _set_argument(args, "adam_beta2", value[1])
 
 
 # -- the log --------------------------------------------------------------------------------
