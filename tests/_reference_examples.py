@@ -43,13 +43,10 @@ def documents_dir() -> Path | None:
 
 
 def document_text(document: str) -> str:
-    """The text of ``document`` (a key of :data:`DOCUMENTS`); skips the test if it is absent.
-
-    The file's number is accepted too (``"001"``), for callers not yet moved to the names.
-    """
-    number = DOCUMENTS.get(document, document)
-    if number not in DOCUMENTS.values():
+    """The text of ``document`` (a key of :data:`DOCUMENTS`); skips the test if it is absent."""
+    if document not in DOCUMENTS:
         raise KeyError(f"unknown document {document!r}; the documents are {sorted(DOCUMENTS)}")
+    number = DOCUMENTS[document]
     folder = documents_dir()
     if folder is None:
         pytest.skip(
