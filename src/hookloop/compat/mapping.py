@@ -44,6 +44,8 @@ _TABLE: dict[str, dict[str, tuple[str, ...]]] = {
         "hpo": ("on_train_step_end",),
         "hf": ("on_step_end", "on_train_metrics"),
     },
+    # A live `set` (hookloop.loop.live): no other system changes settings mid-run.
+    "on_settings_change": {},
     "on_before_log": {"hf": ("on_log_step",)},
     "on_log": {"hf": ("on_log",)},
     "on_eval_start": {"megatron_bridge": ("on_eval_start",), "hpo": ("on_val_begin",)},
