@@ -378,9 +378,10 @@ def _batches(ctx: CallbackContext, kind: str) -> int | None:
     return ctx.run.eval_batches if kind == "eval" else ctx.run.test_batches
 
 
-def _alias(name: str, value: Any, default: Any, seed_name: str, seed_value: Any) -> Any:
-    if seed_value is None:
+def _alias(name: str, value: Any, default: Any, alias: str, alias_value: Any) -> Any:
+    """``value``, or Forgather's ``alias_value`` for it when that one was given."""
+    if alias_value is None:
         return value
     if value is not default:
-        raise ValueError(f"give {name} or its seed name {seed_name}, not both")
-    return seed_value
+        raise ValueError(f"give {name} or Forgather's {alias}, not both")
+    return alias_value

@@ -15,16 +15,16 @@ from pathlib import Path
 from typing import Any
 
 from hookloop.compat.megatron_bridge.training.pretrain import (
+    AnyConfig,
     Callbacks,
     ForwardStepFunc,
-    SeedConfig,
     run,
 )
 from hookloop.result import TrainResult
 
 
 def finetune(
-    config: SeedConfig,
+    config: AnyConfig,
     forward_step_func: ForwardStepFunc,
     callbacks: Callbacks = None,
     *,

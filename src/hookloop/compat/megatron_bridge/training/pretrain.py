@@ -50,14 +50,15 @@ from hookloop.step import bind_forward_step
 
 ForwardStepFunc = Callable[..., tuple[Any, Callable[..., Any]]]
 Callbacks = CallbackManager | Iterable[Callback] | None
-SeedConfig = ConfigContainer | Config
+#: Megatron-Bridge's ConfigContainer or hookloop's own Config: either drives a run.
+AnyConfig = ConfigContainer | Config
 
 #: Stop reasons after which the test phase runs (the budget was spent, nothing cut it short).
 FINISHED = ("max_steps", "max_epochs")
 
 
 def pretrain(
-    config: SeedConfig,
+    config: AnyConfig,
     forward_step_func: ForwardStepFunc,
     callbacks: Callbacks = None,
     *,
@@ -88,7 +89,7 @@ def pretrain(
 
 
 def run(
-    config: SeedConfig,
+    config: AnyConfig,
     forward_step_func: ForwardStepFunc,
     callbacks: Callbacks,
     *,
@@ -142,7 +143,7 @@ def run(
 
 
 def resolve(
-    config: SeedConfig, out_dir: str | Path | None, resume: str | None
+    config: AnyConfig, out_dir: str | Path | None, resume: str | None
 ) -> tuple[Config, str | Path | None, str | None]:
     """The native config, run directory and resume target of ``config`` on this world size."""
     if isinstance(config, ConfigContainer):
@@ -161,7 +162,7 @@ def resolve(
 
 
 def prepare(
-    config: SeedConfig,
+    config: AnyConfig,
     forward_step_func: ForwardStepFunc,
     callbacks: Callbacks,
     native: Config | None = None,
@@ -191,7 +192,7 @@ def prepare(
 
 
 def build_trainer(
-    config: SeedConfig,
+    config: AnyConfig,
     native: Config,
     step: Callable[..., Any],
     manager: CallbackManager,
