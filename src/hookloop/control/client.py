@@ -135,7 +135,9 @@ class JobClient:
                 f"unknown command {command!r}; valid: {', '.join(dict.fromkeys(valid))} "
                 f"(or {', '.join(ALIASES)})"
             )
-        body: dict[str, Any] = {"command": name, "client": client_name()}
+        body: dict[str, Any] = {"command": name}
+        if name == "set":  # recorded with the change; other commands send Forgather's body
+            body["client"] = client_name()
         if values:
             body["values"] = dict(values)
         return self._checked("POST", f"jobs/{self.job_id}/control", body)
