@@ -9,7 +9,7 @@ ends it when any has run out and ``require="all"`` only when all have at once.
 
 ``min_delta`` is absolute by default (``threshold_mode="abs"``: eval loss must
 drop by more than ``min_delta``). ``threshold_mode="rel"`` makes it a fraction of
-the best value, which is how seed 001 reads it (``min_delta=1e-4``: 0.01 %).
+the best value, which is how the HPO trainer reads it (``min_delta=1e-4``: 0.01 %).
 
 A monitored metric missing from the evaluation results is warned about once and
 then skipped: with ``require="any"`` the others still decide; with

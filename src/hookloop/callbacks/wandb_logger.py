@@ -1,4 +1,4 @@
-"""Weights & Biases logging (seed 001's ``WandbLoggingCallback``), plus an offline-run reader.
+"""Weights & Biases logging (the HPO trainer's ``WandbLoggingCallback``) and an offline reader.
 
 One ``run.log`` call per log event carries everything in ``ctx.logs`` at that
 step: the losses, the learning rate, the gradient norm and every value that
