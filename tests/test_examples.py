@@ -102,6 +102,7 @@ def test_hpo_trainer(tmp_path):
         ("docs/transformers-trainer.md", "../examples/transformers_trainer.py"),
         ("docs/forgather.md", "../examples/forgather.py"),
         ("docs/callbacks.md", "../examples/hpo_trainer.py"),
+        ("docs/hpo-trainer.md", "../examples/hpo_trainer.py"),
     ],
 )
 def test_the_docs_link_the_examples(page, example):
