@@ -254,10 +254,15 @@ class LiveSettings:
         }[key]
         where = "every parameter group" if index is None else f"parameter group {index}"
         if key == "lr":
+
+            def put_peak(value: float) -> None:
+                for i in self._chosen(key, index):
+                    self._set_peak(i, value)
+
             return Setting(
                 f"the learning rate's peak in {where}",
                 lambda: self._one([self._peak(i) for i in self._chosen(key, index)]),
-                lambda v: [self._set_peak(i, v) for i in self._chosen(key, index)] and None,
+                put_peak,
                 check,
                 in_optimizer=True,
             )
@@ -300,8 +305,8 @@ class LiveSettings:
 
     def _set_peak(self, index: int, value: float) -> None:
         group, base = self.optimizer.param_groups[index], getattr(self.scheduler, "base_lrs", None)
-        ratio = value / self._peak(index)
-        group["lr"] = group["lr"] * ratio
+        peak = self._peak(index)
+        group["lr"] = group["lr"] * (value / peak) if peak else value
         if "initial_lr" in group:
             group["initial_lr"] = value
         if base is not None and index < len(base):
@@ -311,10 +316,6 @@ class LiveSettings:
         """Add a settable key, or replace how one is read and written (a dialect whose
         cadences live elsewhere: transformers' ``TrainingArguments``)."""
         self._settings[key] = setting
-
-    def remove(self, key: str) -> None:
-        """A key this run cannot change (a dialect without it)."""
-        self._settings.pop(key, None)
 
     def mirror(self, key: str, follow: Callable[[Any], None]) -> None:
         """Call ``follow(new value)`` after ``key`` changes (a dialect's copy of it, such as
