@@ -39,30 +39,45 @@ def run(
     trials: int,
     out: str | Path,
     workers: int = 1,
-    metric: str = "eval_loss",
-    direction: str = "minimize",
+    metric: str | list[str] = "eval_loss",
+    direction: str | list[str] = "minimize",
     storage: str | None = None,
     study_name: str = "hookloop",
     seed: int = 0,
-    pruner: str = "median",
+    pruner: str | None = None,
+    sampler: str = "tpe",
+    sampler_args: Mapping[str, Any] | None = None,
+    constraints: list[str] | tuple[str, ...] = (),
     overrides: list[str] | tuple[str, ...] = (),
     plots: bool = False,
 ) -> Any:
     """Run (or continue) a study and return it as an ``optuna.Study``.
 
     ``target`` is a recipe (a name, or ``package.module:object``), whose trials are
-    hookloop runs scored by the best ``metric``; ``space`` (a mapping or a YAML file) is
-    then required and ``overrides`` (``KEY=VALUE``) are fixed for every trial. Or
-    ``target`` is ``objective(trial) -> float``: with a ``space``, its values are drawn
-    before the call and are in ``trial.params``; without one, the objective asks
-    ``trial.suggest_*`` itself. Raise ``optuna.TrialPruned`` to prune. Raises
+    hookloop runs scored by the best ``metric`` (a list of metrics, with ``direction`` one
+    per metric or one for all, makes a multi-objective study: ``study.best_trials`` is its
+    Pareto front); ``space`` (a mapping or a YAML file) is then required, ``overrides``
+    (``KEY=VALUE``) are fixed for every trial and ``constraints`` (``"param_count <=
+    2e6"``) mark trials infeasible. Or ``target`` is ``objective(trial) -> float`` (a
+    sequence of floats, one per ``direction``, for several objectives): with a ``space``,
+    its values are drawn before the call and are in ``trial.params``; without one, the
+    objective asks ``trial.suggest_*`` itself. Raise ``optuna.TrialPruned`` to prune.
+    ``pruner`` defaults to ``median`` (``none`` for several objectives). Raises
     ``ValueError`` for bad arguments and :class:`TuneError` when every trial fails.
     """
+    if pruner is None:  # median; none for several objectives (Optuna cannot prune those)
+        objectives = direction if callable(target) and not isinstance(target, str) else metric
+        pruner = "median" if isinstance(_one_or_list(objectives), str) else "none"
     if isinstance(space, (str, Path)):
         from hookloop.tune.cli import read_space
 
         space = read_space(str(space))
     if callable(target) and not isinstance(target, str):
+        if constraints:
+            raise ValueError(
+                "constraints= name a recipe's metrics; an objective function records its "
+                "own with trial.set_constraint(name, value) (Optuna >= 5)"
+            )
         return _run_objective(
             target, space, trials=trials, out=Path(out), direction=direction,
             storage=storage, study_name=study_name, seed=seed, pruner=pruner,
@@ -77,11 +92,21 @@ def run(
     return _run_recipe(
         TuneSpec(
             recipe=target, space=dict(space), trials=trials, overrides=list(overrides),
-            metric=metric, direction=direction, storage=storage, study_name=study_name,
-            seed=seed, pruner=pruner,
+            metric=_one_or_list(metric), direction=_one_or_list(direction), storage=storage,
+            study_name=study_name, seed=seed, pruner=pruner, sampler=sampler,
+            sampler_args=dict(sampler_args or {}), constraints=list(constraints),
         ),
         Path(out), workers=workers, plots=plots,
     )  # fmt: skip
+
+
+def _one_or_list(value: Any) -> Any:
+    """A list of one (``metric=["eval_loss"]``) is that one: the study is single-objective."""
+    return (
+        value[0]
+        if isinstance(value, (list, tuple)) and len(value) == 1
+        else (list(value) if isinstance(value, tuple) else value)
+    )
 
 
 def _run_recipe(spec: TuneSpec, study_dir: Path, *, workers: int, plots: bool) -> Any:
@@ -107,7 +132,7 @@ def _run_objective(
     *,
     trials: int,
     out: Path,
-    direction: str,
+    direction: str | list[str],
     storage: str | None,
     study_name: str,
     seed: int,
@@ -117,8 +142,17 @@ def _run_objective(
 
     if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
         raise ValueError(f"trials must be an int >= 1, got {trials!r}")
-    if direction not in DIRECTIONS:
-        raise ValueError(f"direction must be 'minimize' or 'maximize', got {direction!r}")
+    directions = [direction] if isinstance(direction, str) else list(direction)
+    if not directions or any(d not in DIRECTIONS for d in directions):
+        raise ValueError(
+            f"direction must be 'minimize' or 'maximize', or a list of them (one per "
+            f"objective), got {direction!r}"
+        )
+    if len(directions) > 1 and pruner != "none":
+        raise ValueError(
+            f"pruner {pruner!r} cannot be used with several objectives (Optuna cannot prune "
+            "a multi-objective trial); give pruner='none'"
+        )
     drawn = SearchSpace(space) if space is not None else None
     opt = optuna()
     opt.logging.set_verbosity(opt.logging.WARNING)
@@ -126,7 +160,7 @@ def _run_objective(
     study = opt.create_study(
         storage=storage or f"sqlite:///{(out / DB_FILE).resolve()}",
         study_name=study_name,
-        direction=direction,
+        directions=directions,
         sampler=opt.samplers.TPESampler(seed=seed + len(_trials_in(out, storage, study_name))),
         pruner=make_pruner(pruner),
         load_if_exists=True,
@@ -163,15 +197,25 @@ def _run_objective(
             study.tell(trial, state=state.FAIL)
             print(f"hookloop tune: trial {trial.number} failed: {err}", file=sys.stderr)
             continue
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            number = math.nan
-        if math.isnan(number):
-            trial.set_user_attr("fail_reason", f"the objective returned {value!r}, not a number")
+        numbers = _numbers(value, len(directions))
+        if numbers is None:
+            wanted = "a number" if len(directions) == 1 else f"{len(directions)} numbers"
+            trial.set_user_attr("fail_reason", f"the objective returned {value!r}, not {wanted}")
             study.tell(trial, state=state.FAIL)
             continue
-        study.tell(trial, number)
+        study.tell(trial, numbers if len(directions) > 1 else numbers[0])
+
+
+def _numbers(value: Any, count: int) -> list[float] | None:
+    """The objective's return value as ``count`` floats, or None if it is not that."""
+    values = list(value) if count > 1 and isinstance(value, (list, tuple)) else [value]
+    if len(values) != count:
+        return None
+    try:
+        numbers = [float(v) for v in values]
+    except (TypeError, ValueError):
+        return None
+    return None if any(math.isnan(n) for n in numbers) else numbers
 
 
 def _trials_in(out: Path, storage: str | None, study_name: str) -> list[Any]:

@@ -62,13 +62,32 @@ def add_tune_command(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--out", help="study directory (default: runs/tune-<recipe>-<space>)")
     parser.add_argument(
-        "--metric", default="eval_loss", help="objective: best value of this metric"
+        "--metric",
+        action="append",
+        help="objective: the best value of this evaluation metric (default: eval_loss), or "
+        "param_count; several (--metric a,b or repeated) make a multi-objective study",
     )
-    parser.add_argument("--direction", default="minimize", choices=DIRECTIONS)
+    parser.add_argument(
+        "--direction",
+        action="append",
+        help=f"{' or '.join(DIRECTIONS)} (default: minimize): one for all metrics, or one per "
+        "--metric (--direction minimize,maximize)",
+    )
+    parser.add_argument(
+        "--constraint",
+        action="append",
+        metavar="'METRIC <= NUMBER'",
+        help="a trial breaking it is infeasible, never best, and the sampler steers away "
+        "(repeatable; METRIC: an evaluation metric or param_count; also >=)",
+    )
     parser.add_argument("--storage", help="Optuna storage URL (default: sqlite study.db in --out)")
     parser.add_argument("--study-name", default="hookloop", help="study name in the storage")
     parser.add_argument("--seed", type=int, default=0, help="sampler seed")
-    parser.add_argument("--pruner", default="median", choices=PRUNERS)
+    parser.add_argument(
+        "--pruner",
+        choices=PRUNERS,
+        help="default: median (one --metric), none (several: Optuna cannot prune those)",
+    )
     parser.add_argument(
         "--pruner-args", help="YAML mapping of the pruner's arguments, e.g. '{n_warmup_steps: 2}'"
     )
@@ -105,17 +124,19 @@ def main_tune(args: argparse.Namespace) -> int:
     if threads is not None and threads < 1:
         raise ValueError(f"--threads-per-worker must be an int >= 1, got {threads!r}")
     space = read_space(args.space)
+    metric = objectives(args.metric, "eval_loss")
     spec = TuneSpec(
         recipe=args.recipe or _recipe_from(args.overrides),
         space=space,
         trials=args.trials,
         overrides=[o for o in args.overrides if not o.startswith("recipe=")],
-        metric=args.metric,
-        direction=args.direction,
+        metric=metric,
+        direction=objectives(args.direction, "minimize"),
         storage=args.storage,
         study_name=args.study_name,
         seed=args.seed,
-        pruner=args.pruner,
+        pruner=args.pruner or default_pruner(metric),
+        constraints=list(args.constraint or []),
         sampler=args.sampler,
         heartbeat=args.heartbeat,
         sampler_args=_yaml_mapping("--sampler-args", args.sampler_args),
@@ -193,6 +214,18 @@ def _drive(
             )
         finish(study_dir, plots=not args.no_plots)
     return ExitCode.OK
+
+
+def objectives(given: list[str] | None, default: str) -> str | list[str]:
+    """``--metric`` or ``--direction`` as given (repeated, or comma-separated): one name
+    as a string, several as a list."""
+    names = [n.strip() for item in given or [default] for n in item.split(",")]
+    return names[0] if len(names) == 1 else names
+
+
+def default_pruner(metric: str | list[str]) -> str:
+    """``median``, or ``none`` for several metrics (Optuna cannot prune those)."""
+    return "median" if isinstance(metric, str) else "none"
 
 
 def _yaml_mapping(flag: str, text: str | None) -> dict[str, Any]:
@@ -407,7 +440,13 @@ def _echo_new(study: Any, seen: set[int]) -> None:
         if t.number in seen or not t.state.is_finished():
             continue
         seen.add(t.number)
-        value = f" value {t.value:.6g}" if t.value is not None else ""
+        values = t.values or []
+        value = (" value " if len(values) == 1 else " values ") + ", ".join(
+            f"{v:.6g}" for v in values
+        )
+        value = value if values else ""
+        if t.user_attrs.get("constraint") and any(v > 0 for v in t.user_attrs["constraint"]):
+            value += " (infeasible)"
         reason = t.user_attrs.get("fail_reason") or t.user_attrs.get("prune_reason") or ""
         print(
             f"hookloop tune: trial {t.number} {t.state.name.lower()}{value} {t.params}"

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -59,13 +60,21 @@ BEST_CONFIG_FILE = "best_config.yaml"
 CONSOLE_LOG = "console.log"
 DIRECTIONS = ("minimize", "maximize")
 PRUNERS = ("median", "percentile", "hyperband", "successive-halving", "threshold", "none")
-SAMPLERS = ("tpe", "random", "grid", "cmaes", "qmc", "gp")
+SAMPLERS = ("tpe", "random", "grid", "cmaes", "qmc", "gp", "nsga2")
+#: Samplers that steer away from infeasible trials (``--constraint``).
+CONSTRAINED_SAMPLERS = ("tpe", "gp", "nsga2")
+#: Samplers that take several objectives (``--metric a,b``).
+MULTI_OBJECTIVE_SAMPLERS = ("tpe", "random", "grid", "qmc", "gp", "nsga2")
+#: A quantity hookloop measures on every trial (usable as a metric or in a constraint).
+PARAM_COUNT = "param_count"
+#: The user attribute holding a trial's constraint values (feasible when all are <= 0).
+CONSTRAINT_ATTR = "constraint"
 #: What a sampler needs beyond Optuna (checked before the study starts).
 _SAMPLER_NEEDS = {"cmaes": ("cmaes",), "qmc": ("scipy",), "gp": ("scipy",)}
 #: Fields of the spec that make a study what it is: a restart must repeat them.
 IDENTITY = (
     "recipe", "overrides", "space", "metric", "direction", "pruner", "seed", "study_name",
-    "sampler", "sampler_args", "pruner_args",
+    "sampler", "sampler_args", "pruner_args", "constraints",
 )  # fmt: skip
 
 
@@ -93,6 +102,69 @@ class StudyInterrupted(BaseException):
 def host_name() -> str:
     """This machine's name in the study: ``$HOOKLOOP_TUNE_HOST``, else the host name."""
     return os.environ.get(HOST_ENV) or socket.gethostname()
+
+
+def check_objectives(metric: Any, direction: Any) -> None:
+    """Check ``--metric`` (one name or a list) and ``--direction`` (one, or one per metric)."""
+    metrics = [metric] if isinstance(metric, str) else metric
+    if not isinstance(metrics, list) or not metrics:
+        raise ValueError(
+            f"--metric must be a metric name or a list of them, such as eval_loss or "
+            f"[eval_loss, param_count], got {metric!r}"
+        )
+    for name in metrics:
+        check_metric_name(name, "--metric")
+    if len(set(metrics)) != len(metrics):
+        raise ValueError(f"--metric names a metric twice: {', '.join(metrics)}")
+    directions = [direction] if isinstance(direction, str) else direction
+    if not isinstance(directions, list) or len(directions) not in (1, len(metrics)):
+        raise ValueError(
+            f"--direction must be one direction, or one per --metric ({len(metrics)}: "
+            f"{', '.join(metrics)}), got {direction!r}"
+        )
+    for name in directions:
+        if name not in DIRECTIONS:
+            raise ValueError(f"--direction must be 'minimize' or 'maximize', got {name!r}")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """``METRIC <= BOUND`` or ``METRIC >= BOUND``; Optuna's value is <= 0 when it holds."""
+
+    text: str
+    metric: str
+    op: str
+    bound: float
+
+    _FORM = "write 'METRIC <= NUMBER' or 'METRIC >= NUMBER', e.g. 'param_count <= 2e6'"
+
+    @classmethod
+    def parse(cls, text: Any) -> Constraint:
+        if not isinstance(text, str):
+            raise ValueError(f"--constraint {text!r}: {cls._FORM}")
+        for op in ("<=", ">="):
+            left, found, right = text.partition(op)
+            if found:
+                break
+        else:
+            strict = " (< and > are not allowed)" if any(c in text for c in "<>=") else ""
+            raise ValueError(f"--constraint {text!r}: {cls._FORM}{strict}")
+        metric, bound_text = left.strip(), right.strip()
+        if not re.fullmatch(r"[A-Za-z_][\w./-]*", metric):
+            raise ValueError(f"--constraint {text!r}: {metric!r} is not a metric name; {cls._FORM}")
+        try:
+            bound = float(bound_text)
+        except ValueError:
+            raise ValueError(
+                f"--constraint {text!r}: the bound {bound_text!r} is not a number; {cls._FORM}"
+            ) from None
+        if not math.isfinite(bound):
+            raise ValueError(f"--constraint {text!r}: the bound must be finite; {cls._FORM}")
+        return cls(text=text.strip(), metric=metric, op=op, bound=bound)
+
+    def value(self, measured: float) -> float:
+        """Optuna's constraint value: <= 0 when ``measured`` satisfies the bound."""
+        return measured - self.bound if self.op == "<=" else self.bound - measured
 
 
 class Interrupts:
@@ -155,8 +227,10 @@ class TuneSpec:
     space: dict[str, Any]
     trials: int
     overrides: list[str] = field(default_factory=list)
-    metric: str = "eval_loss"
-    direction: str = "minimize"
+    #: The objective: one metric, or a list of them (a multi-objective study).
+    metric: str | list[str] = "eval_loss"
+    #: ``minimize`` or ``maximize``, or a list with one per metric.
+    direction: str | list[str] = "minimize"
     storage: str | None = None  # None: sqlite file study.db in the study directory
     study_name: str = "hookloop"
     seed: int = 0
@@ -169,18 +243,54 @@ class TuneSpec:
     heartbeat: int | None = None
     sampler_args: dict[str, Any] = field(default_factory=dict)
     pruner_args: dict[str, Any] = field(default_factory=dict)
+    #: ``METRIC <= NUMBER`` or ``METRIC >= NUMBER``: a trial that breaks one is infeasible.
+    constraints: list[str] = field(default_factory=list)
+
+    @property
+    def metrics(self) -> list[str]:
+        return [self.metric] if isinstance(self.metric, str) else list(self.metric)
+
+    @property
+    def directions(self) -> list[str]:
+        given = [self.direction] if isinstance(self.direction, str) else list(self.direction)
+        return given * len(self.metrics) if len(given) == 1 else given
+
+    @property
+    def multi_objective(self) -> bool:
+        return len(self.metrics) > 1
+
+    def parsed_constraints(self) -> list[Constraint]:
+        return [Constraint.parse(text) for text in self.constraints]
 
     def validate(self, space_file: str | None = None) -> TuneSpec:
         """Check every field; a search-space error names ``space_file`` when given."""
         if isinstance(self.trials, bool) or not isinstance(self.trials, int) or self.trials < 1:
             raise ValueError(f"--trials must be an int >= 1, got {self.trials!r}")
-        check_metric_name(self.metric)
-        if self.direction not in DIRECTIONS:
-            raise ValueError(
-                f"--direction must be 'minimize' or 'maximize', got {self.direction!r}"
-            )
+        check_objectives(self.metric, self.direction)
         if self.pruner not in PRUNERS:
             raise ValueError(f"--pruner must be one of {', '.join(PRUNERS)}, got {self.pruner!r}")
+        if self.multi_objective and self.pruner != "none":
+            raise ValueError(
+                f"--pruner {self.pruner} cannot be used with several --metric "
+                f"({', '.join(self.metrics)}): Optuna cannot prune a multi-objective trial; "
+                "give --pruner none"
+            )
+        if self.multi_objective and self.sampler not in MULTI_OBJECTIVE_SAMPLERS:
+            raise ValueError(
+                f"--sampler {self.sampler} cannot optimise several --metric "
+                f"({', '.join(self.metrics)}); allowed: {', '.join(MULTI_OBJECTIVE_SAMPLERS)}"
+            )
+        if not isinstance(self.constraints, list):
+            raise ValueError(
+                f"constraints must be a list of 'METRIC <= NUMBER' or 'METRIC >= NUMBER', "
+                f"got {self.constraints!r}"
+            )
+        self.parsed_constraints()  # each one is well formed
+        if self.constraints and self.sampler not in CONSTRAINED_SAMPLERS:
+            raise ValueError(
+                f"--sampler {self.sampler} does not take constraints (--constraint "
+                f"{self.constraints[0]!r}); samplers that do: {', '.join(CONSTRAINED_SAMPLERS)}"
+            )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"--seed must be an int >= 0, got {self.seed!r}")
         if not self.study_name:
@@ -252,7 +362,7 @@ def open_study(spec: TuneSpec, study_dir: Path, *, sampler_seed: int | None = No
             return opt.create_study(
                 storage=_storage(spec, study_dir),
                 study_name=spec.study_name,
-                direction=spec.direction,
+                directions=spec.directions,
                 sampler=make_sampler(spec, seed),
                 pruner=make_pruner(spec.pruner, spec.pruner_args),
                 load_if_exists=True,
@@ -327,6 +437,8 @@ def make_sampler(spec: TuneSpec, seed: int) -> Any:
     kwargs: dict[str, Any] = {"seed": seed, **spec.sampler_args}
     if spec.sampler == "grid":
         kwargs.setdefault("search_space", _grid(spec.search_space()))
+    if spec.constraints and not _trials_set_constraints():
+        kwargs["constraints_func"] = constraint_values  # Optuna < 5 reads them this way
     cls = {
         "tpe": samplers.TPESampler,
         "random": samplers.RandomSampler,
@@ -334,6 +446,7 @@ def make_sampler(spec: TuneSpec, seed: int) -> Any:
         "cmaes": samplers.CmaEsSampler,
         "qmc": samplers.QMCSampler,
         "gp": samplers.GPSampler,
+        "nsga2": samplers.NSGAIISampler,
     }[spec.sampler]
     try:
         return cls(**kwargs)
@@ -341,6 +454,23 @@ def make_sampler(spec: TuneSpec, seed: int) -> Any:
         raise ValueError(
             f"--sampler-args: {spec.sampler} ({cls.__name__}) refused {spec.sampler_args}: {err}"
         ) from None
+
+
+def _trials_set_constraints() -> bool:
+    """Whether this Optuna's trials take ``trial.set_constraint`` (Optuna >= 5), which its
+    samplers and ``best_trial(s)`` read; before that a sampler's ``constraints_func`` did."""
+    return hasattr(optuna().trial.Trial, "set_constraint")
+
+
+def constraint_values(trial: Any) -> list[float]:
+    """A finished trial's constraint values (its ``constraint`` user attribute), the
+    ``constraints_func`` of samplers in Optuna < 5."""
+    return [float(v) for v in trial.user_attrs.get(CONSTRAINT_ATTR, [])]
+
+
+def feasible(trial: Any) -> bool:
+    """Whether ``trial`` meets all the study's constraints (every value <= 0)."""
+    return all(v <= 0 for v in trial.user_attrs.get(CONSTRAINT_ATTR, []))
 
 
 def _grid_sampler() -> type:
@@ -493,47 +623,80 @@ def take_over_run_dir(study_dir: Path, trial: Any) -> bool:
 
 
 class BestMetric(Callback):
-    """Keeps the best value of ``metric`` over the run's evaluations (the trial's objective)."""
+    """What a trial is scored by: the best value of each objective metric over the run's
+    evaluations (each in its own direction), the last evaluation's metrics (for the
+    constraints) and the model's parameter count (``param_count``)."""
 
     priority = 84  # just before OptunaPruning (85): both read the same evaluation
 
-    def __init__(self, metric: str, direction: str) -> None:
-        self.metric = metric
-        self.direction = direction
-        self.best: float | None = None
+    def __init__(self, metric: str | list[str], direction: str | list[str]) -> None:
+        self.metrics = [metric] if isinstance(metric, str) else list(metric)
+        given = [direction] if isinstance(direction, str) else list(direction)
+        self.directions = given * len(self.metrics) if len(given) == 1 else given
+        self.bests: dict[str, float] = {}
         self.nonfinite = False
         self.metric_names: set[str] = set()  # what the evaluations reported
         self.evaluations = 0
+        self.last: dict[str, float] = {}  # the last evaluation's metrics
+        self.param_count: int | None = None
+
+    @property
+    def best(self) -> float | None:
+        """The first metric's best value (the single objective's)."""
+        return self.bests.get(self.metrics[0])
+
+    def on_train_start(self, ctx: CallbackContext) -> None:
+        model = getattr(ctx, "model", None)
+        if model is not None and hasattr(model, "parameters"):
+            self.param_count = sum(p.numel() for p in model.parameters())
 
     def on_eval_end(self, ctx: CallbackContext) -> None:
         if not ctx.state.in_training or ctx.metrics is None:
             return
         self.evaluations += 1
         self.metric_names.update(ctx.metrics)
-        value = as_float(ctx.metrics.get(self.metric))
-        if value is None:
-            return
-        if not math.isfinite(value):
-            self.nonfinite = True
-            return
-        if self.best is None or (
-            value < self.best if self.direction == "minimize" else value > self.best
-        ):
-            self.best = value
+        numbers = {k: as_float(v) for k, v in ctx.metrics.items()}
+        self.last = {k: v for k, v in numbers.items() if v is not None}
+        for metric, direction in zip(self.metrics, self.directions, strict=True):
+            value = self.measured(metric)
+            if value is None or metric == PARAM_COUNT:
+                continue
+            if not math.isfinite(value):
+                self.nonfinite = True
+                continue
+            best = self.bests.get(metric)
+            if best is None or (value < best if direction == "minimize" else value > best):
+                self.bests[metric] = value
+
+    def measured(self, name: str) -> float | None:
+        """``name`` in the last evaluation, or the model's parameter count for ``param_count``."""
+        if name == PARAM_COUNT and name not in self.last:
+            return None if self.param_count is None else float(self.param_count)
+        return self.last.get(name)
+
+    def objective(self, name: str) -> float | None:
+        if name == PARAM_COUNT and name not in self.metric_names:
+            return self.measured(name)
+        return self.bests.get(name)
 
     def state_dict(self) -> dict[str, Any]:  # a resumed trial keeps its earlier evaluations
         return {
             "best": self.best,
+            "bests": dict(self.bests),
             "nonfinite": self.nonfinite,
             "metric_names": sorted(self.metric_names),
             "evaluations": self.evaluations,
+            "last": dict(self.last),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.best = state.get("best")
+        self.bests = dict(state.get("bests", {}))
+        if not self.bests and state.get("best") is not None:  # saved by one-metric tracking
+            self.bests = {self.metrics[0]: state["best"]}
         self.nonfinite = bool(state.get("nonfinite", False))
         self.metric_names = set(state.get("metric_names", ()))
         self.evaluations = int(state.get("evaluations", 0))
+        self.last = dict(state.get("last", {}))
 
 
 class _Tee:
@@ -625,7 +788,8 @@ def train_trial(
         RunDir(run_dir).params.write_text(
             yaml.safe_dump({"study": spec.study_name, "trial": number, "params": values})
         )
-        callbacks.append(OptunaPruning(trial, spec.metric, raise_pruned=False))
+        if not spec.multi_objective:  # Optuna cannot prune a multi-objective trial
+            callbacks.append(OptunaPruning(trial, spec.metric, raise_pruned=False))
     resume_from = "auto" if resume else None
     result = build_trainer(cfg, callbacks=callbacks, out_dir=run_dir, resume=resume_from).train()
     return result, best
@@ -640,11 +804,12 @@ def run_trial(
 ) -> None:
     """Train one trial (see :func:`train_trial`) and tell the study how it ended.
 
-    COMPLETE with the best ``metric`` of its evaluations (``inf``, or ``-inf``
-    when maximising, for a run that went NaN or never produced a finite value,
-    as seed 001 scores it); PRUNED when the pruner stopped it; FAIL with the
+    COMPLETE with the best value of each ``metric`` over its evaluations (``inf``, or
+    ``-inf`` when maximising, for a run that went NaN or never produced a finite value,
+    as the HPO trainer scores it); PRUNED when the pruner stopped it; FAIL with the
     error when training raised. The reason is the trial's ``fail_reason`` or
-    ``prune_reason`` user attribute.
+    ``prune_reason`` user attribute. With constraints, a COMPLETE or PRUNED trial
+    records their values first (see :func:`record_constraints`).
     """
     from hookloop.callbacks.nan_detection import is_nonfinite_stop
     from hookloop.callbacks.optuna_pruning import is_pruned_stop
@@ -683,26 +848,65 @@ def run_trial(
         raise StudyInterrupted(signum)
     if is_pruned_stop(result.stop_reason):
         trial.set_user_attr("prune_reason", result.stop_reason)
+        record_constraints(spec, trial, best)
         trial.study.tell(trial, state=state.PRUNED)
         return
     nonfinite = is_nonfinite_stop(result.stop_reason) or best.nonfinite
-    if best.best is None and not nonfinite:  # a setup error, not a bad trial: say what is wrong
+    missing = [m for m in spec.metrics if best.objective(m) is None]
+    if missing and not nonfinite:  # a setup error, not a bad trial: say what is wrong
         reason = (
-            f"--metric {spec.metric!r} is not among the evaluation metrics "
-            f"{sorted(best.metric_names)}"
+            f"--metric {missing[0]!r} is not among the evaluation metrics "
+            f"{sorted(best.metric_names)} (or {PARAM_COUNT})"
             if best.evaluations
             else "no evaluation ran (set train.eval_every or train.eval_at_epoch_end)"
         )
-        trial.set_user_attr("fail_reason", reason)
-        trial.study.tell(trial, state=state.FAIL)
-        print(f"hookloop tune: trial {trial.number} failed: {reason}", file=sys.stderr)
+        fail(trial, reason)
         return
-    worst = math.inf if spec.direction == "minimize" else -math.inf
-    value = best.best
-    if nonfinite or value is None:
-        trial.set_user_attr("fail_reason", f"no finite {spec.metric}: {result.stop_reason}")
-        value = worst
-    trial.study.tell(trial, values=value)
+    absent = [c.text for c in spec.parsed_constraints() if best.measured(c.metric) is None]
+    if absent and not nonfinite:
+        fail(
+            trial,
+            f"--constraint {absent[0]!r} names a metric the evaluations do not report "
+            f"(they report {', '.join(sorted(best.metric_names))}, and {PARAM_COUNT})",
+        )
+        return
+    values = []
+    for metric, direction in zip(spec.metrics, spec.directions, strict=True):
+        value = best.objective(metric)
+        if nonfinite or value is None or not math.isfinite(value):
+            trial.set_user_attr("fail_reason", f"no finite {metric}: {result.stop_reason}")
+            value = math.inf if direction == "minimize" else -math.inf
+        values.append(value)
+    record_constraints(spec, trial, best)
+    trial.study.tell(trial, values=values if spec.multi_objective else values[0])
+
+
+def fail(trial: Any, reason: str) -> None:
+    trial.set_user_attr("fail_reason", reason)
+    trial.study.tell(trial, state=optuna().trial.TrialState.FAIL)
+    print(f"hookloop tune: trial {trial.number} failed: {reason}", file=sys.stderr)
+
+
+def record_constraints(spec: TuneSpec, trial: Any, best: BestMetric) -> None:
+    """Store the trial's constraint values as Optuna's samplers read them: the user attribute
+    ``constraint`` (one value per constraint, feasible when all are <= 0; a sampler's
+    ``constraints_func`` in Optuna < 5) and, where Optuna has it, ``trial.set_constraint``.
+    A constraint whose metric was never measured (a trial pruned before it) counts as met,
+    one measured as NaN as broken."""
+    constraints = spec.parsed_constraints()
+    if not constraints:
+        return
+    values = []
+    for c in constraints:
+        measured = best.measured(c.metric)
+        if measured is None:
+            values.append(0.0)
+        else:  # a NaN run breaks every constraint
+            values.append(math.inf if math.isnan(measured) else c.value(measured))
+    trial.set_user_attr(CONSTRAINT_ATTR, values)
+    if _trials_set_constraints():
+        for c, value in zip(constraints, values, strict=True):
+            trial.set_constraint(c.text, value)
 
 
 def driver_salt(study_dir: Path) -> int:
