@@ -1,9 +1,8 @@
 """Several machines on one study: two ``hookloop tune`` drivers on one shared storage, each
 with its own directory and host name (``HOOKLOOP_TUNE_HOST``), one SIGKILLed for good.
 
-The storage is a SQLite file both reach: PostgreSQL is not started here (no server on the
-test machines and none installable without a download), so the RDB paths Optuna shares
-between the two are exercised on SQLite."""
+The storage is a SQLite file both reach; tests/test_tune_postgres.py runs the same drivers
+(these helpers) on a real PostgreSQL server."""
 
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -27,51 +27,44 @@ TRIALS = 4
 SPACE = {"optimizer.lr": {"low": 1.0e-3, "high": 0.3, "log": True}}
 
 
-@pytest.mark.slow
-def test_two_drivers_share_a_study_and_a_lost_ones_trial_is_finished_by_the_other(
-    tmp_path, monkeypatch
-):
+def driver(
+    tmp_path: Path, url: str, host: str, trials: int = TRIALS
+) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of one driver, standing for machine ``host``: its
+    own directory ``tmp_path/host``, the shared storage ``url``, a heartbeat every second."""
     space = tmp_path / "space.yaml"
     space.write_text(yaml.safe_dump(SPACE))
-    db = tmp_path / "shared.db"
-    url = f"sqlite:///{db}"
+    command = [
+        sys.executable, "-m", "hookloop", "tune", "--recipe", "mlp-regression",
+        "--space", str(space), "--trials", str(trials), "--out", str(tmp_path / host),
+        "--storage", url, "--heartbeat", "1", "--pruner", "none", "--no-plots",
+        *FAST, *SERVICES_OFF,
+    ]  # fmt: skip
+    return command, {**os.environ, "HOOKLOOP_TUNE_HOST": host}
 
-    def driver(host: str) -> tuple[list[str], dict[str, str]]:
-        command = [
-            sys.executable, "-m", "hookloop", "tune", "--recipe", "mlp-regression",
-            "--space", str(space), "--trials", str(TRIALS), "--out", str(tmp_path / host),
-            "--storage", url, "--heartbeat", "1", "--pruner", "none", "--no-plots",
-            *FAST, *SERVICES_OFF,
-        ]  # fmt: skip
-        return command, {**os.environ, "HOOKLOOP_TUNE_HOST": host}
 
-    a_cmd, a_env = driver("alpha")
-    b_cmd, b_env = driver("beta")
-    alpha = subprocess.Popen(a_cmd, env=a_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    beta = subprocess.Popen(b_cmd, env=b_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def start(command: list[str], env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def run_two_drivers(tmp_path: Path, url: str, kill_alpha_when=None) -> None:
+    """Drivers ``alpha`` and ``beta`` on one study; both must exit 0. With
+    ``kill_alpha_when`` (a function true once alpha runs a trial with its parameters
+    drawn), alpha is SIGKILLed for good then, and only beta must exit 0."""
+    alpha, beta = start(*driver(tmp_path, url, "alpha")), start(*driver(tmp_path, url, "beta"))
     try:
-        # alpha is lost for good while one of its trials runs with its parameters drawn
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as conn:
-                    running = conn.execute(
-                        "SELECT t.number FROM trials t "
-                        "JOIN trial_user_attributes a ON a.trial_id = t.trial_id "
-                        "JOIN trial_params p ON p.trial_id = t.trial_id "
-                        "WHERE t.state = 'RUNNING' AND a.key = 'host' AND a.value_json = "
-                        "'\"alpha\"'"
-                    ).fetchall()
-            except sqlite3.OperationalError:
-                running = []
-            if running:
-                break
-            assert alpha.poll() is None, alpha.stderr.read().decode()
-            assert time.monotonic() < deadline, "alpha never ran a trial"
-            time.sleep(0.02)
-        alpha.send_signal(signal.SIGKILL)
-        alpha.wait()
-        _, err = beta.communicate(timeout=90)
+        if kill_alpha_when is not None:
+            deadline = time.monotonic() + 120
+            while not kill_alpha_when():
+                assert alpha.poll() is None, alpha.stderr.read().decode()
+                assert time.monotonic() < deadline, "alpha never ran a trial"
+                time.sleep(0.02)
+            alpha.send_signal(signal.SIGKILL)
+            alpha.wait()
+        else:
+            _, err = alpha.communicate(timeout=120)
+            assert alpha.returncode == 0, err.decode()[-3000:]
+        _, err = beta.communicate(timeout=120)
         assert beta.returncode == 0, err.decode()[-3000:]
     finally:
         for proc in (alpha, beta):
@@ -80,7 +73,20 @@ def test_two_drivers_share_a_study_and_a_lost_ones_trial_is_finished_by_the_othe
             proc.wait()
             proc.stderr.close()
 
-    study = optuna.load_study(study_name="hookloop", storage=url)
+
+#: The RUNNING trials of driver alpha that have their parameters drawn (SQL on the storage).
+ALPHA_RUNNING = (
+    "SELECT t.number FROM trials t "
+    "JOIN trial_user_attributes a ON a.trial_id = t.trial_id "
+    "JOIN trial_params p ON p.trial_id = t.trial_id "
+    "WHERE t.state = 'RUNNING' AND a.key = 'host' AND a.value_json = '\"alpha\"'"
+)
+
+
+def check_shared_study(study, tmp_path: Path, *, alpha_lost: bool) -> None:
+    """Exactly TRIALS COMPLETE or PRUNED, none left running, distinct parameters; surplus
+    claims untrained; with ``alpha_lost``, alpha's cut trial was failed by its heartbeat
+    and retried once, by beta, with the same parameters."""
     done = [t for t in study.trials if t.state.name in ("COMPLETE", "PRUNED")]
     assert len(done) == TRIALS, [(t.number, t.state.name) for t in study.trials]
     assert not [t for t in study.trials if t.state.name in ("RUNNING", "WAITING")]
@@ -98,6 +104,9 @@ def test_two_drivers_share_a_study_and_a_lost_ones_trial_is_finished_by_the_othe
                 ).exists()
             )
     lost = [t for t in failed if not t.user_attrs.get("surplus")]
+    if not alpha_lost:
+        assert not lost, [t.user_attrs.get("fail_reason") for t in lost]
+        return
     assert lost and all(t.user_attrs["host"] == "alpha" for t in lost)
     for trial in lost:  # failed by its heartbeat, retried once, by beta
         (retry,) = [
@@ -108,10 +117,29 @@ def test_two_drivers_share_a_study_and_a_lost_ones_trial_is_finished_by_the_othe
         assert retry.user_attrs["retry_reason"] == "no heartbeat from alpha"
         assert retry.user_attrs["host"] == "beta" and retry.params == trial.params
         assert retry.state.name == "COMPLETE"
+
+
+@pytest.mark.slow
+def test_two_drivers_share_a_study_and_a_lost_ones_trial_is_finished_by_the_other(
+    tmp_path, monkeypatch
+):
+    db = tmp_path / "shared.db"
+    url = f"sqlite:///{db}"
+
+    def alpha_running() -> bool:
+        try:
+            with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as conn:
+                return bool(conn.execute(ALPHA_RUNNING).fetchall())
+        except sqlite3.OperationalError:
+            return False
+
+    run_two_drivers(tmp_path, url, kill_alpha_when=alpha_running)
+    study = optuna.load_study(study_name="hookloop", storage=url)
+    check_shared_study(study, tmp_path, alpha_lost=True)
     # alpha, started again, has nothing left to run, and writes the best config from the
     # storage (its best trial may have run on beta)
     monkeypatch.setenv("HOOKLOOP_TUNE_HOST", "alpha")
-    assert main(a_cmd[3:]) == 0  # in this process: the same command line
+    assert main(driver(tmp_path, url, "alpha")[0][3:]) == 0  # in this process
     best = yaml.safe_load((tmp_path / "alpha" / "best_config.yaml").read_text())
     assert best["optimizer"]["lr"] == study.best_params["optimizer.lr"]
     assert len(optuna.load_study(study_name="hookloop", storage=url).trials) == len(study.trials)
