@@ -26,11 +26,14 @@ from typing import Any
 
 from hookloop.tune.study import (
     BEST_CONFIG_FILE,
+    CONSTRAINT_ATTR,
     TuneSpec,
+    constraint_values,
     feasible,
     open_study,
     optuna,
     trial_dir,
+    trials_set_constraints,
 )
 
 #: Where the config of each trial on the Pareto front goes (several metrics).
@@ -201,7 +204,10 @@ def _pareto_plot(study: Any, *, study_dir: Path | None) -> Any:
     names = None
     if study_dir is not None and (study_dir / "tune.yaml").is_file():
         names = TuneSpec.load(study_dir).metrics
-    return optuna().visualization.matplotlib.plot_pareto_front(study, target_names=names)
+    kwargs: dict[str, Any] = {"target_names": names}
+    if not trials_set_constraints() and any(CONSTRAINT_ATTR in t.user_attrs for t in study.trials):
+        kwargs["constraints_func"] = constraint_values  # Optuna < 5: infeasible greyed out
+    return optuna().visualization.matplotlib.plot_pareto_front(study, **kwargs)
 
 
 def _finite_study(study: Any) -> Any:

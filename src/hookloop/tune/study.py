@@ -437,7 +437,7 @@ def make_sampler(spec: TuneSpec, seed: int) -> Any:
     kwargs: dict[str, Any] = {"seed": seed, **spec.sampler_args}
     if spec.sampler == "grid":
         kwargs.setdefault("search_space", _grid(spec.search_space()))
-    if spec.constraints and not _trials_set_constraints():
+    if spec.constraints and not trials_set_constraints():
         kwargs["constraints_func"] = constraint_values  # Optuna < 5 reads them this way
     cls = {
         "tpe": samplers.TPESampler,
@@ -456,7 +456,7 @@ def make_sampler(spec: TuneSpec, seed: int) -> Any:
         ) from None
 
 
-def _trials_set_constraints() -> bool:
+def trials_set_constraints() -> bool:
     """Whether this Optuna's trials take ``trial.set_constraint`` (Optuna >= 5), which its
     samplers and ``best_trial(s)`` read; before that a sampler's ``constraints_func`` did."""
     return hasattr(optuna().trial.Trial, "set_constraint")
@@ -904,7 +904,7 @@ def record_constraints(spec: TuneSpec, trial: Any, best: BestMetric) -> None:
         else:  # a NaN run breaks every constraint
             values.append(math.inf if math.isnan(measured) else c.value(measured))
     trial.set_user_attr(CONSTRAINT_ATTR, values)
-    if _trials_set_constraints():
+    if trials_set_constraints():
         for c, value in zip(constraints, values, strict=True):
             trial.set_constraint(c.text, value)
 
