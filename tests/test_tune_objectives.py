@@ -248,3 +248,14 @@ def test_the_python_api_takes_several_objectives(tmp_path):
             metric=["eval_loss", "param_count"], pruner="median",
         )  # fmt: skip
     assert not (tmp_path / "r").exists()
+
+
+def test_a_tune_yaml_with_an_unknown_key_is_one_line_naming_the_keys(tmp_path, capsys):
+    study_dir = tmp_path / "study"
+    study_dir.mkdir()
+    spec = {"recipe": "mlp-regression", "space": SPACE, "trials": 2}
+    (study_dir / "tune.yaml").write_text(yaml.safe_dump({**spec, "constraint": ["x <= 1"]}))
+    assert main(["plot", str(study_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tune.yaml: unknown key 'constraint'; allowed: recipe, space" in err[0]
+    assert err[0].endswith("pruner_args, constraints")

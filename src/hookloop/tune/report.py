@@ -86,7 +86,8 @@ def format_best(study: Any, study_dir: Path, n: int = 10) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = []
     if _multi(study):
-        lines.append(f"Pareto front ({len(trials)} trials): {_objectives(study, metrics)}")
+        count = f"{len(trials)} trial" + ("" if len(trials) == 1 else "s")
+        lines.append(f"Pareto front ({count}): {_objectives(study, metrics)}")
     lines += ["  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]
     all_trials = study.get_trials(deepcopy=False)
     by_state = Counter(t.state.name for t in all_trials)
@@ -234,7 +235,13 @@ def _kept(study: Any, *, feasible_only: bool = False) -> list[Any]:
 
 def _copy_of(study: Any, trials: list[Any]) -> Any:
     """An in-memory study of ``trials``; its trial ``i`` is ``trials[i]``."""
-    copy = optuna().create_study(directions=study.directions)
+    logging = optuna().logging
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity(logging.WARNING)  # not "A new study created in memory" each time
+    try:
+        copy = optuna().create_study(directions=study.directions)
+    finally:
+        logging.set_verbosity(verbosity)
     copy.add_trials(trials)
     return copy
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import datetime
 import fcntl
 import json
@@ -339,7 +340,14 @@ class TuneSpec:
         path = Path(study_dir) / SPEC_FILE
         if not path.is_file():
             raise ValueError(f"{study_dir} is not a study directory (no {SPEC_FILE})")
-        return cls(**yaml.safe_load(path.read_text()))
+        data = yaml.safe_load(path.read_text())
+        fields = [f.name for f in dataclasses.fields(cls)]
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} must be a mapping of {', '.join(fields)}")
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            raise ValueError(f"{path}: unknown key {unknown[0]!r}; allowed: {', '.join(fields)}")
+        return cls(**data)
 
     def differences(self, other: TuneSpec) -> list[str]:
         return [k for k in IDENTITY if getattr(self, k) != getattr(other, k)]
@@ -451,6 +459,11 @@ def make_sampler(spec: TuneSpec, seed: int) -> Any:
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as err:
+        if "constraints_func" in kwargs and "constraints_func" in str(err):
+            raise ValueError(
+                f"--sampler {spec.sampler} takes no constraints in Optuna "
+                f"{optuna().__version__}; use tpe or nsga2, or a newer Optuna"
+            ) from None
         raise ValueError(
             f"--sampler-args: {spec.sampler} ({cls.__name__}) refused {spec.sampler_args}: {err}"
         ) from None
