@@ -466,7 +466,7 @@ class TBLogger(Logger):
             "stop reason": reason,
             "step": record.step if not max_steps else f"{record.step} / {max_steps}",
             "epoch": record.epoch,
-            "wall time (this session)": _duration(time.monotonic() - self._started),
+            "wall time (this job)": _duration(time.monotonic() - self._started),
         }
         last = numeric_metrics(self._last_logs)
         rows.update({f"last {k}": _fmt(v) for k, v in last.items()})
