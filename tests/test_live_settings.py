@@ -111,6 +111,8 @@ PLAN = {
         ({"lr": 0.1, "lr_scale": 2}, "give lr or lr_scale, not both"),
         ({}, "set needs at least one KEY=VALUE"),
         ({"lr": 0.1, "eps": 0}, "eps must be a finite number > 0, got 0"),
+        ({"eval_every": 5}, "eval_every: this run has no evaluation data"),
+        ({"save_every": 5}, "save_every: this run writes no checkpoints (no output directory)"),
     ],
 )
 def test_a_set_is_refused_whole_with_one_line_naming_the_key(values, message):

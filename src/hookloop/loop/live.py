@@ -405,6 +405,13 @@ class LiveSettings:
                 f"{name}: this run's optimizer ({type(self.optimizer).__name__}) has no {base}; "
                 f"settable here: {self.describe()}"
             )
+        if name == "eval_every":
+            return f"eval_every: this run has no evaluation data; settable: {self.describe()}"
+        if name == "save_every":
+            return (
+                "save_every: this run writes no checkpoints (no output directory); "
+                f"settable: {self.describe()}"
+            )
         if base in fixed_keys(self.config):
             return f"{name} cannot change mid-run: {FIXED_REASON}; settable: {self.describe()}"
         shown = name if len(name) <= 60 else name[:57] + "..."
