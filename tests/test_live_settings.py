@@ -316,7 +316,7 @@ def _wait(client: JobClient, predicate, what: str, timeout: float = 60.0) -> dic
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_a_steered_job_killed_at_a_random_moment_resumes_onto_its_replay(tmp_path, capsys):
+def test_a_steered_job_killed_at_random_moments_resumes_onto_its_replay(tmp_path, capsys):
     jobs = tmp_path / "jobs"
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
     env.update(HOOKLOOP_JOBS_DIR=str(jobs), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
@@ -353,8 +353,19 @@ def test_a_steered_job_killed_at_a_random_moment_resumes_onto_its_replay(tmp_pat
             job.kill()
     changes = read_changes(run / "changes.jsonl")
     assert len(changes) == 2 and changes[1]["values"] == {"lr_scale": 0.5, "momentum": 0.5}
+    # a second kill, at a random moment of the resumed run (which replays what it must)
+    resume = ["train", "--out", str(run), "--resume", "auto", *QUIET]
+    second = _cli(resume, env)
+    try:
+        _client(jobs, second.pid)
+        time.sleep(random.Random(os.getpid() + 1).uniform(0.0, 1.5))
+        second.send_signal(signal.SIGKILL)
+        second.wait(30)
+    finally:
+        if second.poll() is None:
+            second.kill()
     quiet_env = {**env, "STEER_SLEEP": "0"}
-    resumed = _cli(["train", "--out", str(run), "--resume", "auto", *QUIET], quiet_env)
+    resumed = _cli(resume, quiet_env)
     assert resumed.wait(120) == 0, resumed.stderr.read()
     again = _cli(["train", "--replay", str(run), "--out", str(replay), *QUIET], quiet_env)
     assert again.wait(120) == 0, again.stderr.read()
