@@ -206,6 +206,17 @@ def test_a_fresh_run_in_the_same_directory_keeps_the_old_changes_aside(tmp_path)
     assert len(kept) == 1 and not (out / "changes.jsonl").exists()
 
 
+def test_a_change_record_torn_by_a_kill_is_cut_before_the_next_is_written(tmp_path):
+    out = tmp_path / "run"
+    make(out, [Steer({2: {"lr": 0.02}})], steps=3).train()
+    whole = (out / "changes.jsonl").read_text()
+    (out / "changes.jsonl").write_text(whole + '{"id": "9", "step": 3, "val')  # killed mid-line
+    assert [r["step"] for r in read_changes(out / "changes.jsonl")] == [2]
+    resumed = make(out, [Steer({5: {"lr": 0.03}}, after=3)], resume="auto", steps=6)
+    resumed.train()
+    assert [r["step"] for r in read_changes(out / "changes.jsonl")] == [2, 5]
+
+
 def test_replay_on_the_command_line_refuses_what_it_cannot_do(tmp_path, capsys):
     assert main(["train", "--replay", str(tmp_path), "--out", str(tmp_path / "b")]) == 2
     assert "no config.yaml there" in capsys.readouterr().err

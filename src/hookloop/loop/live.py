@@ -483,8 +483,14 @@ class LiveSettings:
             return
         path = self.run_dir.changes
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record, allow_nan=False) + "\n")
+        with open(path, "a+b") as f:
+            written = f.seek(0, os.SEEK_END)
+            if written:  # a line a kill tore (its change was never made) is cut first
+                f.seek(0)
+                whole = f.read()
+                if not whole.endswith(b"\n"):
+                    f.truncate(whole.rfind(b"\n") + 1)
+            f.write((json.dumps(record, allow_nan=False) + "\n").encode("utf-8"))
             f.flush()
             os.fsync(f.fileno())
 
