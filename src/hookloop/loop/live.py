@@ -47,7 +47,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -583,8 +583,3 @@ def fixed_keys(config: Any) -> set[str]:
             keys.update(names)
     keys.update(("batch_size", "seed", "model", "grad_accum", "max_steps", "max_epochs"))
     return keys
-
-
-def describe_changes(changes: Iterable[SettingChange]) -> str:
-    """``lr 0.001 -> 0.0003, clip_grad_norm 1.0 -> 0.5`` (for logs and text entries)."""
-    return ", ".join(f"{c.key} {c.old!r} -> {c.new!r}" for c in changes)
