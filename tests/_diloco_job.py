@@ -10,6 +10,11 @@ WORKERS ranks. Each writes ``result-<mode>-<index>.json``: the weights after
 every outer step, the logged losses and its sync metrics. ``DILOCO_SLEEP``
 (seconds) slows every step so a test can kill a process mid-run; ``DILOCO_POISON=nan``
 makes the worker's weights NaN just before every sync (a faulty worker).
+
+A worker takes its first step only once all WORKERS are registered: a round
+waits for the workers registered when it opens, so with everyone in from the
+start each round averages the same workers' contributions, whatever the load
+on the machine, and the losses are the same from run to run.
 """
 
 from __future__ import annotations
@@ -71,6 +76,10 @@ def main() -> None:
             max_sync_retries=8,
         )
     trainer.callbacks.add(diloco)
+    if mode == "worker":
+        trainer.callbacks.register(
+            "on_train_start", lambda ctx: _wait_for_everyone(server, workers), priority=90
+        )  # after the DiLoCo callback (15) registered this worker
     synced: list[list[float]] = []
     losses: dict[int, float] = {}
     metrics: dict[str, float] = {}
@@ -107,6 +116,18 @@ def main() -> None:
     )
     if mode in ("allreduce", "ddp"):
         leave_process_group()
+
+
+def _wait_for_everyone(server: str, workers: int) -> None:
+    """Return once ``workers`` workers are registered (bounded: 600 polls)."""
+    from hookloop.diloco.client import DiLoCoClient
+
+    client = DiLoCoClient(server, timeout=10, token=os.environ.get("DILOCO_TOKEN") or None)
+    for _ in range(600):
+        if client.get_status()["num_registered"] >= workers:
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"fewer than {workers} workers registered within 600 polls")
 
 
 if __name__ == "__main__":

@@ -11,9 +11,14 @@
 
 and hookloop's: ``--token T`` (or ``DILOCO_TOKEN``) or ``--no-auth`` (admit
 tokenless peers such as Forgather's workers; off loopback only with
-``--allow-remote-without-auth``), ``--certfile``/``--keyfile`` (HTTPS), and
-``--recipe NAME [KEY=VALUE ...]`` to start from that recipe's freshly built
-model when ``OUTPUT_DIR`` holds no checkpoint yet.
+``--allow-remote-without-auth``), ``--allow-unbound-workers`` (admit workers
+that send no worker secret, as Forgather's), ``--max-update-ratio R`` (refuse a
+submission whose norm exceeds R times the global weights'), ``--certfile``/
+``--keyfile`` (HTTPS), and ``--recipe NAME [KEY=VALUE ...]`` to start from that
+recipe's freshly built model when ``OUTPUT_DIR`` holds no checkpoint yet.
+
+``-n`` is, as in Forgather, the number of workers expected, not a barrier: each
+round waits for the workers registered when its first submission arrives.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from hookloop.diloco import storage
+from hookloop.diloco.validate import MAX_UPDATE_RATIO
 
 
 def add_diloco_command(subparsers: Any) -> argparse.ArgumentParser:
@@ -43,7 +49,11 @@ def add_diloco_command(subparsers: Any) -> argparse.ArgumentParser:
     a = serve.add_argument
     a("--output-dir", "-o", type=os.path.expanduser, required=True,
       help="where checkpoints go; the newest one there is where the server starts")  # fmt: skip
-    a("--num-workers", "-n", type=int, required=True, help="number of expected workers")
+    a("--num-workers", "-n", type=int, required=True,
+      help="workers expected (shown in /status; grows as more register). Not a barrier, as "
+           "in Forgather: a round waits for the workers registered when its first "
+           "submission arrives, so start every worker before the first sync to have "
+           "them all in round 0")  # fmt: skip
     a("--from-checkpoint", "-c", type=os.path.expanduser, help="start from this model directory")
     a("--recipe", help="with no checkpoint yet: start from this recipe's freshly built model")
     a("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for --recipe")
@@ -69,6 +79,12 @@ def add_diloco_command(subparsers: Any) -> argparse.ArgumentParser:
     a("--no-auth", action="store_true", help="admit tokenless peers (Forgather's workers)")
     a("--allow-remote-without-auth", action="store_true",
       help="with --no-auth on an address other than loopback: really do it")  # fmt: skip
+    a("--allow-unbound-workers", action="store_true",
+      help="admit workers that ask for no worker secret (Forgather's), each tied to the "
+           "address it registered from; hookloop's workers stay bound to their secret")  # fmt: skip
+    a("--max-update-ratio", type=float, default=MAX_UPDATE_RATIO, metavar="R",
+      help="refuse a submission whose norm is more than R times the global weights' norm "
+           f"(a diverged worker); 0: no bound (default {MAX_UPDATE_RATIO:g})")  # fmt: skip
     a("--certfile", help="TLS certificate (PEM): serve HTTPS")
     a("--keyfile", help="TLS private key (PEM) for --certfile")
     serve.set_defaults(run=run_serve)
@@ -161,6 +177,7 @@ def run_serve(args: argparse.Namespace) -> int:
         nesterov=not args.no_nesterov, token=token, disable_auth=args.no_auth,
         allow_remote_without_auth=args.allow_remote_without_auth,
         certfile=args.certfile, keyfile=args.keyfile, max_payload_mb=args.max_payload_mb,
+        allow_unbound_workers=args.allow_unbound_workers, max_update_ratio=args.max_update_ratio,
     )  # fmt: skip
 
     def ready() -> None:

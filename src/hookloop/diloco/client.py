@@ -7,6 +7,11 @@ talks to Forgather's server or ``hookloop diloco serve`` alike. hookloop adds
 a bearer ``token``, HTTPS verified against the system's or a given CA bundle
 (``cafile``), ``control()`` for the admin routes, and byte counters. Proxies
 are ignored (a proxy would see the token).
+
+Worker secrets (:mod:`hookloop.diloco.membership`): ``register`` asks for one and
+keeps the secret the reply carries in ``secrets`` (by worker id); every later
+request under that id sends it back. A server that issues none (Forgather's)
+gets none.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from hookloop.diloco.membership import BINDING_HEADER, BINDING_SECRET, SECRET_HEADER
 from hookloop.diloco.wire import TENSOR_TYPE, load_tensors, pack
 
 T = TypeVar("T")
@@ -90,6 +96,8 @@ class DiLoCoClient:
         self._opener = urllib.request.build_opener(*handlers)
         self.bytes_sent = 0
         self.bytes_received = 0
+        #: The secret each worker id registered here was issued (share it between clients).
+        self.secrets: dict[str, str] = {}
 
     # -- Forgather's methods ------------------------------------------------------------
     def register(
@@ -98,35 +106,46 @@ class DiLoCoClient:
         """Join (or join again) and get the global weights."""
         info = {"worker_id": worker_id, "hostname": platform.node(), **(worker_info or {})}
         body = json.dumps(info).encode("utf-8")
+        replied: dict[str, str] = {}
         raw = self._retrying(
-            lambda: self._call("POST", "register", body, "application/json"), self.max_retries
-        )
-        return load_tensors(raw)
+            lambda: self._call("POST", "register", body, "application/json", worker_id=worker_id,
+                               headers={BINDING_HEADER: BINDING_SECRET}, replied=replied),
+            self.max_retries,
+        )  # fmt: skip
+        weights = load_tensors(raw)
+        secret = replied.get(SECRET_HEADER.lower())
+        if secret:
+            self.secrets[worker_id] = secret
+        return weights
 
     def submit_pseudogradients(
         self, worker_id: str, pseudograds: Mapping[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         """Send the full model's pseudo-gradients; get the round's new global weights."""
         body = pack({"worker_id": worker_id}, pseudograds)
-        return load_tensors(self._call("POST", "submit_pseudograd", body, TENSOR_TYPE))
+        return load_tensors(
+            self._call("POST", "submit_pseudograd", body, TENSOR_TYPE, worker_id=worker_id)
+        )
 
     def submit_fragment_pseudogradients(
         self, worker_id: str, fragment_id: int, pseudograds: Mapping[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         """Send one fragment's pseudo-gradients; get its new global weights."""
         body = pack({"worker_id": worker_id, "fragment_id": fragment_id}, pseudograds)
-        return load_tensors(self._call("POST", "submit_fragment_pseudograd", body, TENSOR_TYPE))
+        return load_tensors(self._call(
+            "POST", "submit_fragment_pseudograd", body, TENSOR_TYPE, worker_id=worker_id
+        ))  # fmt: skip
 
     def get_global_params(self) -> dict[str, torch.Tensor]:
         return load_tensors(self._call("GET", "global_params"))
 
     def heartbeat(self, worker_id: str, steps_per_second: float = 0.0) -> dict[str, Any]:
         """Report speed; the answer may carry DyLU's ``recommended_sync_every``."""
-        return self._json("POST", "heartbeat", {"worker_id": worker_id,
-                                                "steps_per_second": steps_per_second})  # fmt: skip
+        data = {"worker_id": worker_id, "steps_per_second": steps_per_second}
+        return self._json("POST", "heartbeat", data, worker_id=worker_id)
 
     def deregister(self, worker_id: str) -> dict[str, Any]:
-        return self._json("POST", "deregister", {"worker_id": worker_id})
+        return self._json("POST", "deregister", {"worker_id": worker_id}, worker_id=worker_id)
 
     def get_status(self) -> dict[str, Any]:
         return self._json("GET", "status")
@@ -138,9 +157,17 @@ class DiLoCoClient:
         """``POST /control/<action>`` (save_state, kick_worker, update_optimizer, ...)."""
         return self._json("POST", f"control/{action}", dict(data or {}))
 
-    def _json(self, method: str, route: str, data: Mapping[str, Any] | None = None) -> Any:
+    def _json(
+        self,
+        method: str,
+        route: str,
+        data: Mapping[str, Any] | None = None,
+        *,
+        worker_id: str | None = None,
+    ) -> Any:
         body = None if data is None else json.dumps(dict(data)).encode("utf-8")
-        raw = self._call(method, route, body, "application/json", timeout=min(self.timeout, 30.0))
+        raw = self._call(method, route, body, "application/json",
+                         timeout=min(self.timeout, 30.0), worker_id=worker_id)  # fmt: skip
         return json.loads(raw)
 
     def _retrying(self, call: Callable[[], T], retries: int) -> T:
@@ -154,16 +181,28 @@ class DiLoCoClient:
         content_type: str | None = None,
         *,
         timeout: float | None = None,
+        worker_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        replied: dict[str, str] | None = None,
     ) -> bytes:
+        """One request; ``worker_id``'s secret goes along when known, and the reply's
+        headers (names in lower case) into ``replied`` when given."""
         req = urllib.request.Request(f"{self.server_addr}/{route}", data=body, method=method)
         if self.token is not None:
             req.add_header("Authorization", f"Bearer {self.token}")
         if body is not None and content_type is not None:
             req.add_header("Content-Type", content_type)
+        secret = self.secrets.get(worker_id) if worker_id is not None else None
+        if secret is not None:
+            req.add_header(SECRET_HEADER, secret)
+        for name, value in (headers or {}).items():
+            req.add_header(name, value)
         self.bytes_sent += len(body or b"")
         try:
             with self._opener.open(req, timeout=timeout or self.timeout) as response:
                 raw = response.read()
+                if replied is not None:
+                    replied.update((k.lower(), v) for k, v in response.headers.items())
         except urllib.error.HTTPError as err:
             detail = err.read()[:500].decode("utf-8", "replace")
             with contextlib.suppress(ValueError, AttributeError):

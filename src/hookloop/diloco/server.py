@@ -8,9 +8,11 @@ their own, and submit *pseudo-gradients* (global minus local weights).
 - **Sync mode** (default): a submission waits at a barrier until every worker
   expected for the round has submitted; the mean is applied in one outer
   step and every waiter gets the new weights. The round expects the workers
-  registered when it opened; a worker that joins later waits for the next
-  round; one that leaves, is kicked, or stops sending heartbeats for
-  ``heartbeat_timeout`` seconds is dropped and the barrier re-evaluated.
+  registered when it opened (its first submission); a worker that joins later
+  waits for the next round; one that leaves, is kicked, or stops sending
+  heartbeats for ``heartbeat_timeout`` seconds is dropped and the barrier
+  re-evaluated. ``num_workers`` is, as in Forgather, the count expected (shown
+  in ``/status``, raised as more register), not a barrier.
 - **Async mode**: each submission is applied at once and answered with the
   current weights. With ``dn_buffer_size`` N > 0 (Delayed Nesterov) only every
   N-th submission takes a momentum step over the buffered mean; the ones in
@@ -32,10 +34,18 @@ update_num_workers,shutdown}``; ``GET /status``, ``/global_params``,
 hookloop's additions, which a Forgather peer does not need: a bearer
 ``token`` (or ``disable_auth=True`` to admit tokenless peers, loopback only
 unless ``allow_remote_without_auth``), HTTPS (``certfile``/``keyfile``), and
-every submission checked by :func:`hookloop.diloco.validate.check_contribution`.
+every submission checked by :func:`hookloop.diloco.validate.check_contribution`
+and, unless ``max_update_ratio`` is None or 0, bounded by
+:func:`~hookloop.diloco.validate.check_update_ratio`, and worker ids bound to a
+secret issued at ``/register`` (:mod:`hookloop.diloco.membership`): a request
+under an id it does not hold is answered 403, one under an id not registered
+404; neither counts against the worker nor reaches a round. Workers that send
+no secret (Forgather's) are admitted only with ``allow_unbound_workers``, each
+from the address it registered from.
 
 What a faulty peer cannot do: a refused submission (another model, a wrong shape or
-dtype, NaN/Inf, a value beyond :data:`~hookloop.diloco.validate.MAX_ABS_VALUE`) is
+dtype, NaN/Inf, a value beyond :data:`~hookloop.diloco.validate.MAX_ABS_VALUE`, a norm
+beyond ``max_update_ratio`` times the global weights') is
 answered 400 with the reason, logged in one line, and its sender sits the round out so
 the others' round closes; after ``max_refusals`` refusals in a row the sender is evicted
 and every later request under its id is answered 409. An outer step that fails (or
@@ -60,7 +70,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,7 +77,20 @@ import torch
 
 from hookloop.control.background import run_while_serving
 from hookloop.diloco import storage
-from hookloop.diloco.validate import check_contribution, check_same_names
+from hookloop.diloco.membership import (
+    SECRET_HEADER,
+    Caller,
+    WorkerInfo,
+    check_join,
+    check_member,
+)
+from hookloop.diloco.validate import (
+    MAX_UPDATE_RATIO,
+    check_contribution,
+    check_same_names,
+    check_update_ratio,
+    norm,
+)
 from hookloop.diloco.wire import TENSOR_TYPE, save_tensors, unpack
 
 if TYPE_CHECKING:
@@ -99,20 +121,6 @@ class ProtocolError(ValueError):
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.status = status
-
-
-@dataclass
-class WorkerInfo:
-    """What the server knows of one registered worker (the ``workers`` of ``/status``)."""
-
-    worker_id: str
-    hostname: str
-    registered_at: float
-    last_heartbeat: float
-    sync_round: int = 0
-    last_sync_server_round: int = 0
-    steps_per_second: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def is_loopback(host: str) -> bool:
@@ -180,6 +188,8 @@ class DiLoCoServer:
         sync_timeout: float = 600.0,
         max_payload_mb: int | None = None,
         max_refusals: int = MAX_REFUSALS,
+        allow_unbound_workers: bool = False,
+        max_update_ratio: float | None = MAX_UPDATE_RATIO,
     ) -> None:
         self.num_workers = _integer("num_workers", num_workers, 1)
         self.min_workers = _integer("min_workers", min_workers, 1)
@@ -205,6 +215,14 @@ class DiLoCoServer:
         if max_payload_mb is not None:
             _integer("max_payload_mb", max_payload_mb, 1)
         self.max_refusals = _integer("max_refusals", max_refusals, 1)
+        if not isinstance(allow_unbound_workers, bool):
+            raise ValueError(
+                f"allow_unbound_workers must be True or False, got {allow_unbound_workers!r}"
+            )
+        self.allow_unbound_workers = allow_unbound_workers
+        if max_update_ratio is not None:
+            _number("max_update_ratio", max_update_ratio, low=0)
+        self.max_update_ratio = max_update_ratio or None
         storage.check_output_dir(self.output_dir)
         self._check_auth(token, disable_auth, allow_remote_without_auth)
         self.token, self.disable_auth = token, disable_auth
@@ -289,6 +307,7 @@ class DiLoCoServer:
         self._dirty = False
         self._refusals: dict[str, int] = {}
         self._evicted: dict[str, str] = {}
+        self._norm: float | None = None  # of the global weights; None: not known since a step
 
     def load_state(self, checkpoint_path: str | None = None) -> None:
         """Start from ``checkpoint_path``, or the newest checkpoint in ``output_dir``."""
@@ -405,7 +424,7 @@ class DiLoCoServer:
             ) from None
         finally:
             self.outer_optimizer.zero_grad(set_to_none=True)
-        self._dirty = True
+        self._dirty, self._norm = True, None
 
     def _after_round(self) -> None:
         if self.save_every_n_rounds > 0 and self._sync_round % self.save_every_n_rounds == 0:
@@ -507,10 +526,16 @@ class DiLoCoServer:
                             "unchanged"
                         )
                     param.copy_(new)
-                self._dirty = True
+                self._dirty, self._norm = True, None
         self._sync_round += 1
         self._total_submissions += 1
         self._after_round()
+
+    def deregister(self, worker_id: str, caller: Caller | None = None) -> None:
+        """A worker leaves; an id not registered is a no-op (as Forgather answers it)."""
+        if worker_id in self._workers:
+            self._check_member(worker_id, caller)
+            self.worker_left(worker_id)
 
     def worker_left(self, worker_id: str) -> None:
         """Drop a worker (left, kicked or silent) and release the barriers it held up."""
@@ -587,31 +612,61 @@ class DiLoCoServer:
                     self._release_fragment(key)
         return ProtocolError(error)
 
-    def register(self, info: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def _check_member(self, worker_id: str, caller: Caller | None) -> WorkerInfo:
+        """The registration ``caller`` may act for, or 404/403 (it counts nothing)."""
+        info = self._workers.get(worker_id)
+        refusal = check_member(worker_id, info, caller or Caller())
+        if refusal is not None:
+            log.warning("diloco: refused a request under %s: %s", worker_id[:200],
+                        refusal.message)  # fmt: skip
+            raise ProtocolError(refusal.message, refusal.status)
+        assert info is not None
+        return info
+
+    def register(
+        self, info: dict[str, Any], caller: Caller | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Admit (or admit again) a worker; its secret is then ``secret_of(worker_id)``."""
         worker_id = _worker_id(info)
         self._check_not_evicted(worker_id)
+        caller = caller or Caller()
+        old = self._workers.get(worker_id)
+        refusal = check_join(worker_id, old, caller, allow_unbound=self.allow_unbound_workers)
+        if refusal is not None:
+            log.warning("diloco: refused to register %s: %s", worker_id[:200], refusal.message)
+            raise ProtocolError(refusal.message, refusal.status)
         hostname = info.get("hostname", "unknown")
         extra = info.get("extra", {})
         now = time.time()
-        if worker_id in self._workers:
-            log.info("diloco: worker %s registers again", worker_id)
-        self._workers[worker_id] = WorkerInfo(
+        new = WorkerInfo(
             worker_id, str(hostname)[:200], now, now,
-            extra=extra if isinstance(extra, dict) else {},
+            extra=extra if isinstance(extra, dict) else {}, peer=caller.peer,
+            bound=caller.wants_binding,
         )  # fmt: skip
+        if old is not None:  # the same worker again: it keeps its secret (and binding)
+            log.info("diloco: worker %s registers again", worker_id)
+            new.secret, new.peer, new.bound = old.secret, old.peer, old.bound or new.bound
+        self._workers[worker_id] = new
         self.num_workers = max(self.num_workers, len(self._workers))
         log.info(
             "diloco: worker %s registered (%d/%d)", worker_id, len(self._workers), self.num_workers
         )
         return self.get_global_params()
 
-    def _accept(self, body: bytes, *, fragment: bool) -> tuple[str, Any, dict[str, torch.Tensor]]:
+    def secret_of(self, worker_id: str) -> str:
+        """The secret ``/register`` issued to ``worker_id`` (its reply's X-Worker-Secret)."""
+        return self._workers[worker_id].secret
+
+    def _accept(
+        self, body: bytes, caller: Caller | None, *, fragment: bool
+    ) -> tuple[str, Any, dict[str, torch.Tensor]]:
         try:
             header, grads = unpack(body)
         except ValueError as err:
             raise ProtocolError(f"bad submission body: {err}") from None
         worker_id = _worker_id(header)
         self._check_not_evicted(worker_id)
+        self._check_member(worker_id, caller)
         frag = None
         if fragment:
             frag = header.get("fragment_id")
@@ -624,11 +679,21 @@ class DiLoCoServer:
         if error is None and others and not self.async_mode:
             first = next(iter(others.values()))
             error = check_same_names(worker_id, frag, set(grads), set(first))
+        if error is None and self.max_update_ratio is not None:
+            error = check_update_ratio(
+                worker_id, grads, self._weights_norm(), self.max_update_ratio, fragment=frag
+            )
         if error is not None:
             raise self._refuse(worker_id, error, frag)
         self._refusals.pop(worker_id, None)
         self._excused.get(frag, set()).discard(worker_id)
         return worker_id, frag, grads
+
+    def _weights_norm(self) -> float:
+        """The norm of all global weights, computed once after each change."""
+        if self._norm is None:
+            self._norm = norm(self._params)
+        return self._norm
 
     def _globals_view(self) -> dict[str, torch.Tensor]:
         return dict(zip(self._param_names, self._params, strict=True))
@@ -639,8 +704,8 @@ class DiLoCoServer:
             info.last_heartbeat = time.time()
         return info
 
-    async def submit(self, body: bytes) -> dict[str, torch.Tensor]:
-        worker_id, _, grads = self._accept(body, fragment=False)
+    async def submit(self, body: bytes, caller: Caller | None = None) -> dict[str, torch.Tensor]:
+        worker_id, _, grads = self._accept(body, caller, fragment=False)
         info = self._touch(worker_id)
         if self.async_mode:
             if info is not None:
@@ -663,8 +728,10 @@ class DiLoCoServer:
         self._release_full()
         return await self._wait(done, "Sync timeout")
 
-    async def submit_fragment(self, body: bytes) -> dict[str, torch.Tensor]:
-        worker_id, frag, grads = self._accept(body, fragment=True)
+    async def submit_fragment(
+        self, body: bytes, caller: Caller | None = None
+    ) -> dict[str, torch.Tensor]:
+        worker_id, frag, grads = self._accept(body, caller, fragment=True)
         self._touch(worker_id)
         if self.async_mode:
             try:
@@ -688,9 +755,10 @@ class DiLoCoServer:
         except asyncio.TimeoutError:
             raise ProtocolError(message, 504) from None
 
-    def heartbeat(self, data: dict[str, Any]) -> dict[str, Any]:
+    def heartbeat(self, data: dict[str, Any], caller: Caller | None = None) -> dict[str, Any]:
         worker_id = _worker_id(data)
         self._check_not_evicted(worker_id)
+        self._check_member(worker_id, caller)
         info = self._touch(worker_id)
         speed = data.get("steps_per_second")
         if info is not None and speed is not None:
@@ -867,25 +935,31 @@ class DiLoCoServer:
         def tensors(data: dict[str, torch.Tensor]) -> web.Response:
             return web.Response(body=save_tensors(data), content_type=TENSOR_TYPE)
 
+        def caller(request: web.Request) -> Caller:
+            return Caller.from_request(request.headers, request.remote)
+
         async def register(request: web.Request) -> web.Response:
-            return tensors(self.register(await _json_body(request)))
+            info = await _json_body(request)
+            reply = tensors(self.register(info, caller(request)))
+            reply.headers[SECRET_HEADER] = self.secret_of(_worker_id(info))
+            return reply
 
         async def submit(request: web.Request) -> web.Response:
-            return tensors(await self.submit(await request.read()))
+            return tensors(await self.submit(await request.read(), caller(request)))
 
         async def submit_fragment(request: web.Request) -> web.Response:
-            return tensors(await self.submit_fragment(await request.read()))
+            return tensors(await self.submit_fragment(await request.read(), caller(request)))
 
         async def heartbeat(request: web.Request) -> web.Response:
             try:
-                return _json(self.heartbeat(await _json_body(request)))
+                return _json(self.heartbeat(await _json_body(request), caller(request)))
             except ProtocolError:
                 raise
             except ValueError as err:
                 raise ProtocolError(str(err)) from None
 
         async def deregister(request: web.Request) -> web.Response:
-            self.worker_left(_worker_id(await _json_body(request)))
+            self.deregister(_worker_id(await _json_body(request)), caller(request))
             return _json({"status": "ok"})
 
         async def control(request: web.Request) -> web.Response:

@@ -8,7 +8,8 @@ checks belong here, in this one place.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -89,4 +90,40 @@ def check_same_names(
         f"fragment {fragment} from worker {worker_id} names {len(names)} parameters "
         f"{_sample(names)}, the round's other submissions {len(others)} {_sample(others)}; "
         "every worker must cut the model into the same fragments (num_fragments)"
+    )
+
+
+#: The default bound on ||pseudo-gradient|| / ||global weights|| of one submission: an
+#: honest period of local steps moves the weights by a fraction of their norm; a worker
+#: that diverged to huge but finite values moves them by orders of magnitude more.
+MAX_UPDATE_RATIO = 10.0
+
+
+def norm(tensors: Iterable[torch.Tensor]) -> float:
+    """The L2 norm of all ``tensors`` together (computed per tensor in float32)."""
+    return math.sqrt(sum(float(torch.linalg.vector_norm(t.float())) ** 2 for t in tensors))
+
+
+def check_update_ratio(
+    worker_id: str,
+    tensors: Mapping[str, torch.Tensor],
+    weights_norm: float,
+    limit: float | None,
+    *,
+    fragment: int | None = None,
+) -> str | None:
+    """An error message when ``tensors``' norm is more than ``limit`` times ``weights_norm``
+    (the norm of all global weights); None when within, or ``limit`` is None or 0, or the
+    global weights are all zero (nothing to compare with)."""
+    if not limit or weights_norm <= 0:
+        return None
+    ratio = norm(tensors.values()) / weights_norm
+    if ratio <= limit:
+        return None
+    what = f"fragment {fragment} from worker {worker_id}" if fragment is not None else (
+        f"pseudo-gradients from worker {worker_id}"
+    )  # fmt: skip
+    return (
+        f"{what}: its norm is {ratio:.3g} x the global weights' norm ({weights_norm:.3g}); "
+        f"allowed: at most {limit:g} x (max_update_ratio): the worker has diverged"
     )

@@ -10,7 +10,11 @@ multiple of ``sync_every // F`` steps in turn, from a background thread, and
 its answer is loaded just before the next fragment is sent (at most one in
 flight). A sync that cannot reach the server is retried after registering
 again (``max_sync_retries`` times, 2 s, 4 s, ... apart); when all fail the
-round is skipped and training goes on, as Forgather's worker does.
+round is skipped and training goes on, as Forgather's worker does. A server
+that no longer knows the worker (answered 404: restarted, or it dropped a
+silent worker) is joined again the same way. The worker secret that
+registering brings (:mod:`hookloop.diloco.membership`) goes with every later
+request, heartbeats included.
 
 Heartbeats (every ``heartbeat_interval`` seconds; 0 disables them) report the
 worker's steps per second; with ``dylu`` the server's ``recommended_sync_every``
@@ -46,6 +50,9 @@ COUNTERS = (
     "dylu_adjustments",
     "fragment_syncs",
 )
+#: The server's answer to a request under an id it does not know (it restarted, or dropped
+#: the worker as silent): the worker registers again.
+NOT_REGISTERED = 404
 #: The longest heartbeat interval accepted, in seconds (0 disables heartbeats).
 MAX_HEARTBEAT_INTERVAL = 3600.0
 
@@ -102,6 +109,7 @@ class DiLoCoWorker:
             server_addr, timeout, retry_delay=retry_delay / 2, token=token, cafile=cafile
         )
         self._beat_client = DiLoCoClient(server_addr, min(timeout, 30), token=token, cafile=cafile)
+        self._beat_client.secrets = self.client.secrets  # one secret per id, both clients
         self.params = dict(model.named_parameters())
         self.fragments = split_fragments(list(self.params), num_fragments)
         self.global_params: dict[str, torch.Tensor] = {}
@@ -198,8 +206,13 @@ class DiLoCoWorker:
                 new = self.client.submit_pseudogradients(self.worker_id, grads)
                 self.last_recv_bytes = _nbytes(new)
                 return new
-            except ServerRefused:
-                raise  # the server says the request is wrong: retrying cannot help
+            except ServerRefused as err:
+                if err.status != NOT_REGISTERED or attempt == self.max_sync_retries:
+                    raise  # the server says the request is wrong: retrying cannot help
+                self.sync_retries += 1
+                log.warning("diloco: %s; registering again", err)
+                self._reconnect()
+                grads = self._pseudo_grads(list(self.params))
             except ConnectionError as err:
                 if attempt == self.max_sync_retries:
                     log.error("diloco: sync failed %d times (%s); skipping this round",
@@ -227,9 +240,7 @@ class DiLoCoWorker:
 
             def send() -> None:
                 try:
-                    result[0] = self.client.submit_fragment_pseudogradients(
-                        self.worker_id, k, grads
-                    )
+                    result[0] = self._submit_fragment(k, grads)
                 except ServerRefused as err:  # raised where the answer is loaded
                     result[2] = err
                 except Exception as err:  # the fragment's round goes on without us
@@ -241,6 +252,19 @@ class DiLoCoWorker:
             thread = threading.Thread(target=lambda: None)
             thread.start()
         self._in_flight = (k, thread, result)
+
+    def _submit_fragment(self, k: int, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        try:
+            return self.client.submit_fragment_pseudogradients(self.worker_id, k, grads)
+        except ServerRefused as err:
+            if err.status != NOT_REGISTERED:
+                raise
+        # Joined again without loading its weights (the other fragments are still
+        # training here); this fragment goes once more, against the same start.
+        log.warning("diloco: the server no longer knows %s; registering again", self.worker_id)
+        self.client.register(self.worker_id, self._info())
+        self.reconnections += 1
+        return self.client.submit_fragment_pseudogradients(self.worker_id, k, grads)
 
     def finish_in_flight(self) -> None:
         """Wait for the fragment in flight, if any, and load its answer."""

@@ -2,7 +2,9 @@
 
 - ``DiLoCoServer``: Forgather's constructor; as in Forgather it admits tokenless
   peers by default (``disable_auth=True``), on loopback only unless
-  ``allow_remote_without_auth=True``; pass ``token=`` to require one.
+  ``allow_remote_without_auth=True``, and workers that send no worker secret
+  (``allow_unbound_workers=True``, each tied to its address); pass ``token=`` to
+  require a token (and a secret from every worker).
 - ``DiLoCoWorker(model, optimizer, server_addr, ...)``: Forgather's wrapper that
   counts steps with an optimizer post-step hook, usable as a context manager.
 - ``DiLoCoClient`` and ``DiLoCoCallback``: hookloop's, which already have
@@ -24,11 +26,12 @@ __all__ = ["DiLoCoCallback", "DiLoCoClient", "DiLoCoServer", "DiLoCoWorker"]
 
 
 class DiLoCoServer(_Server):
-    """Forgather's server: tokenless peers admitted unless ``token=`` is given."""
+    """Forgather's server: tokenless, secret-less peers admitted unless ``token=`` is given."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("token") is None:
             kwargs.setdefault("disable_auth", True)
+            kwargs.setdefault("allow_unbound_workers", True)
         super().__init__(*args, **kwargs)
 
 
