@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import threading
 
 import pytest
 import torch
@@ -21,30 +20,11 @@ from hookloop.diloco.server import DiLoCoServer
 from hookloop.diloco.wire import load_tensors, pack
 from hookloop.diloco.worker import DiLoCoWorker
 from hookloop.testing import TinyModel
-from test_diloco_server import TOKEN, _client, _model_server, _refused, _server, _step
+from test_diloco_server import TOKEN, _both, _client, _model_server, _refused, _server, _step
 
 
 def _nan(like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: torch.full_like(v, float("nan")) for n, v in like.items()}
-
-
-def _together(calls) -> list:
-    """Run the calls at once; each returns its value or the exception it raised."""
-    out: list = [None] * len(calls)
-
-    def run(i: int) -> None:
-        try:
-            out[i] = calls[i]()
-        except Exception as err:  # handed to the test
-            out[i] = err
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert not any(t.is_alive() for t in threads), "a submission still waits at the barrier"
-    return out
 
 
 class ForgatherPeer:
@@ -143,7 +123,7 @@ def test_a_submission_under_an_unregistered_id_is_refused_and_closes_no_round(tm
         assert "\n" not in str(err)
         assert ghost.get_status()["pending_submissions"] == [] and srv.status()["sync_round"] == 0
         assert _refused(lambda: ghost.heartbeat("ghost")).status == 404
-        na, nb = _together([
+        na, nb = _both([
             lambda: a.submit_pseudogradients("a", {n: torch.full((4, 4), 1.0) for n in start}),
             lambda: b.submit_pseudogradients("b", {n: torch.full((4, 4), 3.0) for n in start}),
         ])  # fmt: skip
@@ -201,7 +181,7 @@ def test_a_worker_without_a_secret_needs_allow_unbound_workers_and_its_own_addre
         reply = forgather.submit("hk", _nan(start))
         assert reply[0] == 403 and "bound to a secret" in _error(reply)
         ones = {n: torch.ones(4, 4) for n in start}
-        done = _together([lambda: forgather.submit("fg", ones),
+        done = _both([lambda: forgather.submit("fg", ones),
                           lambda: hook.submit_pseudogradients("hk", ones)])  # fmt: skip
         assert done[0][0] == 200 and set(done[1]) == set(start)
         assert srv.status()["sync_round"] == 1
@@ -240,25 +220,25 @@ def test_a_diverged_worker_is_refused_and_the_honest_workers_round_closes(tmp_pa
               for _ in range(2)]  # fmt: skip
     huge = {n: torch.full((4, 4), 1e6) for n in honest[0]}  # finite, within MAX_ABS_VALUE
 
-    def round_of_three(srv):
+    def round_of_three(srv, *, refused: bool):
         clients = [_client(srv) for _ in range(3)]
         starts = [c.register(f"w{i}") for i, c in enumerate(clients)]  # all three, first
-        start = starts[0]
-        sent = [*honest, huge]
-        out = _together([lambda c=c, i=i: c.submit_pseudogradients(f"w{i}", sent[i])
-                         for i, c in enumerate(clients)])  # fmt: skip
-        return start, out
+        calls = [lambda c=c, i=i: c.submit_pseudogradients(f"w{i}", honest[i])
+                 for i, c in enumerate(clients[:2])]  # fmt: skip
+        diverged = lambda: clients[2].submit_pseudogradients("w2", huge)  # noqa: E731
+        calls.append((lambda: _refused(diverged)) if refused else diverged)
+        return starts[0], _both(calls)
 
     # The attack, with the bound off: every other check passes and the weights jump to ~1e6.
     off = _server(tmp_path / "off", max_update_ratio=0)
     try:
-        _, out = round_of_three(off)
+        _, out = round_of_three(off, refused=False)
         assert max(float(v.abs().max()) for v in out[0].values()) > 1e5
     finally:
         off.stop()
     srv = _server(tmp_path / "on")
     try:
-        start, out = round_of_three(srv)
+        start, out = round_of_three(srv, refused=True)
         refusal = out[2]
         assert isinstance(refusal, ServerRefused) and refusal.status == 400
         assert "norm is" in str(refusal) and "at most 10 x (max_update_ratio)" in str(refusal)
