@@ -9,18 +9,30 @@ from __future__ import annotations
 
 import http.client
 import json
+import threading
+import time
 
 import pytest
 import torch
 
 from hookloop.app.cli import main as cli_main
+from hookloop.diloco.callback import DiLoCoCallback
 from hookloop.diloco.client import ServerRefused
 from hookloop.diloco.membership import SECRET_HEADER
 from hookloop.diloco.server import DiLoCoServer
 from hookloop.diloco.wire import load_tensors, pack
 from hookloop.diloco.worker import DiLoCoWorker
 from hookloop.testing import TinyModel
-from test_diloco_server import TOKEN, _both, _client, _model_server, _refused, _server, _step
+from test_diloco_server import (
+    TOKEN,
+    _both,
+    _client,
+    _fit,
+    _model_server,
+    _refused,
+    _server,
+    _step,
+)
 
 
 def _nan(like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -209,6 +221,46 @@ def test_a_hookloop_worker_sends_its_secret_and_registers_again_when_the_server_
         assert srv.status()["sync_round"] == 1 and list(srv.status()["workers"]) == ["w"]
         worker.stop()
         assert srv.status()["num_registered"] == 0
+    finally:
+        srv.stop()
+
+
+def test_a_run_resumed_while_its_old_id_is_held_joins_under_a_new_one(tmp_path, caplog):
+    srv = _model_server(tmp_path)
+    try:
+
+        def worker(worker_id=None):
+            return DiLoCoCallback(srv.address, 2, worker_id, False, heartbeat_interval=0,
+                                  token=TOKEN)  # fmt: skip
+
+        first = worker()
+        _fit(first, tmp_path / "run", steps=4)
+        old_id = first.state_dict()["worker_id"]
+        holder = _client(srv)
+        holder.register(old_id)  # as if the crashed run's registration were still there
+        kept = []
+
+        def leave_once_the_resumed_run_joined() -> None:  # or the round waits for it
+            for _ in range(600):
+                if holder.get_status()["num_registered"] >= 2:
+                    break
+                time.sleep(0.05)
+            kept.append(srv.secret_of(old_id) == holder.secrets[old_id])
+            holder.deregister(old_id)
+
+        leaving = threading.Thread(target=leave_once_the_resumed_run_joined)
+        leaving.start()
+        resumed = worker()
+        _, logs = _fit(resumed, tmp_path / "run", steps=8, resume="auto")
+        leaving.join(30)
+        assert [log["diloco/sync_count"] for log in logs] == [3, 4]  # the counters go on
+        new_id = resumed.state_dict()["worker_id"]
+        assert new_id != old_id and kept == [True]  # the holder's registration was untouched
+        assert any(f"joining as {new_id} instead" in r.message for r in caplog.records)
+        # An id given explicitly is never swapped for another: the refusal stops the run.
+        holder.register(old_id)
+        with pytest.raises(Exception, match=r"403 .*held by a running worker"):
+            _fit(worker(old_id), tmp_path / "explicit", steps=2)
     finally:
         srv.stop()
 

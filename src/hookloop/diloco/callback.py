@@ -10,6 +10,11 @@ configuration trains alone or as a worker. ``server_addr`` is kept as given
 ``token`` (``DILOCO_TOKEN``) and ``cafile`` (``DILOCO_CAFILE``) for a server
 started with ``--token`` and HTTPS.
 
+A resumed run joins under the worker id its checkpoint saved; when the server
+still holds that id for the crashed run (until its ``heartbeat_timeout``), it
+joins under a new one (a warning says so). An id given explicitly is never
+replaced: the server's refusal stops the run.
+
 The all-reduce variant inside one ``torch.distributed`` job is
 :class:`hookloop.callbacks.DiLoCo`.
 """
@@ -21,11 +26,13 @@ import os
 from typing import Any
 
 from hookloop.callback import Callback
-from hookloop.diloco.client import parse_address
+from hookloop.diloco.client import ServerRefused, parse_address
 from hookloop.diloco.worker import DiLoCoWorker, check_heartbeat_interval, default_worker_id
 from hookloop.state import CallbackContext
 
 log = logging.getLogger("hookloop.diloco")
+#: The server's answer to a registration under an id another registration holds.
+HELD = 403
 
 
 def _env(name: str, kind: type, default: Any) -> Any:
@@ -138,11 +145,29 @@ class DiLoCoCallback(Callback):
             )
         model = getattr(ctx.model, "module", ctx.model)  # the same names with or without DDP
         saved_id = (self._pending or {}).get("worker_id")  # a resumed worker keeps its id
-        self._worker = DiLoCoWorker(
+        self._worker = self._new_worker(model, self.worker_id or saved_id or default_worker_id())
+        try:
+            self._worker.start()
+        except ServerRefused as err:
+            # A run resumed after a crash finds its old registration still held (until the
+            # server's heartbeat_timeout): it joins under a new id rather than not at all.
+            if err.status != HELD or self.worker_id or not saved_id:
+                raise
+            self._worker = self._new_worker(model, default_worker_id())
+            log.warning("diloco: %s; joining as %s instead", err, self._worker.worker_id)
+            self._worker.start()
+        if self._pending is not None:  # after start(), which begins a period, as Forgather
+            self._worker.load_state_dict(self._pending)
+            self._pending = None
+        if ctx.state.is_rank_zero:
+            log.info("diloco: worker %s joined %s", self._worker.worker_id, self.server_addr)
+
+    def _new_worker(self, model: Any, worker_id: str) -> DiLoCoWorker:
+        return DiLoCoWorker(
             model,
             self.server_addr,
             sync_every=self.sync_every,
-            worker_id=self.worker_id or saved_id or default_worker_id(),
+            worker_id=worker_id,
             bf16_comm=self.bf16_comm,
             dylu=self.dylu,
             heartbeat_interval=self.heartbeat_interval,
@@ -152,12 +177,6 @@ class DiLoCoCallback(Callback):
             token=self.token,
             cafile=self.cafile,
         )
-        self._worker.start()
-        if self._pending is not None:  # after start(), which begins a period, as Forgather
-            self._worker.load_state_dict(self._pending)
-            self._pending = None
-        if ctx.state.is_rank_zero:
-            log.info("diloco: worker %s joined %s", self._worker.worker_id, self.server_addr)
 
     def on_train_step_end(self, ctx: CallbackContext) -> None:
         if self._worker is not None:
