@@ -55,7 +55,8 @@ class WorkerInfo:
 @dataclass(frozen=True)
 class Caller:
     """What a request says about its sender: the secret it sent, its address, and
-    (at ``/register``) whether it asked for the binding."""
+    (at ``/register``) whether it asked for the binding. ``Caller()``, for a call made
+    in the server's own process, asks for the binding and has no address."""
 
     secret: str | None = None
     peer: str | None = None
