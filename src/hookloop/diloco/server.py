@@ -31,8 +31,11 @@ update_num_workers,shutdown}``; ``GET /status``, ``/global_params``,
 
 hookloop's additions, which a Forgather peer does not need: a bearer
 ``token`` (or ``disable_auth=True`` to admit tokenless peers, loopback only
-unless ``allow_remote_without_auth``), HTTPS (``certfile``/``keyfile``), and
-every submission checked by :func:`hookloop.diloco.validate.check_contribution`.
+unless ``allow_remote_without_auth``), HTTPS (``certfile``/``keyfile``),
+every submission checked by :func:`hookloop.diloco.validate.check_contribution`, every
+JSON field checked by :mod:`hookloop.diloco.fields` (400 naming the field), and a
+dashboard served without the token under a strict Content-Security-Policy
+(:mod:`hookloop.diloco.dashboard`; every response: :func:`hookloop.control.pages.secure`).
 
 What a faulty peer cannot do: a refused submission (another model, a wrong shape or
 dtype, NaN/Inf, a value beyond :data:`~hookloop.diloco.validate.MAX_ABS_VALUE`) is
