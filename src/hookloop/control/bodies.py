@@ -37,8 +37,7 @@ def shown(value: Any) -> str:
     if isinstance(value, bool) or value is None:
         return json.dumps(value)
     if isinstance(value, int):
-        digits = len(str(abs(value))) if abs(value) < 10**40 else None
-        return str(value) if digits is not None else "an integer of more than 40 digits"
+        return str(value) if abs(value) < 10**40 else "an integer of more than 40 digits"
     if isinstance(value, float):
         return repr(value)
     if isinstance(value, str):
@@ -49,16 +48,24 @@ def shown(value: Any) -> str:
     return "a list" if isinstance(value, list) else f"a {type(value).__name__}"
 
 
-def load_object(body: bytes, what: str = "the body") -> dict[str, Any]:
-    """The JSON object ``body`` holds, every value in it within this module's limits."""
+def load_object(body: bytes) -> dict[str, Any]:
+    """The JSON object ``body`` holds, every value in it within this module's limits.
+
+    >>> load_object(b'{"lr": 3e-4, "betas": [0.9, 0.95]}')
+    {'lr': 0.0003, 'betas': [0.9, 0.95]}
+    >>> load_object(b'{"values": {"lr": NaN}}')
+    Traceback (most recent call last):
+    ...
+    hookloop.control.bodies.BodyError: values.lr must be a finite number, got nan
+    """
     try:
         data = json.loads(body)
     except RecursionError:
-        raise BodyError(f"{what} nests lists or objects deeper than {MAX_DEPTH} levels") from None
+        raise BodyError(f"the body nests lists or objects deeper than {MAX_DEPTH} levels") from None
     except ValueError:  # includes UnicodeDecodeError and JSONDecodeError
-        raise BodyError(f"{what} must be a JSON object (UTF-8), and is not valid JSON") from None
+        raise BodyError("the body must be a JSON object (UTF-8), and is not valid JSON") from None
     if not isinstance(data, dict):
-        raise BodyError(f"{what} must be a JSON object, got {shown(data)}")
+        raise BodyError(f"the body must be a JSON object, got {shown(data)}")
     check_tree(data)
     return data
 
