@@ -10,6 +10,7 @@ is found, so a fresh Debian machine runs the test and no other run pays for the 
 from __future__ import annotations
 
 import contextlib
+import html
 import os
 import shutil
 import subprocess
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from _control_support import Job
+from _control_support import WAIT_S, Job
 
 # The browser part only: installing chromium (the fixture) has its own limit, INSTALL_S.
 pytestmark = pytest.mark.timeout(240, func_only=True)
@@ -273,3 +274,83 @@ def _train_rows(job: Job) -> list[dict]:
     code, body, _ = job.request("GET", job.api("history") + "?after=0")
     assert code == 200, (code, body)
     return [r for r in body["records"] if r.get("kind") == "train"]
+
+
+# -- the DiLoCo server's dashboard, with worker ids chosen by an attacker ---------------------
+HOSTILE_IDS = [
+    "x\" autofocus onfocus=\"document.title='pwned'",
+    "</script><script>window.pwned = 1</script>",
+    '<img src=x onerror="window.pwned = 1">',
+]
+HOSTILE_HOST = '<b onmouseover="window.pwned = 1">box</b>'
+
+
+def _markup_as_strings(worker_ids: list[str]) -> str:
+    """Rows written as markup, each id escaped for text only (``<``, ``>``, ``&``) and put
+    into an attribute too: how the DiLoCo dashboard wrote them before it used textContent."""
+    rows = "".join(
+        f'<tr><td>{html.escape(w, quote=False)}</td><td><button data-id="'
+        f'{html.escape(w, quote=False)}">kick</button></td></tr>'
+        for w in worker_ids
+    )
+    return f"<title>before</title><table><tbody>{rows}</tbody></table>"
+
+
+def test_diloco_dashboard_shows_hostile_worker_ids_as_text_and_runs_none(tmp_path, chromium):
+    from hookloop.diloco.client import DiLoCoClient
+    from test_diloco_server import TOKEN, _server
+
+    srv = _server(tmp_path)
+    try:
+        client = DiLoCoClient(srv.address, token=TOKEN, timeout=WAIT_S)
+        for worker_id in HOSTILE_IDS:
+            client.register(worker_id, {"hostname": HOSTILE_HOST})
+        with _browser(tmp_path, chromium) as context:
+            # the attack is live in this browser: the first id, written into an attribute
+            # escaped for text only, runs its handler
+            naive = context.new_page()
+            naive.set_content(_markup_as_strings(HOSTILE_IDS))
+            naive.wait_for_function("() => document.title === 'pwned'", timeout=MS)
+            naive.close()
+
+            page = context.new_page()
+            problems, _ = _watch(page)
+            page.goto(f"http://{srv.address}/dashboard", timeout=MS)  # no token needed
+            page.fill("#tok", TOKEN)
+            page.press("#tok", "Tab")  # the token is taken when the input changes
+            rows = "() => document.querySelectorAll('#workers tr').length"
+            page.wait_for_function(f"{rows} === {len(HOSTILE_IDS)}", timeout=MS)
+            _assert_shown_as_text_and_inert(page)
+
+            # the kick button of the hostile id kicks exactly that worker
+            assert page.text_content("#workers tr:nth-child(1) td") == HOSTILE_IDS[0]
+            page.click("#workers tr:nth-child(1) button")
+            page.wait_for_function(f"{rows} === {len(HOSTILE_IDS) - 1}", timeout=MS)
+            assert page.text_content("#msg").startswith("kick_worker: "), page.text_content("#msg")
+            assert set(client.get_status()["workers"]) == set(HOSTILE_IDS[1:])
+            # the admin buttons work under the policy
+            page.fill("#lr", "0.5")
+            page.click("#apply-optimizer")
+            page.wait_for_function(
+                "() => document.getElementById('msg').textContent.includes('\"lr\": 0.5')",
+                timeout=MS,
+            )
+            assert client.get_status()["outer_lr"] == 0.5
+            _assert_shown_as_text_and_inert(page)
+        assert problems == [], problems
+    finally:
+        srv.stop()
+
+
+def _assert_shown_as_text_and_inert(page) -> None:
+    """Every worker id and host on the page is text, and nothing of theirs ran."""
+    ids = page.eval_on_selector_all("#workers td:first-child", "els => els.map(e => e.textContent)")
+    hosts = page.eval_on_selector_all("#workers td:nth-child(2)", "e => e.map(x => x.textContent)")
+    assert set(ids) <= set(HOSTILE_IDS) and len(ids) == len(set(ids)) > 0, ids
+    assert hosts == [HOSTILE_HOST] * len(ids), hosts
+    kicks = page.eval_on_selector_all("#workers button", "els => els.map(e => e.dataset.id)")
+    assert kicks == ids, kicks
+    assert page.title() == "DiLoCo Dashboard"
+    assert page.evaluate("() => window.pwned === undefined")
+    injected = "#workers img, #workers script, #workers b, [autofocus], [onfocus], [onerror]"
+    assert page.locator(injected).count() == 0

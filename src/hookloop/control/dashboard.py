@@ -27,15 +27,15 @@ Its weakness, script injection reading ``sessionStorage``, is closed by the
 page's own strictness: every server value goes into the page through
 ``textContent`` or SVG attributes, never as markup, and a
 ``Content-Security-Policy`` allows only this exact script and style sheet
-(pinned by their SHA-256) and connections to this origin. The token input is
+(pinned by their SHA-256) and connections to this origin
+(:mod:`hookloop.control.pages`). The token input is
 not inside a ``<form>``, so even a page whose script failed could not submit
 it in a query string.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
+from hookloop.control.pages import page, page_csp
 
 STYLE = """
 :root { color-scheme: light dark; --fg: #1b1f24; --bg: #f6f7f9; --card: #fff; --mute: #6a737d;
@@ -602,31 +602,8 @@ BODY = """
 """
 
 
-def _digest(text: str) -> str:
-    digest = hashlib.sha256(text.encode()).digest()
-    return "'sha256-" + base64.b64encode(digest).decode("ascii") + "'"
-
-
 #: The Content-Security-Policy the page is served with: only this script and style.
-CSP = "; ".join(
-    [
-        "default-src 'none'",
-        f"script-src {_digest(SCRIPT)}",
-        f"style-src {_digest(STYLE)}",
-        "connect-src 'self'",
-        "img-src data:",
-        "base-uri 'none'",
-        "form-action 'none'",
-        "frame-ancestors 'none'",
-    ]
-)
+CSP = page_csp(SCRIPT, STYLE)
 
 #: The page itself, as served.
-PAGE = (
-    '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">\n'
-    '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
-    '<meta name="referrer" content="no-referrer">\n'
-    '<link rel="icon" href="data:,">\n'
-    "<title>hookloop</title>\n"
-    f"<style>{STYLE}</style>\n</head><body>{BODY}<script>{SCRIPT}</script>\n</body></html>\n"
-).encode()
+PAGE = page("hookloop", STYLE, BODY, SCRIPT)

@@ -30,11 +30,15 @@ latest log's keys at the top level, beside hookloop's ``step``, ``phase`` and
 nested ``metrics``. A command is answered ``200`` with Forgather's
 ``{"status": "acknowledged", "command", "timestamp", "message"}`` plus
 hookloop's ``accepted``, ``job_id`` and ``step``, once filed. A malformed body or an
-unknown command gets ``400`` with the list of valid commands; a command the job
-cannot carry out (saving without an output directory, evaluating without
-evaluation data, anything once a stop has been filed) gets ``409``. Nothing a
+unknown command gets ``400`` with the list of valid commands, and so does a value no
+field takes (NaN, an integer beyond ``±2**53``, an over-long string:
+:mod:`hookloop.control.bodies`), naming its field; a command the job cannot carry out
+(saving without an output directory, evaluating without evaluation data, anything once
+a stop has been filed) gets ``409``. Nothing a
 client sends reaches the training thread except the requests a command files
 (:data:`SERVER_COMMANDS`; :func:`register_command` adds one, with the values it takes).
+Every response carries a Content-Security-Policy and ``nosniff``
+(:mod:`hookloop.control.pages`); an unexpected failure is one JSON line, ``500``.
 
 What the status shows is cheap to keep: the training thread does no work per
 step for it. Step, epoch and sample counters are plain integers the server
@@ -68,6 +72,8 @@ from typing import TYPE_CHECKING, Any
 
 from hookloop.callback import Callback
 from hookloop.control.background import run_while_serving
+from hookloop.control.bodies import BodyError, check_tree, text
+from hookloop.control.pages import secure
 from hookloop.control.registry import (
     JobDir,
     JobRecord,
@@ -174,13 +180,6 @@ MAX_BODY = 16 * 1024
 #: Logged records kept for the dashboard's charts.
 HISTORY_LEN = 5000
 _RATE_WINDOW_S = 30.0
-#: On every response: nothing cached, sniffed, framed, or sent on as a Referer.
-_SAFE_HEADERS = {
-    "Cache-Control": "no-store",
-    "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
-    "X-Frame-Options": "DENY",
-}
 _BODY_HELP = 'send a JSON object such as {"command": "graceful_stop"}'
 
 
@@ -214,6 +213,12 @@ def parse_request(body: bytes) -> tuple[str, dict[str, Any]]:
             f"the request body must be a JSON object, got {type(data).__name__}; {_BODY_HELP}. "
             f"Valid commands: {valid}"
         )
+    try:  # no NaN, huge integer, long string or deep nesting anywhere, a printable client
+        check_tree(data)
+        if "client" in data:
+            text("client", data["client"])
+    except BodyError as err:
+        raise CommandError(str(err)) from None
     if "command" not in data:
         raise CommandError(f'missing "command"; valid commands: {valid}')
     command = data["command"]
@@ -631,7 +636,7 @@ class ControlServer(Callback):
                     request.path == "/" or (request.path == "/jobs" and header is None)
                 )
                 if not public and not self._authorized(header or ""):
-                    return _json(
+                    response = _json(
                         {
                             "error": "missing or wrong bearer token; send the header "
                             "'Authorization: Bearer <token>' (`hookloop ctl JOB token` "
@@ -640,7 +645,8 @@ class ControlServer(Callback):
                         401,
                         {"WWW-Authenticate": 'Bearer realm="hookloop"'},
                     )
-                response = await handler(request)
+                else:
+                    response = await handler(request)
             except web.HTTPException as exc:
                 if exc.status < 400:
                     raise
@@ -649,8 +655,11 @@ class ControlServer(Callback):
                     message += f"; routes: {ROUTES}"
                 allow = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
                 response = _json({"error": message}, exc.status, allow)
-            response.headers.update(_SAFE_HEADERS)
-            return response
+            except Exception as err:  # one JSON line, never aiohttp's own (HTML) error page
+                reason = " ".join(str(err).split())[:300] or type(err).__name__
+                log.error("control: %s %s failed: %s", request.method, request.path[:200], reason)
+                response = _json({"error": f"control server error: {reason}"}, 500)
+            return secure(response)
 
         async def page(request: web.Request) -> web.Response:
             return web.Response(

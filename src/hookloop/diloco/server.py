@@ -33,10 +33,13 @@ update_num_workers,shutdown}``; ``GET /status``, ``/global_params``,
 
 hookloop's additions, which a Forgather peer does not need: a bearer
 ``token`` (or ``disable_auth=True`` to admit tokenless peers, loopback only
-unless ``allow_remote_without_auth``), HTTPS (``certfile``/``keyfile``), and
+unless ``allow_remote_without_auth``), HTTPS (``certfile``/``keyfile``),
 every submission checked by :func:`hookloop.diloco.validate.check_contribution`
 and, unless ``max_update_ratio`` is None or 0, bounded by
-:func:`~hookloop.diloco.validate.check_update_ratio`, and worker ids bound to a
+:func:`~hookloop.diloco.validate.check_update_ratio`, every JSON field checked by
+:mod:`hookloop.diloco.fields` (400 naming the field), a dashboard served without
+the token under a strict Content-Security-Policy (:mod:`hookloop.diloco.dashboard`;
+every response: :func:`hookloop.control.pages.secure`), and worker ids bound to a
 secret issued at ``/register`` (:mod:`hookloop.diloco.membership`): a request
 under an id it does not hold is answered 403, one under an id not registered
 404; neither counts against the worker nor reaches a round. Workers that send
@@ -76,7 +79,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hookloop.control.background import run_while_serving
-from hookloop.diloco import storage
+from hookloop.control.bodies import BodyError, check_tree
+from hookloop.control.pages import secure
+from hookloop.diloco import fields, storage
 from hookloop.diloco.membership import (
     SECRET_HEADER,
     Caller,
@@ -662,8 +667,9 @@ class DiLoCoServer:
     ) -> tuple[str, Any, dict[str, torch.Tensor]]:
         try:
             header, grads = unpack(body)
-        except ValueError as err:
-            raise ProtocolError(f"bad submission body: {err}") from None
+            check_tree(header)
+        except (ValueError, RecursionError) as err:
+            raise ProtocolError(f"bad submission body: {_line(err)}") from None
         worker_id = _worker_id(header)
         self._check_not_evicted(worker_id)
         self._check_member(worker_id, caller)
@@ -908,7 +914,12 @@ class DiLoCoServer:
 
         @web.middleware
         async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
-            if not self._authorized(request.headers.get("Authorization", "")):
+            return secure(await answer(request, handler))
+
+        async def answer(request: web.Request, handler: Any) -> web.StreamResponse:
+            # the dashboard page holds no secret: a browser loads it, then the token is typed
+            public = request.method in ("GET", "HEAD") and request.path in ("/", "/dashboard")
+            if not public and not self._authorized(request.headers.get("Authorization", "")):
                 return _json(
                     {"error": "missing or wrong token: send 'Authorization: Bearer <token>'"}, 401
                 )
@@ -939,7 +950,7 @@ class DiLoCoServer:
             return Caller.from_request(request.headers, request.remote)
 
         async def register(request: web.Request) -> web.Response:
-            info = await _json_body(request)
+            info = await _json_body(request, "register")
             reply = tensors(self.register(info, caller(request)))
             reply.headers[SECRET_HEADER] = self.secret_of(_worker_id(info))
             return reply
@@ -952,25 +963,21 @@ class DiLoCoServer:
 
         async def heartbeat(request: web.Request) -> web.Response:
             try:
-                return _json(self.heartbeat(await _json_body(request), caller(request)))
+                return _json(
+                    self.heartbeat(await _json_body(request, "heartbeat"), caller(request))
+                )
             except ProtocolError:
                 raise
             except ValueError as err:
                 raise ProtocolError(str(err)) from None
 
         async def deregister(request: web.Request) -> web.Response:
-            self.deregister(_worker_id(await _json_body(request)), caller(request))
+            self.deregister(_worker_id(await _json_body(request, "deregister")), caller(request))
             return _json({"status": "ok"})
 
         async def control(request: web.Request) -> web.Response:
-            body = await request.read()
-            try:
-                data = json.loads(body) if body else {}
-            except ValueError:
-                raise ProtocolError("Invalid JSON") from None
-            if not isinstance(data, dict):
-                raise ProtocolError("Invalid JSON: the body must be an object")
-            return _json(self.control(request.match_info["action"], data))
+            action = request.match_info["action"]
+            return _json(self.control(action, await _json_body(request, action)))
 
         async def global_params(request: web.Request) -> web.Response:
             return tensors(self.get_global_params())
@@ -981,9 +988,10 @@ class DiLoCoServer:
         async def dashboard(request: web.Request) -> web.Response:
             if not self.dashboard_enabled:
                 return _json({"error": "Dashboard disabled"}, 404)
-            from hookloop.diloco.dashboard import PAGE
+            from hookloop.diloco.dashboard import CSP, PAGE
 
-            return web.Response(text=PAGE, content_type="text/html")
+            return web.Response(body=PAGE, content_type="text/html", charset="utf-8",
+                                headers={"Content-Security-Policy": CSP})  # fmt: skip
 
         app = web.Application(middlewares=[guard], client_max_size=self.max_payload_mb * 2**20)
         for route, handler in (
@@ -1133,21 +1141,18 @@ def _bound_port(runner: Any) -> int | None:
 
 
 def _worker_id(data: dict[str, Any]) -> str:
-    worker_id = data.get("worker_id")
-    if not isinstance(worker_id, str) or not worker_id or len(worker_id) > 200:
-        raise ProtocolError(f"worker_id must be a non-empty string of at most 200 characters, "
-                            f"got {str(worker_id)[:80]!r}")  # fmt: skip
-    return worker_id
-
-
-async def _json_body(request: web.Request) -> dict[str, Any]:
     try:
-        data = json.loads(await request.read())
-    except ValueError:
-        raise ProtocolError("Invalid JSON: the body must be a JSON object") from None
-    if not isinstance(data, dict):
-        raise ProtocolError("Invalid JSON: the body must be a JSON object")
-    return data
+        return fields.worker_id(data.get("worker_id"))
+    except BodyError as err:
+        raise ProtocolError(str(err)) from None
+
+
+async def _json_body(request: web.Request, route: str) -> dict[str, Any]:
+    """The body's JSON object, each field ``route`` reads checked (400 naming the field)."""
+    try:
+        return fields.read_body(route, await request.read())
+    except BodyError as err:
+        raise ProtocolError(str(err)) from None
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
