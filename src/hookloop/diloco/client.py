@@ -101,24 +101,27 @@ class DiLoCoClient:
         raw = self._retrying(
             lambda: self._call("POST", "register", body, "application/json"), self.max_retries
         )
-        return load_tensors(raw)
+        return self._tensors("register", raw)
 
     def submit_pseudogradients(
         self, worker_id: str, pseudograds: Mapping[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         """Send the full model's pseudo-gradients; get the round's new global weights."""
         body = pack({"worker_id": worker_id}, pseudograds)
-        return load_tensors(self._call("POST", "submit_pseudograd", body, TENSOR_TYPE))
+        return self._tensors(
+            "submit_pseudograd", self._call("POST", "submit_pseudograd", body, TENSOR_TYPE)
+        )
 
     def submit_fragment_pseudogradients(
         self, worker_id: str, fragment_id: int, pseudograds: Mapping[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         """Send one fragment's pseudo-gradients; get its new global weights."""
         body = pack({"worker_id": worker_id, "fragment_id": fragment_id}, pseudograds)
-        return load_tensors(self._call("POST", "submit_fragment_pseudograd", body, TENSOR_TYPE))
+        route = "submit_fragment_pseudograd"
+        return self._tensors(route, self._call("POST", route, body, TENSOR_TYPE))
 
     def get_global_params(self) -> dict[str, torch.Tensor]:
-        return load_tensors(self._call("GET", "global_params"))
+        return self._tensors("global_params", self._call("GET", "global_params"))
 
     def heartbeat(self, worker_id: str, steps_per_second: float = 0.0) -> dict[str, Any]:
         """Report speed; the answer may carry DyLU's ``recommended_sync_every``."""
@@ -142,6 +145,17 @@ class DiLoCoClient:
         body = None if data is None else json.dumps(dict(data)).encode("utf-8")
         raw = self._call(method, route, body, "application/json", timeout=min(self.timeout, 30.0))
         return json.loads(raw)
+
+    def _tensors(self, route: str, raw: bytes) -> dict[str, torch.Tensor]:
+        """The tensors of the server's answer to ``route``; a body that could run code or
+        inflate (:func:`hookloop.diloco.wire.load_tensors`) is refused naming the server."""
+        try:
+            return load_tensors(raw)
+        except ValueError as err:
+            raise ValueError(
+                f"DiLoCo server {self.server_addr} answered /{route} with a body hookloop "
+                f"refuses: {err}"
+            ) from None
 
     def _retrying(self, call: Callable[[], T], retries: int) -> T:
         return with_retries(call, retries, first_wait=self.retry_delay)
