@@ -207,8 +207,23 @@ def test_a_bytearray_of_a_size_the_pickle_names_is_refused():
     body = io.BytesIO()
     torch.save({"x": _Runs(bytearray, 2**20)}, body)
     assert len(torch.load(io.BytesIO(body.getvalue()), weights_only=True)["x"]) == 2**20
-    with pytest.raises(RefusedFile, match=r"bytearray, which hookloop does not unpickle"):
+    with pytest.raises(RefusedFile, match=r"bytearray, which hookloop does not unpickle") as err:
         load(body.getvalue())
+    copied = pickle.loads(pickle.dumps(err.value))  # as it crosses to a parent process
+    assert str(copied) == str(err.value) and copied.reason == err.value.reason
+
+
+def test_a_name_allowed_process_wide_by_other_code_is_still_refused():
+    import argparse
+
+    body = io.BytesIO()
+    torch.save({"args": argparse.Namespace(lr=0.1)}, body)
+    with torch.serialization.safe_globals([argparse.Namespace]):  # as any other code may
+        assert torch.load(io.BytesIO(body.getvalue()), weights_only=True)["args"].lr == 0.1
+        with pytest.raises(RefusedFile, match=r"argparse\.Namespace, which hookloop does not"):
+            load(body.getvalue())
+    with pytest.raises(RefusedFile, match=r"argparse\.Namespace, which hookloop does not"):
+        load(body.getvalue())  # and by torch's own check when nobody allowed it
 
 
 # -- zip bombs -------------------------------------------------------------------------

@@ -18,11 +18,13 @@ holds. :func:`load` checks before torch reads anything:
 3. **NumPy arrays, only where asked** (``numpy_arrays=True``: transformers'
    ``rng_state.pth`` holds NumPy's generator state). Then exactly the four names
    transformers itself allows when it loads that file (:data:`NUMPY_ARRAY_NAMES`) are
-   accepted, for this call only (``torch.serialization.safe_globals``, never
-   process-wide), and no module named by the file is ever imported. Under those names,
-   an array can only be rebuilt the way ``ndarray.__reduce__`` saves it (empty, then
-   filled from the pickle's own bytes): a pickle calling ``numpy.ndarray`` with a large
-   shape is refused before it allocates.
+   accepted, for the duration of this call only (``torch.serialization.safe_globals``;
+   nothing is added with ``add_safe_globals``), and no module named by the file is ever
+   imported. Under those names, an array can only be rebuilt the way
+   ``ndarray.__reduce__`` saves it (empty, then filled from the pickle's own bytes): a
+   pickle calling ``numpy.ndarray`` with a large shape is refused before it allocates.
+4. **Nobody else widens it.** A name other code in the process allowed with
+   ``add_safe_globals`` is still refused here.
 
 A refusal is a :class:`RefusedFile` (a ``ValueError``) with one line naming the file (or
 body) and what is allowed. A file that is damaged in another way raises torch's own
@@ -82,6 +84,9 @@ class RefusedFile(ValueError):
         self.source = source
         self.reason = reason
 
+    def __reduce__(self) -> tuple[type[RefusedFile], tuple[str, str]]:
+        return (RefusedFile, (self.source, self.reason))  # crosses process boundaries
+
 
 class _SavedArray(np.ndarray):
     """What ``numpy.ndarray`` means in a pickle read here: the type of a saved array.
@@ -131,18 +136,23 @@ def load(
     """
     name = what or (str(source) if not isinstance(source, bytes) else "the body")
     allowed = _numpy_allowlist() if numpy_arrays else []
+    # Names someone else allowed process-wide (``add_safe_globals``) do not widen ours.
+    others = {_global_name(g) for g in torch.serialization.get_safe_globals()}
+    refused = REFUSED_GLOBALS | frozenset(others - {_global_name(g) for g in allowed})
     with _opened(source) as file:
-        _check_archive(file, name, max_bytes)
+        named = _check_archive(file, name, max_bytes, refused)
+        if named:
+            raise RefusedFile(name, _not_unpickled(named, numpy_arrays))
         file.seek(0)
         with torch.serialization.safe_globals(allowed):
             try:
                 return torch.load(file, map_location=map_location, weights_only=True)
             except pickle.UnpicklingError as err:
                 file.seek(0)
-                refused = torch.serialization.get_unsafe_globals_in_checkpoint(file)
-                if not refused:
+                unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(file)
+                if not unsafe:
                     raise RefusedFile(name, f"refused while unpickling: {_reason(err)}") from None
-                raise RefusedFile(name, _not_unpickled(refused, numpy_arrays)) from None
+                raise RefusedFile(name, _not_unpickled(unsafe, numpy_arrays)) from None
 
 
 @contextlib.contextmanager
@@ -154,8 +164,18 @@ def _opened(source: Source) -> Iterator[IO[bytes]]:
             yield file
 
 
-def _check_archive(file: IO[bytes], name: str, max_bytes: int | None) -> None:
-    """Refuse ``file`` unless it is a zip archive of stored entries within the caps."""
+def _global_name(allowed: Any) -> str:
+    """The name the unpickler knows an allowlist entry by (an object or ``(obj, name)``)."""
+    if isinstance(allowed, tuple):
+        return str(allowed[1])
+    return f"{getattr(allowed, '__module__', '')}.{getattr(allowed, '__qualname__', '')}"
+
+
+def _check_archive(
+    file: IO[bytes], name: str, max_bytes: int | None, refused_names: frozenset[str]
+) -> set[str]:
+    """Refuse ``file`` unless it is a zip archive of stored entries within the caps; return
+    which of ``refused_names`` its pickle names."""
     size = file.seek(0, io.SEEK_END)
     if max_bytes is not None and size > max_bytes:
         raise RefusedFile(name, f"it is {size} bytes; at most {max_bytes} are read")
@@ -164,6 +184,9 @@ def _check_archive(file: IO[bytes], name: str, max_bytes: int | None) -> None:
         archive = zipfile.ZipFile(file)
         entries = archive.infolist()
     except Exception as err:  # zipfile raises several types on a torn or foreign file
+        file.seek(0)
+        if file.read(4) == b"PK\x03\x04":
+            raise RefusedFile(name, f"a damaged or truncated zip archive ({_line(err)})") from None
         raise RefusedFile(
             name,
             f"not a torch.save zip archive ({_line(err)}); only that format "
@@ -185,11 +208,14 @@ def _check_archive(file: IO[bytes], name: str, max_bytes: int | None) -> None:
             f"its entries claim {total} bytes, more than the archive's {size}; "
             "stored entries hold at most what the archive does",
         )
-    pickles = [e for e in entries if e.filename.rpartition("/")[2] == "data.pkl"]
-    for entry in pickles:
-        refused = _globals_in(archive.read(entry), name) & REFUSED_GLOBALS
-        if refused:
-            raise RefusedFile(name, _not_unpickled(refused, numpy_arrays=False))
+    named: set[str] = set()
+    for entry in entries:
+        if entry.filename.rpartition("/")[2] != "data.pkl":
+            continue
+        data = archive.read(entry)
+        if any(refused.rpartition(".")[2].encode() in data for refused in refused_names):
+            named |= _globals_in(data, name) & refused_names  # else no GLOBAL can name one
+    return named
 
 
 def _globals_in(data: bytes, name: str) -> set[str]:

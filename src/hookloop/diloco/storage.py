@@ -77,9 +77,9 @@ def find_latest(output_dir: str | Path) -> Path | None:
 
 
 def _damaged(path: Path, err: BaseException) -> ValueError:
-    if isinstance(err, RefusedFile):
-        return ValueError(f"{path} cannot be loaded: {err.reason}")
     text = " ".join(str(err).split()).split(". ")[0][:200] or type(err).__name__
+    if isinstance(err, RefusedFile):
+        text = err.reason  # one line already, and it names what is allowed
     return ValueError(f"{path} is damaged or truncated ({text}); it cannot be loaded")
 
 
