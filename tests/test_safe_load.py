@@ -352,6 +352,17 @@ def test_a_worker_refuses_a_zip_bomb_answer_naming_the_server(answering: str):
     assert "entry archive/data/0 is compressed" in message
 
 
+def test_a_worker_reads_no_more_of_an_answer_than_its_cap(answering: str, bomb: bytes):
+    client = DiLoCoClient(answering, timeout=20, max_retries=0, max_answer_bytes=1024)
+    with pytest.raises(ValueError) as refused:
+        client.get_global_params()
+    assert str(refused.value) == (
+        f"DiLoCo server http://{answering} answered /global_params with more than 1024 bytes, "
+        "the most this client reads"
+    )
+    assert client.bytes_received == 1025 < len(bomb)
+
+
 # -- one loader ------------------------------------------------------------------------
 UNPICKLERS = {("torch", "load"), ("pickle", "load"), ("pickle", "loads"), ("pickle", "Unpickler"),
               ("np", "load"), ("numpy", "load"), ("torch.serialization", "load")}  # fmt: skip

@@ -61,7 +61,10 @@ def parse_address(server_addr: str) -> str:
 
 
 class DiLoCoClient:
-    """Requests to one server; each method is one route and blocks until answered."""
+    """Requests to one server; each method is one route and blocks until answered.
+
+    ``max_answer_bytes`` caps what is read of an answer (None: no cap, as Forgather's
+    client); a tensor answer is also refused when it could inflate."""
 
     def __init__(
         self,
@@ -72,8 +75,10 @@ class DiLoCoClient:
         *,
         token: str | None = None,
         cafile: str | None = None,
+        max_answer_bytes: int | None = None,
     ) -> None:
         self.server_addr = parse_address(server_addr)
+        self.max_answer_bytes = max_answer_bytes
         self.timeout = timeout
         self.max_retries = max_retries
         self.retry_delay = retry_delay
@@ -177,7 +182,8 @@ class DiLoCoClient:
         self.bytes_sent += len(body or b"")
         try:
             with self._opener.open(req, timeout=timeout or self.timeout) as response:
-                raw = response.read()
+                cap = self.max_answer_bytes
+                raw = response.read() if cap is None else response.read(cap + 1)
         except urllib.error.HTTPError as err:
             detail = err.read()[:500].decode("utf-8", "replace")
             with contextlib.suppress(ValueError, AttributeError):
@@ -192,6 +198,11 @@ class DiLoCoClient:
                 f"DiLoCo server {self.server_addr} unreachable: {reason}"
             ) from None
         self.bytes_received += len(raw)
+        if self.max_answer_bytes is not None and len(raw) > self.max_answer_bytes:
+            raise ValueError(
+                f"DiLoCo server {self.server_addr} answered /{route} with more than "
+                f"{self.max_answer_bytes} bytes, the most this client reads"
+            )
         return raw
 
 
