@@ -146,6 +146,12 @@ def test_a_planted_rng_state_runs_code_naively_and_the_dialect_refuses_it(
         assert marker.read_text() == "ran"  # the attack is live
         marker.unlink()
 
+    theirs = _trainer(transformers.Trainer, tmp_path / "theirs", max_steps=4)
+    with warnings.catch_warnings(), pytest.raises(pickle.UnpicklingError):
+        warnings.simplefilter("ignore")
+        theirs.train(resume_from_checkpoint=str(folder))  # transformers refuses it too
+    assert not marker.exists()
+
     trainer = _trainer(hf.Trainer, tmp_path / "out", max_steps=4)
     with pytest.raises(ValueError) as refused:
         trainer.train(resume_from_checkpoint=str(folder))
