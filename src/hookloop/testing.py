@@ -22,6 +22,7 @@ from torch.utils.data import Dataset
 
 from hookloop.callback import Callback
 from hookloop.events import EVENT_NAMES
+from hookloop.safeload import load
 from hookloop.state import CallbackContext
 
 
@@ -103,8 +104,7 @@ def assert_same_checkpoint(a: str | Path, b: str | Path) -> None:
     assert wa.keys() == wb.keys(), f"weights differ in keys: {sorted(wa.keys() ^ wb.keys())}"
     for key in wa:
         assert torch.equal(wa[key], wb[key]), f"weight {key} differs"
-    oa = torch.load(a / "optimizer.pt", weights_only=True)
-    ob = torch.load(b / "optimizer.pt", weights_only=True)
+    oa, ob = load(a / "optimizer.pt"), load(b / "optimizer.pt")
     for pid, state in oa["state"].items():
         for key, value in state.items():
             other = ob["state"][pid][key]

@@ -5,9 +5,9 @@ The loop hands over ``{name: object with state_dict/load_state_dict}``
 their own (``model.safetensors`` and ``optimizer.pt``, or DCP shards under
 ``sharded/`` when FSDP2 shards the model); every other entry goes into
 ``trainer_state.pt`` under its name, checked first to reload with
-``weights_only=True``. An entry marked ``per_rank`` (the RNG) is gathered from
-every rank. Nothing here knows the Trainer: a checkpoint can be written and read
-with a bare model and optimizer.
+:func:`hookloop.safeload.load` (``weights_only=True``). An entry marked
+``per_rank`` (the RNG) is gathered from every rank. Nothing here knows the Trainer:
+a checkpoint can be written and read with a bare model and optimizer.
 
 A load reads and checks everything first (:func:`read_state`) and only then applies
 it (:func:`apply_state`): a file that does not load, or a ``trainer_state.pt`` that
@@ -34,6 +34,7 @@ from hookloop.callback import Stateful
 from hookloop.checkpoint.storage import MODEL, OPTIMIZER, SHARDED_DIR, STATE_FILE, CheckpointError
 from hookloop.checkpoint.weights import device_of, load_safetensors
 from hookloop.distributed import gather_objects, is_distributed, is_sharded, rank_info
+from hookloop.safeload import load
 
 
 class RNGState:
@@ -349,8 +350,12 @@ def torch_bytes(obj: Any) -> bytes:
 
 
 def torch_loads(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=True)
+    """What :func:`torch_bytes` wrote (the whole bytes are the cap: nothing inflates)."""
+    return load(data, map_location=None)
 
 
 def torch_load(path: Path, device: torch.device) -> Any:
-    return torch.load(path, map_location=device, weights_only=True)
+    """A checkpoint's torch file. No cap beyond the file's size: the run wrote it, a
+    model's optimizer state is as large as the model, and stored zip entries take no
+    more memory than the file does on disk."""
+    return load(path, map_location=device)

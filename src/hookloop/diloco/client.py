@@ -67,7 +67,10 @@ def parse_address(server_addr: str) -> str:
 
 
 class DiLoCoClient:
-    """Requests to one server; each method is one route and blocks until answered."""
+    """Requests to one server; each method is one route and blocks until answered.
+
+    ``max_answer_bytes`` caps what is read of an answer (None: no cap, as Forgather's
+    client); a tensor answer is also refused when it could inflate."""
 
     def __init__(
         self,
@@ -78,8 +81,10 @@ class DiLoCoClient:
         *,
         token: str | None = None,
         cafile: str | None = None,
+        max_answer_bytes: int | None = None,
     ) -> None:
         self.server_addr = parse_address(server_addr)
+        self.max_answer_bytes = max_answer_bytes
         self.timeout = timeout
         self.max_retries = max_retries
         self.retry_delay = retry_delay
@@ -112,7 +117,7 @@ class DiLoCoClient:
                                headers={BINDING_HEADER: BINDING_SECRET}, replied=replied),
             self.max_retries,
         )  # fmt: skip
-        weights = load_tensors(raw)
+        weights = self._tensors("register", raw)
         secret = replied.get(SECRET_HEADER.lower())
         if secret:
             self.secrets[worker_id] = secret
@@ -123,21 +128,22 @@ class DiLoCoClient:
     ) -> dict[str, torch.Tensor]:
         """Send the full model's pseudo-gradients; get the round's new global weights."""
         body = pack({"worker_id": worker_id}, pseudograds)
-        return load_tensors(
-            self._call("POST", "submit_pseudograd", body, TENSOR_TYPE, worker_id=worker_id)
-        )
+        return self._tensors("submit_pseudograd", self._call(
+            "POST", "submit_pseudograd", body, TENSOR_TYPE, worker_id=worker_id
+        ))  # fmt: skip
 
     def submit_fragment_pseudogradients(
         self, worker_id: str, fragment_id: int, pseudograds: Mapping[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         """Send one fragment's pseudo-gradients; get its new global weights."""
         body = pack({"worker_id": worker_id, "fragment_id": fragment_id}, pseudograds)
-        return load_tensors(self._call(
-            "POST", "submit_fragment_pseudograd", body, TENSOR_TYPE, worker_id=worker_id
-        ))  # fmt: skip
+        route = "submit_fragment_pseudograd"
+        return self._tensors(
+            route, self._call("POST", route, body, TENSOR_TYPE, worker_id=worker_id)
+        )
 
     def get_global_params(self) -> dict[str, torch.Tensor]:
-        return load_tensors(self._call("GET", "global_params"))
+        return self._tensors("global_params", self._call("GET", "global_params"))
 
     def heartbeat(self, worker_id: str, steps_per_second: float = 0.0) -> dict[str, Any]:
         """Report speed; the answer may carry DyLU's ``recommended_sync_every``."""
@@ -170,6 +176,17 @@ class DiLoCoClient:
                          timeout=min(self.timeout, 30.0), worker_id=worker_id)  # fmt: skip
         return json.loads(raw)
 
+    def _tensors(self, route: str, raw: bytes) -> dict[str, torch.Tensor]:
+        """The tensors of the server's answer to ``route``; a body that could run code or
+        inflate (:func:`hookloop.diloco.wire.load_tensors`) is refused naming the server."""
+        try:
+            return load_tensors(raw)
+        except ValueError as err:
+            raise ValueError(
+                f"DiLoCo server {self.server_addr} answered /{route} with a body hookloop "
+                f"refuses: {err}"
+            ) from None
+
     def _retrying(self, call: Callable[[], T], retries: int) -> T:
         return with_retries(call, retries, first_wait=self.retry_delay)
 
@@ -200,7 +217,8 @@ class DiLoCoClient:
         self.bytes_sent += len(body or b"")
         try:
             with self._opener.open(req, timeout=timeout or self.timeout) as response:
-                raw = response.read()
+                cap = self.max_answer_bytes
+                raw = response.read() if cap is None else response.read(cap + 1)
                 if replied is not None:
                     replied.update((k.lower(), v) for k, v in response.headers.items())
         except urllib.error.HTTPError as err:
@@ -217,6 +235,11 @@ class DiLoCoClient:
                 f"DiLoCo server {self.server_addr} unreachable: {reason}"
             ) from None
         self.bytes_received += len(raw)
+        if self.max_answer_bytes is not None and len(raw) > self.max_answer_bytes:
+            raise ValueError(
+                f"DiLoCo server {self.server_addr} answered /{route} with more than "
+                f"{self.max_answer_bytes} bytes, the most this client reads"
+            )
         return raw
 
 

@@ -6,7 +6,9 @@ and, once the server has run, ``server_state.pt`` (outer optimizer, round,
 expected workers, parameter names). The server starts from one; it saves to
 ``<output_dir>/checkpoints/checkpoint-<round>`` and keeps the newest
 ``save_total_limit``. Forgather's server reads what this writes and the other
-way round. Everything is read with ``weights_only=True``.
+way round. Every torch file is read by :func:`hookloop.safeload.load` (``weights_only``,
+stored zip entries only: a file takes no more memory than its size on disk, which is
+the cap: the server wrote it, or an operator copied it in).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from hookloop.safeload import RefusedFile, load
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -74,12 +78,14 @@ def find_latest(output_dir: str | Path) -> Path | None:
 
 def _damaged(path: Path, err: BaseException) -> ValueError:
     text = " ".join(str(err).split()).split(". ")[0][:200] or type(err).__name__
+    if isinstance(err, RefusedFile):
+        text = err.reason  # one line already, and it names what is allowed
     return ValueError(f"{path} is damaged or truncated ({text}); it cannot be loaded")
 
 
 def _load_torch(path: Path) -> dict[str, torch.Tensor]:
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        data = load(path)
     except Exception as err:  # torch raises several types for a torn or foreign file
         raise _damaged(path, err) from None
     if not isinstance(data, dict):
@@ -132,7 +138,7 @@ def load_server_state(path: str | Path) -> dict[str, Any] | None:
     if not file.is_file():
         return None
     try:
-        state = torch.load(file, map_location="cpu", weights_only=True)
+        state = load(file)
     except Exception as err:  # torch raises several types for a torn or foreign file
         raise _damaged(file, err) from None
     if not isinstance(state, dict) or "outer_optimizer" not in state or "sync_round" not in state:

@@ -1,8 +1,11 @@
 """What travels between a DiLoCo worker and its server, in Forgather's encoding.
 
-Tensors travel as one ``torch.save`` of a ``{name: tensor}`` dict, read back
-with ``torch.load(weights_only=True)`` so that a body from the network can
-hold tensors and plain containers but never code. A pseudo-gradient
+Tensors travel as one ``torch.save`` of a ``{name: tensor}`` dict, read back by
+:func:`hookloop.safeload.load` so that a body from the network can hold tensors
+and plain containers but never code, and cannot inflate: every zip entry must be
+stored uncompressed, so the tensors take no more memory than the body (already
+capped: ``max_payload_mb`` on the server), and a caller may cap it lower with
+``max_bytes``. A pseudo-gradient
 submission is a 4-byte big-endian header length, a JSON header (the worker's
 id, the fragment's id) and then such a state dict. Forgather's workers and
 servers use exactly this, so either side can talk to the other's.
@@ -18,6 +21,8 @@ from typing import Any
 
 import torch
 
+from hookloop.safeload import RefusedFile, load
+
 #: The media type of a tensor body (Forgather sends and expects this).
 TENSOR_TYPE = "application/octet-stream"
 _LENGTH = struct.Struct("!I")
@@ -31,11 +36,14 @@ def save_tensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
     return buf.getvalue()
 
 
-def load_tensors(body: bytes) -> dict[str, torch.Tensor]:
-    """The ``{name: tensor}`` dict in ``body``; ``ValueError`` when it is anything else."""
+def load_tensors(body: bytes, *, max_bytes: int | None = None) -> dict[str, torch.Tensor]:
+    """The ``{name: tensor}`` dict in ``body``; ``ValueError`` when it is anything else,
+    or when the body (a compressed entry, more than ``max_bytes``) could inflate."""
     try:
-        data = torch.load(io.BytesIO(body), map_location="cpu", weights_only=True)
-    except Exception as err:  # torch raises several types on bad or unsafe input
+        data = load(body, max_bytes=max_bytes, what="the tensor payload")
+    except RefusedFile as err:
+        raise ValueError(f"not a torch.save'd state dict: {err.reason}") from None
+    except Exception as err:  # torch raises several types on bad input
         first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
         raise ValueError(f"not a torch.save'd state dict: {first}") from None
     if not isinstance(data, dict) or not all(
@@ -51,8 +59,11 @@ def pack(header: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> byte
     return _LENGTH.pack(len(head)) + head + save_tensors(tensors)
 
 
-def unpack(body: bytes) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """``(header, tensors)`` of a submission body; ``ValueError`` naming what is wrong."""
+def unpack(
+    body: bytes, *, max_bytes: int | None = None
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """``(header, tensors)`` of a submission body; ``ValueError`` naming what is wrong
+    (``max_bytes`` caps the tensors, as in :func:`load_tensors`)."""
     if len(body) < _LENGTH.size:
         raise ValueError("the body must start with a 4-byte big-endian JSON header length")
     (size,) = _LENGTH.unpack_from(body)
@@ -66,7 +77,7 @@ def unpack(body: bytes) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         raise ValueError("the header must be a UTF-8 JSON object") from None
     if not isinstance(header, dict):
         raise ValueError("the header must be a JSON object")
-    return header, load_tensors(body[_LENGTH.size + size :])
+    return header, load_tensors(body[_LENGTH.size + size :], max_bytes=max_bytes)
 
 
 def split_fragments(names: list[str], count: int) -> list[list[str]]:

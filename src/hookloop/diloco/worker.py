@@ -105,9 +105,12 @@ class DiLoCoWorker:
         self.retry_delay = retry_delay
         self.distributed = dist.is_available() and dist.is_initialized()
         self.talks = not self.distributed or dist.get_rank() == 0
+        # An answer is at most the model in float64 plus 64 MiB (the server's own body cap).
+        answer_cap = sum(p.numel() for p in model.parameters()) * 8 + 64 * 2**20
         self.client = DiLoCoClient(
-            server_addr, timeout, retry_delay=retry_delay / 2, token=token, cafile=cafile
-        )
+            server_addr, timeout, retry_delay=retry_delay / 2, token=token, cafile=cafile,
+            max_answer_bytes=answer_cap,
+        )  # fmt: skip
         self._beat_client = DiLoCoClient(server_addr, min(timeout, 30), token=token, cafile=cafile)
         self._beat_client.secrets = self.client.secrets  # one secret per id, both clients
         self.params = dict(model.named_parameters())

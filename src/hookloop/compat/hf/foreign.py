@@ -11,12 +11,15 @@ metric and checkpoint, and, with ``restore_callback_states_from_checkpoint``,
 the callbacks' saved states; the random generators last.
 
 Nothing in the folder is checksummed (transformers writes no manifest), so each
-file is checked for what it must hold, and any failure names the file.
+file is checked for what it must hold, and any failure names the file. The folder may
+come from anyone, so every torch file in it is read by :func:`hookloop.safeload.load`:
+tensors and plain containers only, and for ``rng_state.pth`` also NumPy arrays, under
+the fixed four names transformers allows for that file; a file naming anything else
+(any other NumPy function included) is refused before anything in it runs.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import random
 from pathlib import Path
@@ -24,6 +27,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from hookloop.safeload import RefusedFile, load
 
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -84,7 +89,7 @@ def _torch(path: Path) -> Any:
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing; transformers' Trainer writes it at each save")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return load(path)  # capped by the file's own size: stored entries do not inflate
     except Exception as err:
         raise ValueError(f"{path} cannot be loaded: {_first_line(err)}") from None
 
@@ -146,7 +151,7 @@ def _load_rng(path: Path) -> None:
     if not path.is_file():
         return  # transformers resumes without it too (with a warning of its own)
     try:
-        saved = _numpy_pickle(path)
+        saved = load(path, numpy_arrays=True)
         random.setstate(saved["python"])
         np.random.set_state(saved["numpy"])
         torch.random.set_rng_state(saved["cpu"])
@@ -156,21 +161,8 @@ def _load_rng(path: Path) -> None:
         raise ValueError(f"{path} cannot be restored: {_first_line(err)}") from None
 
 
-def _numpy_pickle(path: Path) -> Any:
-    """``torch.load`` with NumPy's array types allowed and nothing else (the file holds
-    NumPy's generator state): a file naming any other global is refused."""
-    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
-    other = [name for name in unsafe if not name.startswith("numpy.")]
-    if other:
-        raise ValueError(f"it holds objects other than generator states: {', '.join(other)}")
-    allowed: list[Any] = [np.ndarray, np.dtype, type(np.dtype(np.uint32))]  # the state's keys
-    for name in unsafe:
-        module, _, attr = name.rpartition(".")
-        allowed.append(getattr(importlib.import_module(module), attr))
-    with torch.serialization.safe_globals(allowed):
-        return torch.load(path, map_location="cpu", weights_only=True)
-
-
 def _first_line(err: BaseException) -> str:
+    if isinstance(err, RefusedFile):
+        return err.reason  # already one line; the caller names the file
     lines = str(err).strip().splitlines()
     return f"{type(err).__name__}: {lines[0] if lines else ''}"
