@@ -78,7 +78,7 @@ def main() -> None:
     trainer.callbacks.add(diloco)
     if mode == "worker":
         trainer.callbacks.register(
-            "on_train_start", lambda ctx: _wait_for_everyone(server, workers), priority=90
+            "on_train_start", lambda ctx: _wait_for_everyone(Path(out), index, workers), priority=90
         )  # after the DiLoCo callback (15) registered this worker
     synced: list[list[float]] = []
     losses: dict[int, float] = {}
@@ -118,13 +118,15 @@ def main() -> None:
         leave_process_group()
 
 
-def _wait_for_everyone(server: str, workers: int) -> None:
-    """Return once ``workers`` workers are registered (bounded: 600 polls)."""
-    from hookloop.diloco.client import DiLoCoClient
+def _wait_for_everyone(out: Path, index: int, workers: int) -> None:
+    """Return once all ``workers`` workers have registered (bounded: 600 polls of 0.1 s).
 
-    client = DiLoCoClient(server, timeout=10, token=os.environ.get("DILOCO_TOKEN") or None)
+    A file per registered worker, not the server's live count: a worker that joins last
+    can train, be refused and leave before a slower one polls, and a count that went
+    3 -> 2 would keep the others waiting for good."""
+    (out / f"joined-{index}").touch()
     for _ in range(600):
-        if client.get_status()["num_registered"] >= workers:
+        if sum((out / f"joined-{i}").exists() for i in range(workers)) >= workers:
             return
         time.sleep(0.1)
     raise RuntimeError(f"fewer than {workers} workers registered within 600 polls")
