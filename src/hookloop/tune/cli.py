@@ -27,6 +27,7 @@ from hookloop.distributed import (
     rank_info,
 )
 from hookloop.result import ExitCode
+from hookloop.tune import credentials
 from hookloop.tune.study import (
     DIRECTIONS,
     PRUNERS,
@@ -299,6 +300,7 @@ def _recipe_from(overrides: list[str]) -> str:
 
 def prepare(spec: TuneSpec, study_dir: Path) -> None:
     """Create the study directory with its spec, or check that a restart repeats the command."""
+    credentials.remember(spec.storage)  # tune.yaml keeps it masked; the study's reads need it
     if is_study_dir(study_dir):
         saved = TuneSpec.load(study_dir)
         changed = spec.differences(saved)
@@ -390,6 +392,8 @@ def run_workers(
         env = worker_env(index, workers, threads=threads, gpus=gpus)
         if deadline is not None:
             env["HOOKLOOP_TUNE_DEADLINE"] = repr(deadline)
+        if credentials.passwords(spec.storage):  # tune.yaml holds it masked
+            env[credentials.STORAGE_ENV] = spec.storage or ""
         log = open(logs / f"worker-{index}.log", "ab")  # noqa: SIM115 (closed below)
         cmd = [sys.executable, "-m", "hookloop.tune.worker", str(study_dir), str(index)]
         procs.append(

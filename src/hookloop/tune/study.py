@@ -50,6 +50,7 @@ from hookloop.processes import process_alive
 from hookloop.recipes import resolve_config
 from hookloop.rundir import RunDir, is_checkpoints_folder
 from hookloop.state import CallbackContext
+from hookloop.tune import credentials
 from hookloop.tune.space import SearchSpace, apply_params
 
 SPEC_FILE = "tune.yaml"
@@ -333,7 +334,11 @@ class TuneSpec:
         return self.heartbeat or None
 
     def save(self, study_dir: Path) -> None:
-        (study_dir / SPEC_FILE).write_text(yaml.safe_dump(asdict(self), sort_keys=False))
+        """Write ``tune.yaml``, with the storage URL's password masked (see
+        :mod:`hookloop.tune.credentials`): this process keeps the whole URL in memory."""
+        credentials.remember(self.storage)
+        data = {**asdict(self), "storage": credentials.mask(self.storage)}
+        (study_dir / SPEC_FILE).write_text(yaml.safe_dump(data, sort_keys=False))
 
     @classmethod
     def load(cls, study_dir: str | Path) -> TuneSpec:
@@ -347,7 +352,7 @@ class TuneSpec:
         unknown = sorted(set(data) - set(fields))
         if unknown:
             raise ValueError(f"{path}: unknown key {unknown[0]!r}; allowed: {', '.join(fields)}")
-        return cls(**data)
+        return cls(**{**data, "storage": credentials.restore(data.get("storage"))})
 
     def differences(self, other: TuneSpec) -> list[str]:
         return [k for k in IDENTITY if getattr(self, k) != getattr(other, k)]
@@ -365,6 +370,12 @@ def open_study(spec: TuneSpec, study_dir: Path, *, sampler_seed: int | None = No
     """
     opt = optuna()
     seed = spec.seed if sampler_seed is None else sampler_seed
+    shown = credentials.mask(spec.storage)
+    if credentials.is_masked(spec.storage):
+        raise ValueError(
+            f"the password of --storage {shown} is not kept in {study_dir / SPEC_FILE}: give "
+            f"--storage with it again, or set ${credentials.STORAGE_ENV} to the whole URL"
+        )
     for attempt in range(4):  # drivers starting together on a fresh database race to create it
         try:
             return opt.create_study(
@@ -381,8 +392,9 @@ def open_study(spec: TuneSpec, study_dir: Path, *, sampler_seed: int | None = No
             if attempt < 3 and type(err).__name__ in _RACES:
                 time.sleep(0.2 + 0.3 * random.random() * (attempt + 1))
                 continue
-            where = study_dir / DB_FILE if spec.storage is None else f"--storage {spec.storage}"
-            reason = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), "")
+            where = study_dir / DB_FILE if spec.storage is None else f"--storage {shown}"
+            text = credentials.scrub(str(err), spec.storage)
+            reason = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
             raise ValueError(
                 f"cannot open the study's storage {where} ({type(err).__name__}: "
                 f"{reason[:200]}); give a storage URL Optuna accepts (sqlite:///FILE, "
