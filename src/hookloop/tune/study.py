@@ -35,7 +35,7 @@ import time
 import traceback
 import warnings
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -210,11 +210,19 @@ class Interrupts:
             return
         signals = (signal.SIGINT, signal.SIGTERM)
         previous = {s: signal.signal(s, self._handle) for s in signals}
+        # Nested inside another's (the command's, installed first thing): a signal that came
+        # before this took over is this one's, and one held here is the outer's afterwards.
+        outer = getattr(previous[signal.SIGTERM], "__self__", None)
+        outer = outer if isinstance(outer, Interrupts) else None
+        if outer is not None and self.pending is None:
+            self.pending = outer.pending
         try:
             yield self
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+            if outer is not None and outer.pending is None:
+                outer.pending = self.pending
 
 
 def optuna() -> Any:
@@ -362,8 +370,11 @@ def is_study_dir(path: str | Path) -> bool:
     return (Path(path) / SPEC_FILE).is_file()
 
 
-def open_study(spec: TuneSpec, study_dir: Path, *, sampler_seed: int | None = None) -> Any:
-    """Create or load the study on its storage (SQLite in the study directory by default).
+def open_study(
+    spec: TuneSpec, study_dir: Path, *, sampler_seed: int | None = None, existing: bool = False
+) -> Any:
+    """Create or load the study on its storage (SQLite in the study directory by default);
+    with ``existing``, only load it (which Optuna does without a log line).
 
     A storage that cannot be opened (an unknown URL scheme, a damaged ``study.db``) raises
     ``ValueError`` naming it, for the command to report in one line.
@@ -378,14 +389,15 @@ def open_study(spec: TuneSpec, study_dir: Path, *, sampler_seed: int | None = No
         )
     for attempt in range(4):  # drivers starting together on a fresh database race to create it
         try:
-            return opt.create_study(
-                storage=_storage(spec, study_dir),
-                study_name=spec.study_name,
-                directions=spec.directions,
-                sampler=make_sampler(spec, seed),
-                pruner=make_pruner(spec.pruner, spec.pruner_args),
-                load_if_exists=True,
-            )
+            found = {
+                "storage": _storage(spec, study_dir),
+                "study_name": spec.study_name,
+                "sampler": make_sampler(spec, seed),
+                "pruner": make_pruner(spec.pruner, spec.pruner_args),
+            }
+            if existing:
+                return opt.load_study(**found)
+            return opt.create_study(**found, directions=spec.directions, load_if_exists=True)
         except ValueError:
             raise
         except Exception as err:  # SQLAlchemy's and Optuna's errors share no base worth naming
@@ -1007,13 +1019,20 @@ def interrupted(trial: Any, reason: str) -> None:
     print(f"hookloop tune: trial {trial.number} {reason}; it resumes on a restart", file=sys.stderr)
 
 
-def work(study_dir: str | Path, worker: int = 0, *, deadline: float | None = None) -> int:
+def work(
+    study_dir: str | Path,
+    worker: int = 0,
+    *,
+    deadline: float | None = None,
+    on_trial_end: Callable[[Any], None] | None = None,
+) -> int:
     """Claim and run trials until the study has its N COMPLETE or PRUNED trials.
 
     Returns the number of trials this worker ran. Raises :class:`TuneError`
     when more trials failed than ``max_failures`` allows. After ``deadline`` (a
-    ``time.time()``) it starts no more trials. Under ``torchrun``
-    (a process group is up) rank 0 claims each trial and every other rank
+    ``time.time()``) it starts no more trials. ``on_trial_end`` is called with each
+    trial this worker ran (an ``optuna.trial.FrozenTrial``) once it is recorded. Under
+    ``torchrun`` (a process group is up) rank 0 claims each trial and every other rank
     trains the same trial beside it (:func:`follow`).
     """
     from hookloop.distributed import broadcast_object, rank_info
@@ -1029,6 +1048,7 @@ def work(study_dir: str | Path, worker: int = 0, *, deadline: float | None = Non
                 announce=world > 1,
                 interrupts=interrupts,
                 deadline=deadline,
+                on_trial_end=on_trial_end,
             )
     finally:
         if world > 1:
@@ -1059,13 +1079,13 @@ def _lead(
     announce: bool,
     interrupts: Interrupts,
     deadline: float | None = None,
+    on_trial_end: Callable[[Any], None] | None = None,
 ) -> int:
 
     from hookloop.distributed import broadcast_object
 
     spec = TuneSpec.load(study_dir)
     space = spec.search_space()
-    optuna().logging.set_verbosity(optuna().logging.WARNING)
     with study_lock(study_dir):
         # The sampler's seed differs per worker, per restart and (on a shared --storage) per
         # driver, so that no two draw the same values.
@@ -1112,6 +1132,29 @@ def _lead(
             continue
         if announce:
             broadcast_object((trial.number, values))
-        with heartbeat(study, trial, spec.heartbeat_seconds()):
-            run_trial(spec, study_dir, trial, values, interrupts)
+        try:
+            with heartbeat(study, trial, spec.heartbeat_seconds()):
+                run_trial(spec, study_dir, trial, values, interrupts)
+        except optuna().exceptions.UpdateFinishedTrialError:
+            finished_elsewhere(study.trials[trial.number], on_trial_end)
+            continue
+        except StudyInterrupted:
+            if on_trial_end is not None:
+                on_trial_end(study.trials[trial.number])
+            raise
+        if on_trial_end is not None:
+            on_trial_end(study.trials[trial.number])
         ran += 1
+
+
+def finished_elsewhere(trial: Any, on_trial_end: Callable[[Any], None] | None) -> None:
+    """Another driver finished ``trial`` while this one ran it: it missed the trial's
+    heartbeats (this machine was too busy to send them), failed it and queued it again.
+    Its retry counts; this run of it is dropped, and the study goes on."""
+    line = (
+        f"hookloop tune: trial {trial.number} was ended ({trial.state.name}) by another "
+        "driver while it ran here (a missed heartbeat); its retry counts, this run is dropped"
+    )
+    print(line, file=sys.stderr, flush=True)
+    if on_trial_end is not None:
+        on_trial_end(trial)
