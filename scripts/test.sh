@@ -26,4 +26,5 @@ export OMP_WAIT_POLICY=passive
 # Three workers on two cores, stealing work from each other: a third of the time goes to
 # subprocess tests waiting on their children (kills, restarts, torchrun), which the
 # other workers fill.
-.venv/bin/python -m pytest -q -n 3 --dist worksteal "$@"
+# The twenty slowest tests close the report, so that a slow newcomer shows in CI's log.
+.venv/bin/python -m pytest -q -n 3 --dist worksteal --durations=20 "$@"

@@ -19,6 +19,7 @@ os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
 import pytest
 import torch
 
+from _registry_guard import SESSION_MARK, Session, entries, user_registries
 from hookloop import Config, Trainer
 from hookloop.testing import TinyModel, ToyData
 
@@ -97,37 +98,21 @@ PRIVATE_ENV = {
     "HYPOTHESIS_STORAGE_DIRECTORY": "hypothesis",
     "HOME": "home",
 }
-_REGISTRY_BEFORE = pytest.StashKey[dict[Path, frozenset[str] | None]]()
-
-
-def user_registries() -> list[Path]:
-    """The user's own job registries, as this process found its environment: where a
-    control server registers when nothing points it elsewhere (hookloop.control.registry)."""
-    places = [Path.home() / ".config" / "hookloop"]
-    if os.environ.get("XDG_RUNTIME_DIR"):
-        places.append(Path(os.environ["XDG_RUNTIME_DIR"]) / "hookloop")
-    if os.environ.get("HOOKLOOP_JOBS_DIR"):
-        places.append(Path(os.environ["HOOKLOOP_JOBS_DIR"]).expanduser())
-    return places
-
-
-def listing(places: list[Path]) -> dict[Path, frozenset[str] | None]:
-    """Every path under each place (None: the place does not exist)."""
-    found: dict[Path, frozenset[str] | None] = {}
-    for place in places:
-        if not place.is_dir():
-            found[place] = None
-            continue
-        names = set()
-        for root, dirs, files in os.walk(place, onerror=lambda err: None):
-            names.update(os.path.relpath(os.path.join(root, n), place) for n in dirs + files)
-        found[place] = frozenset(names)
-    return found
+_REGISTRY_BEFORE = pytest.StashKey[set[Path]]()
+_PLACES = pytest.StashKey[list[Path]]()
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     # Before any fixture has pointed the environment elsewhere.
-    session.config.stash[_REGISTRY_BEFORE] = listing(user_registries())
+    places = user_registries()
+    session.config.stash[_PLACES] = places
+    session.config.stash[_REGISTRY_BEFORE] = entries(places)
+
+
+def session_temp_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The temp dir of the whole test run: under pytest-xdist, the parent of each worker's."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -138,33 +123,32 @@ def private_home(
 
     Session-scoped so that module fixtures (which start runs before any test-level
     fixture) see it too; tests that set HOOKLOOP_JOBS_DIR or HOME themselves still win.
-    At the end, fails the session if anything appeared in the user's own job registry.
+    At the end, fails the session if a job the tests started registered in the user's own
+    job registry (tests/_registry_guard.py; a job the user started meanwhile is theirs).
     """
+    places = request.config.stash.get(_PLACES, None) or user_registries()
     before = request.config.stash.get(_REGISTRY_BEFORE, None)
     if before is None:
-        before = listing(user_registries())
+        before = entries(places)
+    temp_root = session_temp_root(tmp_path_factory)
+    session = Session(temp_root=temp_root, pid=os.getpid(), mark=str(temp_root))
     root = tmp_path_factory.mktemp("home")
     with pytest.MonkeyPatch.context() as mp:
         for name, sub in PRIVATE_ENV.items():
             path = root / sub
             path.mkdir(mode=0o700)
             mp.setenv(name, str(path))
+        mp.setenv(SESSION_MARK, session.mark)
         # A child that dies of a fatal signal (a rank's SIGABRT at exit, seen once in CI)
         # prints every thread's Python stack into the stderr a failing test shows.
         mp.setenv("PYTHONFAULTHANDLER", "1")
         yield root
-    after = listing(list(before))
-    appeared = []
-    for place, names in after.items():
-        old = before[place]
-        if names is not None and old is None:
-            appeared.append(f"{place} (created)")
-        appeared += [str(place / name) for name in sorted((names or set()) - (old or set()))]
-    if appeared:
+    blamed = session.blamed(before, places)
+    if blamed:
         pytest.fail(
             "tests wrote to the user's own job registry (each test's runs must register under "
             "$HOOKLOOP_JOBS_DIR, which the private_home fixture points into the session's "
-            "temp dir):\n  " + "\n  ".join(appeared),
+            "temp dir):\n  " + "\n  ".join(map(str, blamed)),
             pytrace=False,
         )
 

@@ -174,3 +174,46 @@ def test_a_signal_whose_exception_was_swallowed_still_stops_the_trial(tmp_path, 
     ).trials[0]
     assert trial.state.name == "FAIL"
     assert trial.user_attrs["fail_reason"] == "interrupted by SIGTERM at step 1"
+
+
+#: `hookloop tune` with a SIGTERM sent to itself, as `kill` from elsewhere would, at one
+#: moment of the command (argv[1]): while the recipe and Optuna load and the command is
+#: checked (validate), while the study is being created (prepare), or once the trials
+#: are done, while the results and plots are written (finish).
+SIGTERM_AT = """
+import os, signal, sys
+from hookloop.app.cli import main
+from hookloop.tune import cli, report, study
+
+where = sys.argv[1]
+owner = {"validate": study.TuneSpec, "prepare": cli, "finish": report}[where]
+real = getattr(owner, where)
+
+def with_sigterm(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return real(*args, **kwargs)
+
+setattr(owner, where, with_sigterm)
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("where", ["validate", "prepare", "finish"])
+def test_sigterm_anywhere_in_the_command_exits_143_with_a_word(tmp_path, where):
+    space = tmp_path / "space.yaml"
+    space.write_text(yaml.safe_dump(SPACE))
+    study_dir = tmp_path / "study"
+    argv = ["tune", "--recipe", "mlp-regression", "--space", str(space), "--trials", "1"]
+    argv += ["--out", str(study_dir), "--pruner", "none", *FAST]
+    done = subprocess.run(
+        [sys.executable, "-c", SIGTERM_AT, where, *argv], capture_output=True, text=True
+    )
+    assert done.returncode == 143, (done.returncode, done.stderr[-3000:])  # not killed by it
+    assert "hookloop tune: stopped by SIGTERM; the same command continues" in done.stderr
+    if where == "validate":  # nothing written yet
+        assert not study_dir.exists()
+        return
+    # the study was written whole (a held signal), and no trial was left RUNNING
+    states = _states(study_dir / "study.db") if (study_dir / "study.db").exists() else []
+    assert (study_dir / "tune.yaml").is_file()
+    assert states == ([] if where == "prepare" else [(0, "COMPLETE")])

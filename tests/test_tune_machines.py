@@ -172,3 +172,60 @@ def test_a_journal_file_storage_holds_a_study_and_a_bad_url_is_one_line(tmp_path
     assert "journal:FILE" in err[0] and not (tmp_path / "b").exists()
     assert main([*argv[:7], "--out", str(tmp_path / "h"), "--heartbeat", "-1", *argv[7:]]) == 2
     assert "--heartbeat must be an int >= 0 (0: off), got -1" in capsys.readouterr().err
+
+
+def test_a_trial_another_driver_ended_is_dropped_in_one_line_and_the_study_goes_on(
+    tmp_path, monkeypatch, capsys
+):
+    """Under load a driver misses its trial's heartbeats; another driver fails the trial
+    and queues it again (what its ``fail_stale_trials`` does). The first one, still
+    training it, finds the trial finished when it next writes to it."""
+    from hookloop import recipes
+    from hookloop.callback import Callback
+    from hookloop.recipes import Recipe, mlp
+    from hookloop.tune.study import requeue
+
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+
+    class EndedElsewhere(Callback):
+        ended = False
+
+        def on_train_step_end(self, ctx) -> None:
+            if ctx.state.step != 12 or EndedElsewhere.ended:
+                return
+            EndedElsewhere.ended = True  # as the other driver: fail it, queue it again
+            storage = optuna.storages.RDBStorage(url)
+            study = optuna.load_study(study_name="hookloop", storage=storage)
+            (running,) = study.get_trials(states=(optuna.trial.TrialState.RUNNING,))
+            study_id = storage.get_study_id_from_name("hookloop")
+            trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, running.number)
+            storage.set_trial_state_values(trial_id, optuna.trial.TrialState.FAIL)
+            requeue(study, study.trials[running.number], reason="no heartbeat from alpha")
+
+    def build(cfg):
+        parts = mlp.build(cfg)
+        parts.callbacks.append(EndedElsewhere())
+        return parts
+
+    recipes._load_builtin()
+    monkeypatch.setitem(
+        recipes._RECIPES,
+        "mlp-ended",
+        Recipe(
+            "mlp-ended", "mlp-regression; trial failed by another driver", mlp.default_config, build
+        ),
+    )
+    command, _ = driver(tmp_path, url, "beta", trials=2)
+    argv = [*command[3:], "--heartbeat", "0"]
+    argv[argv.index("mlp-regression")] = "mlp-ended"
+    assert main(argv) == 0
+    err = capsys.readouterr().err.splitlines()
+    trials = [line for line in err if line.startswith("hookloop tune: trial ")]
+    assert len(trials) == 3, err  # one line each: the ended trial, its retry, the other
+    assert trials[0].startswith("hookloop tune: trial 0 failed: ended by another driver")
+    log = (tmp_path / "beta" / "workers" / "worker-0.log").read_text()
+    assert "trial 0 was ended (FAIL) by another driver while it ran here" in log
+    study = optuna.load_study(study_name="hookloop", storage=url)
+    states = [(t.number, t.state.name) for t in study.trials]
+    assert states == [(0, "FAIL"), (1, "COMPLETE"), (2, "COMPLETE")]
+    assert study.trials[1].user_attrs["retry_of"] == 0

@@ -110,16 +110,16 @@ def _one_or_list(value: Any) -> Any:
 
 
 def _run_recipe(spec: TuneSpec, study_dir: Path, *, workers: int, plots: bool) -> Any:
-    from hookloop.tune.cli import prepare, run_workers
+    from hookloop.tune.cli import prepare, run_here, run_workers
     from hookloop.tune.report import finish
-    from hookloop.tune.study import open_study, work
+    from hookloop.tune.study import open_study
 
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be an int >= 1, got {workers!r}")
     spec.validate()
     prepare(spec, study_dir)
     if workers == 1:
-        work(study_dir)
+        run_here(study_dir)
     else:
         run_workers(study_dir, workers)
     finish(study_dir, plots=plots, echo=False)
@@ -155,7 +155,6 @@ def _run_objective(
         )
     drawn = SearchSpace(space) if space is not None else None
     opt = optuna()
-    opt.logging.set_verbosity(opt.logging.WARNING)
     out.mkdir(parents=True, exist_ok=True)
     study = opt.create_study(
         storage=storage or f"sqlite:///{(out / DB_FILE).resolve()}",

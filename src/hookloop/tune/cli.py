@@ -27,6 +27,16 @@ from hookloop.distributed import (
     rank_info,
 )
 from hookloop.result import ExitCode
+from hookloop.tune import credentials
+from hookloop.tune.console import (
+    VERBOSITY_ENV,
+    echo_new,
+    optuna_verbosity,
+    trial_line,
+    trial_output_to_log,
+    verbosity_for_workers,
+    worker_log,
+)
 from hookloop.tune.study import (
     DIRECTIONS,
     PRUNERS,
@@ -111,13 +121,49 @@ def add_tune_command(subparsers: Any) -> argparse.ArgumentParser:
         "--enqueue", help="YAML list of parameter sets ({key: value}) to try first, once each"
     )
     parser.add_argument("--no-plots", action="store_true", help="skip the plots at the end")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="show each trial's output and Optuna's log lines (default: one line per trial; "
+        "the output is in each trial's console.log and workers/worker-N.log)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="fixed for every trial")
     parser.set_defaults(run=main_tune)
     return parser
 
 
 def main_tune(args: argparse.Namespace) -> int:
-    """Run the study the command describes; under torchrun every rank calls this."""
+    """Run the study the command describes; under torchrun every rank calls this.
+
+    SIGINT and SIGTERM are caught first thing, before the imports and checks that take
+    seconds on a busy machine: from then on the command ends with 130 or 143 and a word,
+    and never leaves a trial RUNNING.
+    """
+    interrupts = Interrupts()
+    with interrupts.installed():
+        try:
+            with interrupts.allowed():  # nothing is written yet: stop at once
+                spec, study_dir, enqueued = _command(args)
+            joined = not is_distributed() and init_from_env()  # under torchrun: one worker
+            try:
+                with optuna_verbosity(getattr(args, "verbose", False)):
+                    return _drive(spec, study_dir, args, enqueued, interrupts)
+            finally:
+                if joined:
+                    leave_process_group()
+        except StudyInterrupted as stop:
+            if rank_info()[0] == 0:
+                print(
+                    f"hookloop tune: {stop}; the same command continues the study "
+                    "(an interrupted trial resumes from its checkpoint)",
+                    file=sys.stderr,
+                )
+            return stop.exit_code
+
+
+def _command(args: argparse.Namespace) -> tuple[TuneSpec, Path, list[dict[str, Any]]]:
+    """The checked spec, study directory and enqueued parameter sets of the command line."""
     if isinstance(args.workers, bool) or args.workers < 1:
         raise ValueError(f"--workers must be an int >= 1, got {args.workers!r}")
     threads = getattr(args, "threads_per_worker", None)
@@ -151,16 +197,15 @@ def main_tune(args: argparse.Namespace) -> int:
     from hookloop.recipes import recipe_slug
 
     study_dir = Path(args.out or f"runs/tune-{recipe_slug(spec.recipe)}-{Path(args.space).stem}")
-    joined = not is_distributed() and init_from_env()  # under torchrun: one worker of N ranks
-    try:
-        return _drive(spec, study_dir, args, enqueued)
-    finally:
-        if joined:
-            leave_process_group()
+    return spec, study_dir, enqueued
 
 
 def _drive(
-    spec: TuneSpec, study_dir: Path, args: argparse.Namespace, enqueued: list[dict[str, Any]]
+    spec: TuneSpec,
+    study_dir: Path,
+    args: argparse.Namespace,
+    enqueued: list[dict[str, Any]],
+    interrupts: Interrupts,
 ) -> int:
     from hookloop.tune.report import finish
 
@@ -173,7 +218,7 @@ def _drive(
     error = None
     if rank == 0:  # rank 0 creates (or checks) the study; every rank hears the outcome
         try:
-            prepare(spec, study_dir)
+            prepare(spec, study_dir)  # a signal meanwhile is held: the study is written whole
             if enqueued:
                 study = open_study(spec, study_dir)
                 for params in enqueued:  # a restart does not add them twice
@@ -183,27 +228,23 @@ def _drive(
     error = broadcast_object(error)
     if error is not None:
         raise ValueError(error)
+    interrupts.check()
     if rank == 0:
         print(f"hookloop tune: study {spec.study_name} in {study_dir}", file=sys.stderr)
     deadline = None if args.timeout is None else time.time() + args.timeout
+    verbose = getattr(args, "verbose", False)
     try:
         if args.workers == 1:
-            work(study_dir, deadline=deadline)
+            run_here(study_dir, deadline=deadline, verbose=verbose or rank != 0)
         else:
             run_workers(study_dir, args.workers, threads=args.threads_per_worker, deadline=deadline)
+        interrupts.check()  # a signal the trials' own handlers held for the command
     except TuneError as err:
         print(f"hookloop tune: {err}", file=sys.stderr)
         if rank == 0:
-            finish(study_dir, plots=not args.no_plots)
+            with interrupts.allowed():
+                finish(study_dir, plots=not args.no_plots)
         return ExitCode.ERROR
-    except StudyInterrupted as stop:
-        if rank == 0:
-            print(
-                f"hookloop tune: {stop}; the same command continues the study "
-                "(an interrupted trial resumes from its checkpoint)",
-                file=sys.stderr,
-            )
-        return stop.exit_code
     if rank == 0:
         done = counts(open_study(spec, study_dir)).done
         if deadline is not None and done < spec.trials:
@@ -212,8 +253,26 @@ def _drive(
                 f"{spec.trials} trials done; the same command continues the study",
                 file=sys.stderr,
             )
-        finish(study_dir, plots=not args.no_plots)
+        with interrupts.allowed():  # the results are written again by the same command
+            finish(study_dir, plots=not args.no_plots)
     return ExitCode.OK
+
+
+def run_here(study_dir: Path, *, deadline: float | None = None, verbose: bool = False) -> int:
+    """Run trials in this process (one worker), printing one line as each ends.
+
+    What the trials print goes to their ``console.log`` and to ``workers/worker-0.log``,
+    as a worker process's does (with ``verbose``, to the terminal as well). Returns the
+    number of trials run.
+    """
+    with trial_output_to_log(worker_log(study_dir, 0), keep=verbose) as terminal:
+
+        def echo(trial: Any) -> None:
+            line = trial_line(trial)
+            if line is not None:
+                print(line, file=terminal, flush=True)
+
+        return work(study_dir, deadline=deadline, on_trial_end=echo)
 
 
 def objectives(given: list[str] | None, default: str) -> str | list[str]:
@@ -299,6 +358,7 @@ def _recipe_from(overrides: list[str]) -> str:
 
 def prepare(spec: TuneSpec, study_dir: Path) -> None:
     """Create the study directory with its spec, or check that a restart repeats the command."""
+    credentials.remember(spec.storage)  # tune.yaml keeps it masked; the study's reads need it
     if is_study_dir(study_dir):
         saved = TuneSpec.load(study_dir)
         changed = spec.differences(saved)
@@ -382,15 +442,17 @@ def run_workers(
     :class:`StudyInterrupted`.
     """
     spec = TuneSpec.load(study_dir)
-    logs = study_dir / "workers"
-    logs.mkdir(exist_ok=True)
+    logs = worker_log(study_dir, 0).parent
     gpus = _gpu_count()
     procs = []
     for index in range(workers):
         env = worker_env(index, workers, threads=threads, gpus=gpus)
         if deadline is not None:
             env["HOOKLOOP_TUNE_DEADLINE"] = repr(deadline)
-        log = open(logs / f"worker-{index}.log", "ab")  # noqa: SIM115 (closed below)
+        if credentials.passwords(spec.storage):  # tune.yaml holds it masked
+            env[credentials.STORAGE_ENV] = spec.storage or ""
+        env[VERBOSITY_ENV] = verbosity_for_workers()
+        log = open(worker_log(study_dir, index), "ab")  # noqa: SIM115 (closed below)
         cmd = [sys.executable, "-m", "hookloop.tune.worker", str(study_dir), str(index)]
         procs.append(
             (
@@ -416,9 +478,9 @@ def run_workers(
                         if proc.poll() is None:
                             proc.send_signal(interrupts.pending)
                     passed_on = True
-                _echo_new(study, seen)
+                echo_new(study, seen)
                 time.sleep(0.1 if passed_on else 0.5)
-            _echo_new(study, seen)
+            echo_new(study, seen)
     finally:
         for proc, log in procs:
             if proc.poll() is None:
@@ -432,26 +494,6 @@ def run_workers(
         raise TuneError(
             f"the workers exited (codes {codes}) with {counts(study).done} of {spec.trials} "
             f"trials done; see {logs}/worker-*.log"
-        )
-
-
-def _echo_new(study: Any, seen: set[int]) -> None:
-    for t in study.get_trials(deepcopy=False):
-        if t.number in seen or not t.state.is_finished():
-            continue
-        seen.add(t.number)
-        values = t.values or []
-        value = (" value " if len(values) == 1 else " values ") + ", ".join(
-            f"{v:.6g}" for v in values
-        )
-        value = value if values else ""
-        if t.user_attrs.get("constraint") and any(v > 0 for v in t.user_attrs["constraint"]):
-            value += " (infeasible)"
-        reason = t.user_attrs.get("fail_reason") or t.user_attrs.get("prune_reason") or ""
-        print(
-            f"hookloop tune: trial {t.number} {t.state.name.lower()}{value} {t.params}"
-            + (f" ({reason})" if reason else ""),
-            file=sys.stderr,
         )
 
 

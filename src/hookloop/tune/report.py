@@ -266,5 +266,5 @@ def finish(study_dir: Path, *, plots: bool = True, echo: bool = True) -> dict[st
 def plot_study(study_dir: str | Path, out: str | Path | None = None) -> list[Path]:
     """``hookloop plot STUDY_DIR``: the study's plots, under ``out`` (default: STUDY_DIR/plots)."""
     study_dir = Path(study_dir)
-    study = open_study(TuneSpec.load(study_dir), study_dir)
+    study = open_study(TuneSpec.load(study_dir), study_dir, existing=True)
     return write_plots(study, Path(out) if out is not None else study_dir / "plots", study_dir)

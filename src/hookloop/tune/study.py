@@ -35,7 +35,7 @@ import time
 import traceback
 import warnings
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +50,7 @@ from hookloop.processes import process_alive
 from hookloop.recipes import resolve_config
 from hookloop.rundir import RunDir, is_checkpoints_folder
 from hookloop.state import CallbackContext
+from hookloop.tune import credentials
 from hookloop.tune.space import SearchSpace, apply_params
 
 SPEC_FILE = "tune.yaml"
@@ -209,11 +210,19 @@ class Interrupts:
             return
         signals = (signal.SIGINT, signal.SIGTERM)
         previous = {s: signal.signal(s, self._handle) for s in signals}
+        # Nested inside another's (the command's, installed first thing): a signal that came
+        # before this took over is this one's, and one held here is the outer's afterwards.
+        outer = getattr(previous[signal.SIGTERM], "__self__", None)
+        outer = outer if isinstance(outer, Interrupts) else None
+        if outer is not None and self.pending is None:
+            self.pending = outer.pending
         try:
             yield self
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+            if outer is not None and outer.pending is None:
+                outer.pending = self.pending
 
 
 def optuna() -> Any:
@@ -333,7 +342,11 @@ class TuneSpec:
         return self.heartbeat or None
 
     def save(self, study_dir: Path) -> None:
-        (study_dir / SPEC_FILE).write_text(yaml.safe_dump(asdict(self), sort_keys=False))
+        """Write ``tune.yaml``, with the storage URL's password masked (see
+        :mod:`hookloop.tune.credentials`): this process keeps the whole URL in memory."""
+        credentials.remember(self.storage)
+        data = {**asdict(self), "storage": credentials.mask(self.storage)}
+        (study_dir / SPEC_FILE).write_text(yaml.safe_dump(data, sort_keys=False))
 
     @classmethod
     def load(cls, study_dir: str | Path) -> TuneSpec:
@@ -347,7 +360,7 @@ class TuneSpec:
         unknown = sorted(set(data) - set(fields))
         if unknown:
             raise ValueError(f"{path}: unknown key {unknown[0]!r}; allowed: {', '.join(fields)}")
-        return cls(**data)
+        return cls(**{**data, "storage": credentials.restore(data.get("storage"))})
 
     def differences(self, other: TuneSpec) -> list[str]:
         return [k for k in IDENTITY if getattr(self, k) != getattr(other, k)]
@@ -357,32 +370,43 @@ def is_study_dir(path: str | Path) -> bool:
     return (Path(path) / SPEC_FILE).is_file()
 
 
-def open_study(spec: TuneSpec, study_dir: Path, *, sampler_seed: int | None = None) -> Any:
-    """Create or load the study on its storage (SQLite in the study directory by default).
+def open_study(
+    spec: TuneSpec, study_dir: Path, *, sampler_seed: int | None = None, existing: bool = False
+) -> Any:
+    """Create or load the study on its storage (SQLite in the study directory by default);
+    with ``existing``, only load it (which Optuna does without a log line).
 
     A storage that cannot be opened (an unknown URL scheme, a damaged ``study.db``) raises
     ``ValueError`` naming it, for the command to report in one line.
     """
     opt = optuna()
     seed = spec.seed if sampler_seed is None else sampler_seed
+    shown = credentials.mask(spec.storage)
+    if credentials.is_masked(spec.storage):
+        raise ValueError(
+            f"the password of --storage {shown} is not kept in {study_dir / SPEC_FILE}: give "
+            f"--storage with it again, or set ${credentials.STORAGE_ENV} to the whole URL"
+        )
     for attempt in range(4):  # drivers starting together on a fresh database race to create it
         try:
-            return opt.create_study(
-                storage=_storage(spec, study_dir),
-                study_name=spec.study_name,
-                directions=spec.directions,
-                sampler=make_sampler(spec, seed),
-                pruner=make_pruner(spec.pruner, spec.pruner_args),
-                load_if_exists=True,
-            )
+            found = {
+                "storage": _storage(spec, study_dir),
+                "study_name": spec.study_name,
+                "sampler": make_sampler(spec, seed),
+                "pruner": make_pruner(spec.pruner, spec.pruner_args),
+            }
+            if existing:
+                return opt.load_study(**found)
+            return opt.create_study(**found, directions=spec.directions, load_if_exists=True)
         except ValueError:
             raise
         except Exception as err:  # SQLAlchemy's and Optuna's errors share no base worth naming
             if attempt < 3 and type(err).__name__ in _RACES:
                 time.sleep(0.2 + 0.3 * random.random() * (attempt + 1))
                 continue
-            where = study_dir / DB_FILE if spec.storage is None else f"--storage {spec.storage}"
-            reason = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), "")
+            where = study_dir / DB_FILE if spec.storage is None else f"--storage {shown}"
+            text = credentials.scrub(str(err), spec.storage)
+            reason = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
             raise ValueError(
                 f"cannot open the study's storage {where} ({type(err).__name__}: "
                 f"{reason[:200]}); give a storage URL Optuna accepts (sqlite:///FILE, "
@@ -995,13 +1019,20 @@ def interrupted(trial: Any, reason: str) -> None:
     print(f"hookloop tune: trial {trial.number} {reason}; it resumes on a restart", file=sys.stderr)
 
 
-def work(study_dir: str | Path, worker: int = 0, *, deadline: float | None = None) -> int:
+def work(
+    study_dir: str | Path,
+    worker: int = 0,
+    *,
+    deadline: float | None = None,
+    on_trial_end: Callable[[Any], None] | None = None,
+) -> int:
     """Claim and run trials until the study has its N COMPLETE or PRUNED trials.
 
     Returns the number of trials this worker ran. Raises :class:`TuneError`
     when more trials failed than ``max_failures`` allows. After ``deadline`` (a
-    ``time.time()``) it starts no more trials. Under ``torchrun``
-    (a process group is up) rank 0 claims each trial and every other rank
+    ``time.time()``) it starts no more trials. ``on_trial_end`` is called with each
+    trial this worker ran (an ``optuna.trial.FrozenTrial``) once it is recorded. Under
+    ``torchrun`` (a process group is up) rank 0 claims each trial and every other rank
     trains the same trial beside it (:func:`follow`).
     """
     from hookloop.distributed import broadcast_object, rank_info
@@ -1017,6 +1048,7 @@ def work(study_dir: str | Path, worker: int = 0, *, deadline: float | None = Non
                 announce=world > 1,
                 interrupts=interrupts,
                 deadline=deadline,
+                on_trial_end=on_trial_end,
             )
     finally:
         if world > 1:
@@ -1047,13 +1079,13 @@ def _lead(
     announce: bool,
     interrupts: Interrupts,
     deadline: float | None = None,
+    on_trial_end: Callable[[Any], None] | None = None,
 ) -> int:
 
     from hookloop.distributed import broadcast_object
 
     spec = TuneSpec.load(study_dir)
     space = spec.search_space()
-    optuna().logging.set_verbosity(optuna().logging.WARNING)
     with study_lock(study_dir):
         # The sampler's seed differs per worker, per restart and (on a shared --storage) per
         # driver, so that no two draw the same values.
@@ -1100,6 +1132,29 @@ def _lead(
             continue
         if announce:
             broadcast_object((trial.number, values))
-        with heartbeat(study, trial, spec.heartbeat_seconds()):
-            run_trial(spec, study_dir, trial, values, interrupts)
+        try:
+            with heartbeat(study, trial, spec.heartbeat_seconds()):
+                run_trial(spec, study_dir, trial, values, interrupts)
+        except optuna().exceptions.UpdateFinishedTrialError:
+            finished_elsewhere(study.trials[trial.number], on_trial_end)
+            continue
+        except StudyInterrupted:
+            if on_trial_end is not None:
+                on_trial_end(study.trials[trial.number])
+            raise
+        if on_trial_end is not None:
+            on_trial_end(study.trials[trial.number])
         ran += 1
+
+
+def finished_elsewhere(trial: Any, on_trial_end: Callable[[Any], None] | None) -> None:
+    """Another driver finished ``trial`` while this one ran it: it missed the trial's
+    heartbeats (this machine was too busy to send them), failed it and queued it again.
+    Its retry counts; this run of it is dropped, and the study goes on."""
+    line = (
+        f"hookloop tune: trial {trial.number} was ended ({trial.state.name}) by another "
+        "driver while it ran here (a missed heartbeat); its retry counts, this run is dropped"
+    )
+    print(line, file=sys.stderr, flush=True)
+    if on_trial_end is not None:
+        on_trial_end(trial)

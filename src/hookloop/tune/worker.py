@@ -53,8 +53,10 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
             flush=True,
         )
+    from hookloop.tune.console import apply_worker_verbosity
     from hookloop.tune.study import StudyInterrupted, TuneError, work
 
+    apply_worker_verbosity()  # the driver's Optuna verbosity (quiet for `hookloop tune`)
     try:
         deadline = os.environ.get("HOOKLOOP_TUNE_DEADLINE")
         ran = work(study_dir, worker=index, deadline=float(deadline) if deadline else None)
