@@ -26,6 +26,7 @@ from hookloop.compat.hpo import (
     CheckpointCallback,
     EarlyStoppingCallback,
     GradientMonitorCallback,
+    HpoHooks,
     LossPredictionCallback,
     NaNDetectionCallback,
     OptimizerModeCallback,
@@ -49,13 +50,10 @@ def test_hpo_trainer_names_and_priorities_follow_the_hpo_trainer():
         EarlyStoppingCallback: (EarlyStopping, 90),
         CheckpointCallback: (CheckpointPolicy, 95),
     }
-    # two take the HPO trainer's own constructor: a direct subclass of the native built-in
-    constructors_of_their_own = {EarlyStoppingCallback, CheckpointCallback}
+    # each is the native built-in, with the HPO trainer's hooks for direct calls besides
     for alias, (native, priority) in theirs.items():
-        if alias in constructors_of_their_own:
-            assert alias.__mro__[1] is native and alias.priority == priority
-        else:
-            assert alias is native and native.priority == priority
+        assert issubclass(alias, native) and issubclass(alias, HpoHooks), alias
+        assert alias.priority == native.priority == priority
 
 
 def test_they_run_in_the_hpo_trainers_order_within_each_event():

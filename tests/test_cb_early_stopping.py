@@ -8,7 +8,7 @@ import pytest
 
 from hookloop import Callback, Trainer
 from hookloop.callbacks.early_stopping import EarlyStopping
-from hookloop.compat.hpo import EarlyStoppingCallback
+from hookloop.compat.hpo import EarlyStoppingCallback, HpoHooks
 from hookloop.testing import TinyModel, ToyData
 
 
@@ -145,7 +145,10 @@ def test_name_keys_the_checkpoint_state_by_monitor():
 
 
 def test_hpo_trainer_name_priority_and_validation():
-    assert EarlyStoppingCallback.__mro__[1] is EarlyStopping  # its HPO-trainer name lives in compat
+    # its HPO-trainer name lives in compat, a native subclass that also takes direct hook calls
+    assert issubclass(EarlyStoppingCallback, EarlyStopping) and issubclass(
+        EarlyStoppingCallback, HpoHooks
+    )
     with pytest.raises(ImportError, match=r"hookloop\.compat\.hpo"):
         from hookloop.callbacks import EarlyStoppingCallback as _  # noqa: F401
     assert EarlyStopping.priority == 90

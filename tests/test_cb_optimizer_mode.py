@@ -7,7 +7,7 @@ import torch
 
 from hookloop import Callback, CallbackContext, Trainer
 from hookloop.callbacks.optimizer_mode import OptimizerMode, has_modes
-from hookloop.compat.hpo import OptimizerModeCallback
+from hookloop.compat.hpo import HpoHooks, OptimizerModeCallback
 from hookloop.testing import TinyModel, ToyData
 
 schedulefree = pytest.importorskip("schedulefree")
@@ -166,7 +166,8 @@ def test_plain_optimizers_and_the_model_itself_are_left_alone():
 
 
 def test_hpo_trainer_name_priority_and_validation():
-    assert OptimizerModeCallback is OptimizerMode
+    # the HPO trainer's name: the native class, taking the HPO trainer's direct hook calls too
+    assert OptimizerModeCallback.__mro__[1:3] == (HpoHooks, OptimizerMode)
     assert OptimizerMode.priority == 10
     with pytest.raises(ValueError, match="eval_after_training"):
         OptimizerMode(eval_after_training="yes")

@@ -152,13 +152,13 @@ def test_the_documented_callback_list_runs_in_priority_order_whatever_the_insert
     runner = namespace["callback_runner"]
 
     order = [(type(cb).__name__, cb.priority) for cb in runner.callbacks]
-    assert order == [
-        ("NaNDetection", 5),
-        ("OptimizerMode", 10),
-        ("GradientMonitor", 12),
+    assert order == [  # the HPO trainer's names and priorities
+        ("NaNDetectionCallback", 5),
+        ("OptimizerModeCallback", 10),
+        ("GradientMonitorCallback", 12),
         ("BestLossTrackerCallback", 60),
-        ("LossPrediction", 70),
-        ("OverfitDetection", 75),
+        ("LossPredictionCallback", 70),
+        ("OverfitDetectionCallback", 75),
         ("WandbLoggingCallback", 80),
     ]
     native = runner.native()

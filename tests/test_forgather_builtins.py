@@ -27,6 +27,7 @@ from hookloop.compat.hf import (
     JsonLogger,
     ParameterNormLogger,
     PeakMemory,
+    ProfilerCallback,
     ProgressCallback,
     ResumableSummaryWriter,
     TBLogger,
@@ -34,6 +35,7 @@ from hookloop.compat.hf import (
     Trainer,
     TrainerCallback,
     TrainingArguments,
+    WeightNormLogger,
 )
 from hookloop.rundir import RunDir
 from hookloop.testing import TinyModel, ToyData
@@ -630,3 +632,107 @@ def test_the_deprecated_module_paths_still_import_and_warn_with_the_new_one(
     assert message.lower().count("seed") == message.count(old.rsplit(".", 1)[1])
     for name in names:
         assert getattr(module, name) is getattr(forgather, name)
+
+
+# -- Forgather's messages, and transformers' events called directly ----------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"smoothing": 1.5}, "smoothing must be in (0, 1], got 1.5"),
+        ({"threshold": -2}, "threshold must be > 0, got -2"),
+        ({"relative_threshold": 0.9}, "relative_threshold must be > 1, got 0.9"),
+        ({"threshold": None}, "At least one of threshold or relative_threshold must be set"),
+        ({"patience": 0}, "patience must be >= 1, got 0"),
+        ({"warmup": -1}, "warmup must be >= 0, got -1"),
+    ],
+)
+def test_divergence_detector_refuses_a_bad_number_with_forgathers_message(kwargs, message):
+    with pytest.raises(ValueError) as refused:
+        DivergenceDetector(**kwargs)
+    assert str(refused.value) == message
+
+
+def test_progress_callback_refuses_an_unknown_stream_name_with_forgathers_message():
+    with pytest.raises(ValueError, match=r"^Must be one of 'stderr' or 'stdout', got 'stdlog'$"):
+        ProgressCallback(use_tqdm=False, output_stream="stdlog")
+
+
+def test_textgen_callback_refuses_bad_prompts_with_forgathers_messages(tmp_path):
+    writer = summary_writer(tmp_path / "tb")
+    not_a_list = tmp_path / "prompts.yaml"
+    not_a_list.write_text("first: def add\n", encoding="utf-8")
+    mixed = tmp_path / "mixed.yaml"
+    mixed.write_text("- def add\n- 42\n", encoding="utf-8")
+    cases = [
+        (("def add",), "'prompts' must be List[str] | str, found <class 'tuple'>"),
+        (["def add", None], "Expected all prompts to be strings, but found <class 'NoneType'>"),
+        (str(not_a_list), f"From file {not_a_list}, expected 'prompts' to be a list but found "
+         "<class 'dict'>"),
+        (str(mixed), "Expected all prompts to be strings, but found <class 'int'>"),
+    ]  # fmt: skip
+    for prompts, message in cases:
+        with pytest.raises(ValueError) as refused:
+            TextgenCallback(writer, prompts)
+        assert str(refused.value) == message
+    assert TextgenCallback(writer, ["def add"]).prompts == ["def add"]
+
+
+def _native_based(tmp_path: Path) -> list[Any]:
+    """Forgather's built-ins that are native hookloop callbacks underneath."""
+    return [
+        DefaultMetrics(),
+        ProgressCallback(use_tqdm=False, output_stream=io.StringIO()),
+        WeightNormLogger(),
+        InfoCallback(),
+        DivergenceDetector(),
+        ProfilerCallback(output_dir=str(tmp_path / "profiles")),
+        ResumableSummaryWriter(log_dir=str(tmp_path / "tb")),
+    ]
+
+
+def test_forgathers_builtins_take_every_event_of_transformers_callback_handler(tmp_path):
+    import inspect
+
+    from transformers import TrainingArguments as HfArguments
+    from transformers.trainer_callback import CallbackHandler, TrainerControl, TrainerState
+
+    callbacks = _native_based(tmp_path)
+    handler = CallbackHandler(callbacks, TinyModel(), None, None, None)
+    args = HfArguments(output_dir=str(tmp_path / "out"), report_to=[])
+    state, control = TrainerState(), TrainerControl()
+    events = [name for name in dir(handler) if name.startswith("on_")]
+    assert {"on_step_end", "on_log", "on_evaluate", "on_push_begin"} <= set(events)
+    for name in events:
+        event = getattr(handler, name)
+        extra = {}
+        if "logs" in inspect.signature(event).parameters:
+            extra["logs"] = {"loss": 1.0}
+        if "metrics" in inspect.signature(event).parameters:
+            extra["metrics"] = {"eval_loss": 1.0}
+        event(args, state, control, **extra)
+    assert not control.should_training_stop  # a steady loss: no divergence
+    # every event method exists on each callback, called the way transformers calls it
+    for callback in [*callbacks, JsonLogger(), TBLogger(summary_writer(tmp_path / "tb2"))]:
+        for name in events:
+            assert getattr(callback, name)(args, state, control) in (None, control), name
+
+
+def test_divergence_detector_called_as_forgathers_stops_on_the_patience_th_rise():
+    from transformers.trainer_callback import TrainerControl, TrainerState
+
+    detector = DivergenceDetector(smoothing=1.0, threshold=1.0, patience=2, warmup=0)
+    state, control = TrainerState(), TrainerControl()
+    stops = []
+    for loss in [1.0, 0.5, 2.0, 2.0]:  # best 0.5; 2.0 rises by 1.5 twice
+        detector.on_log(None, state, control, logs={"loss": loss})
+        stops.append(control.should_training_stop)
+    assert stops == [False, False, False, True]
+    assert detector.state_dict()["observation_count"] == 4
+
+    watcher = DivergenceDetector(warmup=0, use_eval_loss=True, action="abort")
+    control = TrainerControl()
+    control.should_abort_without_save = False
+    watcher.on_evaluate(None, state, control, metrics={"eval_loss": math.nan})
+    assert control.should_training_stop and control.should_abort_without_save

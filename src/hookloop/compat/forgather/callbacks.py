@@ -37,6 +37,7 @@ from hookloop.callbacks import profiler as _profiler
 from hookloop.callbacks import progress as _progress
 from hookloop.callbacks import tensorboard as _tensorboard
 from hookloop.callbacks.norms import spectral_norm
+from hookloop.compat.forgather.events import answers_transformers_events
 from hookloop.compat.hf.callback import TrainerCallback
 from hookloop.diloco.callback import DiLoCoCallback
 from hookloop.state import CallbackContext
@@ -99,6 +100,7 @@ def _markdown(mapping: Mapping[str, Any]) -> str:
 # -- metrics, progress and run info ----------------------------------------------------
 
 
+@answers_transformers_events
 class DefaultMetrics(_metrics.DefaultMetrics):
     """``DefaultMetrics(peak_hardware_flops=None)``: throughput and MFU in every log.
 
@@ -162,6 +164,7 @@ def format_final_metrics(logs: Mapping[str, Any], specs: Mapping[str, Mapping[st
     return "training finished: " + ", ".join(parts)
 
 
+@answers_transformers_events
 class ProgressCallback(_progress.ProgressBar):
     """Progress, a metric table and a final summary; Forgather's and transformers' constructor.
 
@@ -200,6 +203,8 @@ class ProgressCallback(_progress.ProgressBar):
                 f"step_columns must be a dict of metric -> {{label, width, fmt}} or None, "
                 f"got {step_columns!r}"
             )
+        if isinstance(output_stream, str) and output_stream not in ("stdout", "stderr"):
+            raise ValueError(f"Must be one of 'stderr' or 'stdout', got {output_stream!r}")
         super().__init__(
             step_columns,
             stream="stdout" if output_stream is None else output_stream,
@@ -339,6 +344,7 @@ def _older_progress_form(
     return columns, values["header_interval"]
 
 
+@answers_transformers_events
 class WeightNormLogger(_norms.WeightNormLogger):
     """The L2 norm of all parameters together.
 
@@ -395,6 +401,7 @@ class WeightNormLogger(_norms.WeightNormLogger):
             flush()
 
 
+@answers_transformers_events
 class InfoCallback(_info.InfoCallback):
     """``InfoCallback(verbose=False)``: the run summary on stdout at train start (rank 0)."""
 
@@ -402,6 +409,7 @@ class InfoCallback(_info.InfoCallback):
         super().__init__("stdout", verbose=_flag("verbose", verbose))
 
 
+@answers_transformers_events
 class DivergenceDetector(_divergence.DivergenceDetector):
     """The native detector under Forgather's positional order (``action`` third from last)."""
 
@@ -416,6 +424,7 @@ class DivergenceDetector(_divergence.DivergenceDetector):
         use_eval_loss: bool = False,
         metric_key: str | None = None,
     ) -> None:
+        _check_divergence_numbers(smoothing, threshold, relative_threshold, patience, warmup)
         super().__init__(
             smoothing,
             threshold=threshold,
@@ -426,6 +435,35 @@ class DivergenceDetector(_divergence.DivergenceDetector):
             use_eval_loss=use_eval_loss,
             action=action,  # type: ignore[arg-type]
         )
+
+    def hf_on_log(
+        self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any
+    ) -> Any:
+        """Forgather's ``on_log`` called directly: the watched value feeds the detector."""
+        return self._observe_directly(state, control, logs)
+
+    def hf_on_evaluate(
+        self, args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any
+    ) -> Any:
+        """Forgather's ``on_evaluate`` called directly: the watched value feeds the detector."""
+        return self._observe_directly(state, control, metrics)
+
+    def _observe_directly(self, state: Any, control: Any, values: Any) -> Any:
+        """A divergence sets ``control.should_training_stop`` (and, for ``action="abort"``,
+        ``should_abort_without_save`` where the control has it), as Forgather's does."""
+        value = (values or {}).get(self.key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return control
+        why = self.tracker.update(value)
+        if why is None:
+            return control
+        self.triggered = why
+        if getattr(state, "is_world_process_zero", True):
+            log.error("divergence: %s %s; action: %s", self.key, why, self.action)
+        control.should_training_stop = True
+        if self.action == "abort" and hasattr(control, "should_abort_without_save"):
+            control.should_abort_without_save = True
+        return control
 
     def state_dict(self) -> dict[str, Any]:
         """Forgather's keys (``smoothed_loss``, ``best_smoothed_loss``, ``observation_count``,
@@ -465,6 +503,28 @@ class DivergenceDetector(_divergence.DivergenceDetector):
         )
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_divergence_numbers(
+    smoothing: Any, threshold: Any, relative_threshold: Any, patience: Any, warmup: Any
+) -> None:
+    """Forgather's range checks, with its messages (other mistakes get the native ones)."""
+    if _is_number(smoothing) and not 0 < smoothing <= 1:
+        raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+    if _is_number(threshold) and threshold <= 0:
+        raise ValueError(f"threshold must be > 0, got {threshold}")
+    if _is_number(relative_threshold) and relative_threshold <= 1:
+        raise ValueError(f"relative_threshold must be > 1, got {relative_threshold}")
+    if threshold is None and relative_threshold is None:
+        raise ValueError("At least one of threshold or relative_threshold must be set")
+    if _is_number(patience) and patience < 1:
+        raise ValueError(f"patience must be >= 1, got {patience}")
+    if _is_number(warmup) and warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+
+
 _DIVERGENCE_KEYS = ("smoothed_loss", "best_smoothed_loss", "observation_count", "consecutive_above")
 
 #: Forgather keeps its older detectors' names for :class:`DivergenceDetector`.
@@ -472,6 +532,7 @@ DualTimeScaleDivergenceDetector = DivergenceDetector
 DualWindowDivergenceDetector = DivergenceDetector
 
 
+@answers_transformers_events
 class ProfilerCallback(_profiler.ProfilerCallback):
     """``ProfilerCallback(start_step=3, num_steps=5, output_dir="benchmarks/profiles", ...)``.
 
@@ -524,6 +585,7 @@ class ProfilerCallback(_profiler.ProfilerCallback):
 # -- TensorBoard -----------------------------------------------------------------------
 
 
+@answers_transformers_events
 class ResumableSummaryWriter(_tensorboard.ResumableSummaryWriter):
     """``ResumableSummaryWriter(log_dir)``: a lazily opened writer that purges on resume.
 
@@ -646,6 +708,7 @@ def resolve_tb_scalars(overrides: Any) -> dict[str, dict[str, Any]]:
     return merged
 
 
+@answers_transformers_events
 class TBLogger(TrainerCallback):
     """``TBLogger(summary_writer, scalars=None, experiment_info=None)``.
 
@@ -844,6 +907,7 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+@answers_transformers_events
 class JsonLogger(TrainerCallback):
     """``JsonLogger(**kwargs)``: every log and evaluation in ``<logging_dir>/trainer_logs.json``.
 
@@ -921,6 +985,7 @@ class _NormsFile(TrainerCallback):
             self._file.open(args.logging_dir)
 
 
+@answers_transformers_events
 class GradNormLogger(_NormsFile):
     """``GradNormLogger()``: per-parameter gradient norms in ``<logging_dir>/gradient_norms.json``.
 
@@ -972,6 +1037,7 @@ def _spectral(p: torch.Tensor, v: torch.Tensor | None, iters: int) -> tuple[floa
     return float(sigma), v
 
 
+@answers_transformers_events
 class ParameterNormLogger(_NormsFile):
     """Per-parameter L2 and spectral norms in ``<logging_dir>/parameter_norms.json``.
 
@@ -1039,6 +1105,7 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
 
 
+@answers_transformers_events
 class PeakMemory(TrainerCallback):
     """Peak CUDA memory per rank: TensorBoard scalars, a log line, an optional snapshot.
 
@@ -1139,6 +1206,32 @@ class PeakMemory(TrainerCallback):
             )
 
 
+def _forgather_prompts(prompts: Any) -> Any:
+    """``prompts`` checked as Forgather checks them, with its messages: a list of strings,
+    or the path of a YAML file holding one."""
+    if isinstance(prompts, os.PathLike):
+        prompts = str(prompts)
+    if isinstance(prompts, str) and Path(prompts).is_file():
+        import yaml
+
+        loaded = yaml.safe_load(Path(prompts).read_text(encoding="utf-8"))
+        if not isinstance(loaded, list):
+            raise ValueError(
+                f"From file {prompts}, expected 'prompts' to be a list but found {type(loaded)}"
+            )
+        prompts_list = loaded
+    elif isinstance(prompts, list):
+        prompts_list = prompts
+    elif isinstance(prompts, str):
+        return prompts  # not a file: the native loader says so
+    else:
+        raise ValueError(f"'prompts' must be List[str] | str, found {type(prompts)}")
+    for prompt in prompts_list:
+        if not isinstance(prompt, str):
+            raise ValueError(f"Expected all prompts to be strings, but found {type(prompt)}")
+    return prompts_list
+
+
 def _say(text: str) -> None:
     """Forgather logs these lines at INFO; hookloop prints them so they are always seen."""
     log.info(text)
@@ -1156,6 +1249,7 @@ DEFAULT_GENERATION = {
 }
 
 
+@answers_transformers_events
 class TextgenCallback(TrainerCallback):
     """Continuations of ``prompts`` in TensorBoard (tag ``eval-text``) at evaluations.
 
@@ -1182,13 +1276,7 @@ class TextgenCallback(TrainerCallback):
         from hookloop.callbacks.textgen import load_prompts
 
         self.summary_writer = _check_writer("summary_writer", summary_writer, optional=False)
-        if isinstance(prompts, os.PathLike):
-            prompts = str(prompts)
-        if not isinstance(prompts, (list, str)):
-            raise ValueError(
-                f"prompts must be a list of strings or a YAML file path, got {prompts!r}"
-            )
-        self.prompts = load_prompts(prompts)
+        self.prompts = load_prompts(_forgather_prompts(prompts))
         if generation_config is not None and not isinstance(generation_config, Mapping):
             raise ValueError(
                 f"generation_config must be a dict of GenerationConfig arguments or None, "

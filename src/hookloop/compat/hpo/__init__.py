@@ -16,22 +16,17 @@ or inside a hookloop Trainer, next to native callbacks:
 an :class:`HpoAdapter` with the same priority; its hooks get an
 :class:`HpoTrainer` (the HPO trainer's ``trainer._<name>`` attributes, served from
 ``ctx.user_state``) and the fields in :data:`FIELDS`. The nine HPO-trainer built-ins
-are native hookloop callbacks, importable here (and only here) under the HPO
-trainer's names; a runner
-passes them through to the Trainer unchanged, and ``fire`` drives them in your
-own loop through their HPO-trainer faces (:mod:`hookloop.compat.hpo.faces`), as the
-HPO trainer does. ``EarlyStoppingCallback`` and ``CheckpointCallback`` take
-the HPO trainer's parameters (relative ``min_delta``, ``early_stopping_config``,
-``save_every_n_epochs``, ``keep_last_k``; :mod:`hookloop.compat.hpo.builtins`).
+are native hookloop callbacks under the HPO trainer's names, importable here (and
+only here); a runner passes them through to the Trainer unchanged, and ``fire``
+drives them in your own loop through their HPO-trainer faces
+(:mod:`hookloop.compat.hpo.faces`), as the HPO trainer does. Their seven hooks can
+also be called directly, with the HPO trainer's arguments (:mod:`hookloop.compat.hpo.direct`).
+They take the HPO trainer's constructors: ``PrunerCallback(pruner, trial, seed)``,
+``CheckpointCallback(checkpoint_manager, config_hash)``, and hookloop's forms beside them
+(relative ``min_delta``, ``early_stopping_config``, ``save_every_n_epochs``,
+``keep_last_k``; :mod:`hookloop.compat.hpo.builtins`).
 """
 
-from hookloop.callbacks.grad_monitor import GradientMonitor
-from hookloop.callbacks.loss_prediction import LossPrediction
-from hookloop.callbacks.nan_detection import NaNDetection
-from hookloop.callbacks.optimizer_mode import OptimizerMode
-from hookloop.callbacks.optuna_pruning import OptunaPruning
-from hookloop.callbacks.overfit import OverfitDetection
-from hookloop.callbacks.wandb_logger import WandbLoggingCallback
 from hookloop.compat.hpo.adapter import FIELDS, HpoAdapter, adapt
 from hookloop.compat.hpo.builtins import (
     CheckpointCallback,
@@ -40,16 +35,18 @@ from hookloop.compat.hpo.builtins import (
     early_stopping_from_config,
 )
 from hookloop.compat.hpo.callback import EVENTS, TrainingCallback
+from hookloop.compat.hpo.direct import (
+    GradientMonitorCallback,
+    HpoHooks,
+    LossPredictionCallback,
+    NaNDetectionCallback,
+    OptimizerModeCallback,
+    OverfitDetectionCallback,
+    PrunerCallback,
+    WandbLoggingCallback,
+)
 from hookloop.compat.hpo.runner import CallbackRunner, as_native
 from hookloop.compat.hpo.trainer_view import CONVENTION, HpoTrainer
-
-# The HPO trainer's names of the native built-ins that behave as the HPO trainer's do, unchanged.
-GradientMonitorCallback = GradientMonitor
-LossPredictionCallback = LossPrediction
-NaNDetectionCallback = NaNDetection
-OptimizerModeCallback = OptimizerMode
-OverfitDetectionCallback = OverfitDetection
-PrunerCallback = OptunaPruning
 
 __all__ = [
     "CONVENTION",
@@ -61,6 +58,7 @@ __all__ = [
     "EarlyStoppingConfig",
     "GradientMonitorCallback",
     "HpoAdapter",
+    "HpoHooks",
     "HpoTrainer",
     "LossPredictionCallback",
     "NaNDetectionCallback",

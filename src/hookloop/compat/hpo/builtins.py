@@ -30,6 +30,7 @@ from typing import Any
 from hookloop.callbacks.checkpoint_policy import CheckpointPolicy
 from hookloop.callbacks.early_stopping import EarlyStopping
 from hookloop.callbacks.monitor import as_float, check_metric_name, check_mode
+from hookloop.compat.hpo.direct import HpoHooks
 from hookloop.state import CallbackContext
 
 #: The HPO trainer calls the evaluation loss ``val_loss``; a hookloop Trainer reports ``eval_loss``.
@@ -125,7 +126,7 @@ def early_stopping_from_config(
     )
 
 
-class EarlyStoppingCallback(EarlyStopping):
+class EarlyStoppingCallback(HpoHooks, EarlyStopping):
     """The HPO trainer's early stopping: ``should_stop`` after ``patience`` evaluations
     without a relative improvement of more than ``min_delta`` (1e-4 = 0.01 %).
 
@@ -152,6 +153,16 @@ class EarlyStoppingCallback(EarlyStopping):
         return early_stopping_from_config(config)
 
     seed_monitor = property(_renamed_monitor)
+
+    @property
+    def counter(self) -> int:
+        """Evaluations since the last improvement (the HPO trainer's ``counter``)."""
+        return self.trackers[self.monitor].bad_count
+
+    @property
+    def best_value(self) -> float | None:
+        """The best value so far (the HPO trainer's ``best_value``); None before the first."""
+        return self.trackers[self.monitor].best
 
     def state_dict(self) -> dict[str, Any]:
         tracker = self.trackers[self.monitor]
@@ -198,6 +209,27 @@ class EarlyStoppingCallback(EarlyStopping):
         self.should_stop = stop
 
 
+def has_maybe_save(value: object) -> bool:
+    """Whether ``value`` is a checkpoint manager of the HPO trainer's kind."""
+    return callable(getattr(value, "maybe_save", None))
+
+
+def _check_manager(manager: Any, checkpoint_dir: Any, keep_last_k: Any) -> Any:
+    if manager is None:
+        return None
+    if not has_maybe_save(manager):
+        raise ValueError(
+            "checkpoint_manager must have maybe_save(epoch, model, optimizer, scheduler, "
+            f"val_loss, metrics, early_stopping_state, config_hash), got {type(manager).__name__}"
+        )
+    if checkpoint_dir is not None or keep_last_k is not _KEEP_LAST_DEFAULT:
+        raise ValueError(
+            "CheckpointCallback(checkpoint_manager, config_hash) leaves where and how many "
+            "to keep to the manager: pass checkpoint_dir and keep_last_k to it, not here"
+        )
+    return manager
+
+
 class _DefaultKeepLast(int):
     """``keep_last_k``'s default (3): an int that tells a value left out from one given."""
 
@@ -205,10 +237,19 @@ class _DefaultKeepLast(int):
 _KEEP_LAST_DEFAULT = _DefaultKeepLast(3)
 
 
-class CheckpointCallback(CheckpointPolicy):
-    """The HPO trainer's checkpointing: every ``save_every_n_epochs`` epochs, the newest
-    ``keep_last_k`` kept, and the best by ``monitor`` kept besides.
+class HpoCheckpointPolicy(CheckpointPolicy):
+    """The HPO trainer's checkpointing as a native callback (:class:`CheckpointCallback`
+    adds the HPO trainer's hooks). Two forms:
 
+    ``CheckpointCallback(checkpoint_manager, config_hash="")``, the HPO trainer's: at
+    the end of each epoch it calls ``checkpoint_manager.maybe_save(epoch, model,
+    optimizer, scheduler, val_loss, metrics, early_stopping_state, config_hash)``, so
+    the HPO trainer's own ``CheckpointManager`` decides what to write and where
+    (``early_stopping_state`` is the first :class:`EarlyStoppingCallback`'s state).
+
+    ``CheckpointCallback(checkpoint_dir=None, save_every_n_epochs=1, keep_last_k=3,
+    monitor="val_loss", mode="min")``: every ``save_every_n_epochs`` epochs, the newest
+    ``keep_last_k`` kept, and the best by ``monitor`` kept besides.
     With ``checkpoint_dir`` it saves there itself, at the end of each epoch that is
     due or a new best: model, optimizer, scheduler and the other stateful
     callbacks, as ``step-<epoch number>`` directories of hookloop's
@@ -221,12 +262,24 @@ class CheckpointCallback(CheckpointPolicy):
 
     def __init__(
         self,
-        checkpoint_dir: str | Path | None = None,
-        save_every_n_epochs: int = 1,
+        checkpoint_dir: str | Path | Any = None,
+        save_every_n_epochs: int | str = 1,
         keep_last_k: int | None = _KEEP_LAST_DEFAULT,
         monitor: str | None = "val_loss",
         mode: str = "min",
+        *,
+        checkpoint_manager: Any = None,
+        config_hash: str = "",
     ) -> None:
+        if has_maybe_save(checkpoint_dir):  # the HPO trainer's (checkpoint_manager, config_hash)
+            if checkpoint_manager is not None:
+                raise TypeError("CheckpointCallback got checkpoint_manager twice")
+            checkpoint_dir, checkpoint_manager = None, checkpoint_dir
+            if isinstance(save_every_n_epochs, str):
+                save_every_n_epochs, config_hash = 1, save_every_n_epochs
+        #: The HPO trainer's checkpoint manager (the first form); None in the second.
+        self.checkpoint_manager = _check_manager(checkpoint_manager, checkpoint_dir, keep_last_k)
+        self.config_hash = config_hash
         if keep_last_k is not None and (
             isinstance(keep_last_k, bool) or not isinstance(keep_last_k, int) or keep_last_k < 1
         ):
@@ -253,6 +306,7 @@ class CheckpointCallback(CheckpointPolicy):
         self.hpo_monitor = monitor
         self._manager: Any = None
         self._epoch_value: float | None = None
+        self._epoch_metrics: dict[str, Any] = {}
         self._missing_warned = False
 
     seed_monitor = property(_renamed_monitor)
@@ -294,9 +348,29 @@ class CheckpointCallback(CheckpointPolicy):
             self.best_path, self.best_step = str(path), number
         return path
 
+    def manager_save(
+        self, holder: Any, epoch: int, val_loss: Any, metrics: Any, peers: Any = ()
+    ) -> None:
+        """The HPO trainer's save: ``checkpoint_manager.maybe_save(...)`` for 0-based
+        ``epoch``, with ``holder``'s model, optimizer and scheduler and the state of the
+        first :class:`EarlyStoppingCallback` among ``peers``."""
+        early_stopping_state = next(
+            (cb.state_dict() for cb in peers if isinstance(cb, EarlyStoppingCallback)), None
+        )
+        self.checkpoint_manager.maybe_save(
+            epoch,
+            holder.model,
+            holder.optimizer,
+            getattr(holder, "scheduler", None),
+            val_loss,
+            metrics,
+            early_stopping_state,
+            self.config_hash,
+        )
+
     # -- inside a hookloop Trainer -----------------------------------------------------
     def on_train_start(self, ctx: CallbackContext) -> None:
-        if self.checkpoint_dir is not None:
+        if self.checkpoint_dir is not None or self.checkpoint_manager is not None:
             self._epoch_value = None
             return
         cfg = getattr(ctx.config, "checkpoint", None)
@@ -310,6 +384,11 @@ class CheckpointCallback(CheckpointPolicy):
         super().on_train_start(ctx)
 
     def on_eval_end(self, ctx: CallbackContext) -> None:
+        if self.checkpoint_manager is not None:
+            if ctx.state.in_training and ctx.metrics is not None:
+                self._epoch_value = as_float(ctx.metrics.get("eval_loss"))
+                self._epoch_metrics = dict(ctx.metrics)
+            return
         if self.checkpoint_dir is None:
             super().on_eval_end(ctx)
             return
@@ -326,7 +405,17 @@ class CheckpointCallback(CheckpointPolicy):
         if value is not None:
             self._epoch_value = value
 
+    def on_train_step_end(self, ctx: CallbackContext) -> None:
+        if self.checkpoint_manager is None:
+            super().on_train_step_end(ctx)
+
     def on_epoch_end(self, ctx: CallbackContext) -> None:
+        if self.checkpoint_manager is not None:
+            trainer = ctx.trainer
+            peers = trainer.callbacks.callbacks if trainer is not None else ()
+            value, self._epoch_value = self._epoch_value, None
+            self.manager_save(ctx, ctx.state.epoch, value, self._epoch_metrics, peers)
+            return
         if self.checkpoint_dir is None:
             super().on_epoch_end(ctx)
             return
@@ -334,7 +423,8 @@ class CheckpointCallback(CheckpointPolicy):
         self.save_epoch(self._run_state(ctx), ctx.state.epoch, value)
 
     def on_checkpoint_save(self, ctx: CallbackContext) -> None:
-        if self.checkpoint_dir is None:  # the run's saves are this callback's only then
+        # the run's saves are this callback's only without checkpoint_dir or a manager
+        if self.checkpoint_dir is None and self.checkpoint_manager is None:
             super().on_checkpoint_save(ctx)
 
     def _run_state(self, ctx: CallbackContext) -> dict[str, Any]:
@@ -349,3 +439,8 @@ class CheckpointCallback(CheckpointPolicy):
         if stateful:
             state["callbacks"] = CallbackStates(stateful)
         return state
+
+
+class CheckpointCallback(HpoHooks, HpoCheckpointPolicy):
+    """The HPO trainer's ``CheckpointCallback`` (see :class:`HpoCheckpointPolicy`), whose
+    hooks can also be called as the HPO trainer's: ``cb.on_epoch_end(trainer, epoch=...)``."""

@@ -28,9 +28,10 @@ EVENTS: tuple[str, ...] = dialect_event_names("hpo")
 class TrainingCallback:
     """Base class for HPO-trainer callbacks: override the hooks you need; the others do nothing.
 
-    A hook receives the trainer, then keyword fields that depend on the event
-    (inside a hookloop Trainer: :data:`hookloop.compat.hpo.FIELDS`). End every
-    hook's signature with ``**kwargs`` so a field it does not name never breaks it.
+    A hook receives the trainer, then fields that depend on the event, named and
+    ordered as the HPO trainer's (inside a hookloop Trainer:
+    :data:`hookloop.compat.hpo.FIELDS`). End every hook's signature with
+    ``**kwargs`` so a field it does not name never breaks it.
 
     ``priority`` orders callbacks within an event: lower runs earlier, equal
     priorities keep their list order. The default, 50, is hookloop's band for
@@ -44,19 +45,36 @@ class TrainingCallback:
     def on_train_begin(self, trainer: Any, **kwargs: Any) -> None:
         """Once, before the first epoch."""
 
-    def on_train_epoch_begin(self, trainer: Any, **kwargs: Any) -> None:
+    def on_train_epoch_begin(self, trainer: Any, epoch: Any = None, **kwargs: Any) -> None:
         """At the start of each training epoch."""
 
-    def on_train_step_end(self, trainer: Any, **kwargs: Any) -> None:
+    def on_train_step_end(
+        self, trainer: Any, batch_idx: Any = None, loss: Any = None, **kwargs: Any
+    ) -> None:
         """After each optimizer step."""
 
-    def on_val_begin(self, trainer: Any, **kwargs: Any) -> None:
+    def on_val_begin(self, trainer: Any, epoch: Any = None, **kwargs: Any) -> None:
         """Before each validation pass."""
 
-    def on_val_end(self, trainer: Any, **kwargs: Any) -> None:
+    def on_val_end(
+        self,
+        trainer: Any,
+        epoch: Any = None,
+        val_loss: Any = None,
+        metrics: Any = None,
+        **kwargs: Any,
+    ) -> None:
         """After each validation pass, with its results."""
 
-    def on_epoch_end(self, trainer: Any, **kwargs: Any) -> None:
+    def on_epoch_end(
+        self,
+        trainer: Any,
+        epoch: Any = None,
+        train_loss: Any = None,
+        val_loss: Any = None,
+        metrics: Any = None,
+        **kwargs: Any,
+    ) -> None:
         """At the end of each epoch, after its validation."""
 
     def on_train_end(self, trainer: Any, **kwargs: Any) -> None:

@@ -49,7 +49,7 @@ import torch
 from hookloop.callback import Callback
 from hookloop.callbacks.checkpoint_policy import CheckpointPolicy
 from hookloop.callbacks.early_stopping import EarlyStopping
-from hookloop.callbacks.grad_monitor import GradientMonitor, GradientNormWarning, total_grad_norm
+from hookloop.callbacks.grad_monitor import GradientMonitor, GradientNormWarning
 from hookloop.callbacks.loss_prediction import LossPrediction, prediction_score
 from hookloop.callbacks.monitor import as_float
 from hookloop.callbacks.nan_detection import REASON_PREFIX as NAN_PREFIX
@@ -60,7 +60,6 @@ from hookloop.callbacks.optuna_pruning import OptunaPruning
 from hookloop.callbacks.overfit import OverfitDetection, OverfitWarning, gap_ratio
 from hookloop.callbacks.wandb_logger import WandbLoggingCallback
 from hookloop.compat._toolkit import is_stateful
-from hookloop.compat.hpo.builtins import CheckpointCallback
 from hookloop.compat.hpo.callback import TrainingCallback
 
 #: The W&B logger's console summary comes every this many epochs (epochs 0, 10, 20 …).
@@ -73,14 +72,14 @@ def _number(value: Any) -> float | None:
     return as_float(value)
 
 
-def _store(loop_trainer: Any, name: str, value: Any) -> None:
+def _store(trainer: Any, name: str, value: Any) -> None:
     """The HPO trainer's convention: results live on the trainer as ``trainer._<name>``.
 
-    ``loop_trainer`` (here and in every face) is the hand-written loop's own trainer object,
+    ``trainer`` (here and in every face) is the hand-written loop's own trainer object,
     which its hooks receive and read by the HPO trainer's convention, not hookloop's Trainer.
     """
-    if loop_trainer is not None:
-        setattr(loop_trainer, name, value)
+    if trainer is not None:
+        setattr(trainer, name, value)
 
 
 class Face(TrainingCallback):
@@ -98,9 +97,17 @@ class Face(TrainingCallback):
 class NaNFace(Face):
     native: NaNDetection
 
-    def on_epoch_end(self, loop_trainer: Any, epoch: int = 0, **fields: Any) -> None:
-        for name in ("train_loss", "val_loss"):
-            value = _number(fields.get(name))
+    def on_epoch_end(
+        self,
+        trainer: Any,
+        epoch: int = 0,
+        train_loss: Any = None,
+        val_loss: Any = None,
+        metrics: Any = None,
+        **fields: Any,
+    ) -> None:
+        for name, raw in (("train_loss", train_loss), ("val_loss", val_loss)):
+            value = _number(raw)
             if value is not None and math.isnan(value):
                 self.native.nan_detected = True
                 self.native.reason = f"{NAN_PREFIX} {name} is nan at epoch {epoch}"
@@ -110,52 +117,70 @@ class NaNFace(Face):
 class OptimizerModeFace(Face):
     native: OptimizerMode
 
-    def _switch(self, loop_trainer: Any, mode: str) -> None:
-        optimizer = getattr(loop_trainer, "optimizer", None)
-        if has_modes(optimizer, getattr(loop_trainer, "model", None)):
+    def _switch(self, trainer: Any, mode: str) -> None:
+        optimizer = getattr(trainer, "optimizer", None)
+        if has_modes(optimizer, getattr(trainer, "model", None)):
             getattr(optimizer, mode)()
 
-    def on_train_epoch_begin(self, loop_trainer: Any, **fields: Any) -> None:
-        self._switch(loop_trainer, "train")
+    def on_train_epoch_begin(self, trainer: Any, epoch: int = 0, **fields: Any) -> None:
+        self._switch(trainer, "train")
 
-    def on_val_begin(self, loop_trainer: Any, **fields: Any) -> None:
-        self._switch(loop_trainer, "eval")
+    def on_val_begin(self, trainer: Any, epoch: int = 0, **fields: Any) -> None:
+        self._switch(trainer, "eval")
 
 
 class GradientMonitorFace(Face):
+    """The HPO trainer's numbers: each parameter's gradient norm (in the gradient's dtype),
+    summed in float64 as the HPO trainer does, so a norm past float32's range stays
+    finite and an infinite one stays ``inf``; the epoch's maximum starts at 0.0 and a
+    NaN norm never replaces it (Python's ``max``)."""
+
     native: GradientMonitor
 
     def __init__(self, native: Callback, peers: Sequence[Any] = ()) -> None:
         super().__init__(native, peers)
-        self.epoch_max: float | None = None
+        self.epoch_max = 0.0
 
-    def on_train_epoch_begin(self, loop_trainer: Any, **fields: Any) -> None:
-        self.epoch_max = None
+    def on_train_epoch_begin(self, trainer: Any, epoch: int = 0, **fields: Any) -> None:
+        self.epoch_max = 0.0
 
-    def on_train_step_end(self, loop_trainer: Any, **fields: Any) -> None:
-        model = getattr(loop_trainer, "model", None)
+    def on_train_step_end(
+        self, trainer: Any, batch_idx: Any = None, loss: Any = None, **fields: Any
+    ) -> None:
+        model = getattr(trainer, "model", None)
         if model is None:
             return
-        grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
-        norm = total_grad_norm(grads)
-        if norm is None:
-            return
-        value = float(norm)
+        value = hpo_grad_norm([p.grad for p in model.parameters() if p.grad is not None])
         if value > self.native.warn_threshold:
             warnings.warn(
                 f"GradientMonitor: gradient norm {value:.4g} exceeds warn_threshold "
-                f"{self.native.warn_threshold:g}",
+                f"{self.native.warn_threshold:g} at batch {batch_idx}",
                 GradientNormWarning,
                 stacklevel=2,
             )
-        if self.epoch_max is None or value > self.epoch_max or math.isnan(value):
-            self.epoch_max = value
+        self.epoch_max = max(self.epoch_max, value)
 
-    def on_epoch_end(self, loop_trainer: Any, **fields: Any) -> None:
-        if self.epoch_max is None:
-            return
+    def on_epoch_end(self, trainer: Any, *args: Any, **fields: Any) -> None:
         self.native.epoch_maxima.append(self.epoch_max)
-        _store(loop_trainer, "_max_grad_norm", self.epoch_max)
+        _store(trainer, "_max_grad_norm", self.epoch_max)
+
+
+def hpo_grad_norm(grads: Sequence[torch.Tensor]) -> float:
+    """The HPO trainer's total gradient norm: per-tensor norms, combined in float64.
+
+    >>> big = 2.0**64  # its square is past float32's range
+    >>> hpo_grad_norm([torch.tensor([3 * big]), torch.tensor([4 * big])]) == 5 * big
+    True
+    >>> hpo_grad_norm([torch.tensor([float("inf")]), torch.tensor([1.0])])
+    inf
+    """
+    if not grads:
+        return 0.0
+    norms = torch.stack([g.detach().norm().double() for g in grads]).tolist()  # one read
+    total = 0.0
+    for norm in norms:
+        total += norm**2
+    return total**0.5
 
 
 class LossPredictionFace(Face):
@@ -166,7 +191,12 @@ class LossPredictionFace(Face):
     native: LossPrediction
 
     def on_val_end(
-        self, loop_trainer: Any, epoch: int = 0, val_loss: Any = None, **fields: Any
+        self,
+        trainer: Any,
+        epoch: int = 0,
+        val_loss: Any = None,
+        metrics: Any = None,
+        **fields: Any,
     ) -> None:
         value = _number(val_loss)
         if value is None:
@@ -175,10 +205,10 @@ class LossPredictionFace(Face):
         native.times.append(float(len(native.losses)))
         native.losses.append(value)
         if epoch < native.min_points:
-            _store(loop_trainer, "_loss_prediction", None)
+            _store(trainer, "_loss_prediction", None)
             return
         native.prediction = prediction_score(native.times, native.losses, native.max_epochs)
-        _store(loop_trainer, "_loss_prediction", native.prediction)
+        _store(trainer, "_loss_prediction", native.prediction)
 
 
 def hpo_diverging(train_losses: Sequence[float], val_losses: Sequence[float], window: int) -> bool:
@@ -200,8 +230,16 @@ class OverfitFace(Face):
 
     native: OverfitDetection
 
-    def on_epoch_end(self, loop_trainer: Any, epoch: int = 0, **fields: Any) -> None:
-        train, val = _number(fields.get("train_loss")), _number(fields.get("val_loss"))
+    def on_epoch_end(
+        self,
+        trainer: Any,
+        epoch: int = 0,
+        train_loss: Any = None,
+        val_loss: Any = None,
+        metrics: Any = None,
+        **fields: Any,
+    ) -> None:
+        train, val = _number(train_loss), _number(val_loss)
         if train is None or val is None:
             return
         native = self.native
@@ -223,7 +261,7 @@ class OverfitFace(Face):
             )
         else:
             native.gap_ratio = None
-        _store(loop_trainer, "_overfit_gap_ratio", native.gap_ratio)
+        _store(trainer, "_overfit_gap_ratio", native.gap_ratio)
 
 
 class WandbFace(Face):
@@ -238,7 +276,7 @@ class WandbFace(Face):
     """
 
     native: WandbLoggingCallback
-    #: loop_trainer attribute -> W&B key, as the HPO trainer names them.
+    #: trainer attribute -> W&B key, as the HPO trainer names them.
     PRODUCED = (
         ("_max_grad_norm", "max_grad_norm"),
         ("_overfit_gap_ratio", "overfit_gap_ratio"),
@@ -249,10 +287,10 @@ class WandbFace(Face):
         super().__init__(native, peers)
         self.owns_run = False
 
-    def on_train_begin(self, loop_trainer: Any, **fields: Any) -> None:
-        self._start(loop_trainer)
+    def on_train_begin(self, trainer: Any, **fields: Any) -> None:
+        self._start(trainer)
 
-    def _start(self, loop_trainer: Any) -> None:
+    def _start(self, trainer: Any) -> None:
         native = self.native
         if native.run is not None:
             return
@@ -280,22 +318,30 @@ class WandbFace(Face):
         native.run = wandb.init(**{k: v for k, v in kwargs.items() if v is not None})
         self.owns_run = True
 
-    def on_epoch_end(self, loop_trainer: Any, epoch: int = 0, **fields: Any) -> None:
-        self._start(loop_trainer)
+    def on_epoch_end(
+        self,
+        trainer: Any,
+        epoch: int = 0,
+        train_loss: Any = None,
+        val_loss: Any = None,
+        metrics: Any = None,
+        **fields: Any,
+    ) -> None:
+        self._start(trainer)
         row: dict[str, Any] = {
-            "train_loss": _number(fields.get("train_loss")),
-            "val_loss": _number(fields.get("val_loss")),
-            "lr": _learning_rate(loop_trainer, fields.get("lr")),
+            "train_loss": _number(train_loss),
+            "val_loss": _number(val_loss),
+            "lr": _learning_rate(trainer, fields.get("lr")),
         }
-        for key, value in (fields.get("metrics") or {}).items():
+        for key, value in (metrics or {}).items():
             number = _number(value)
             if number is not None and key not in row:
                 row[key] = number
         for attr, key in self.PRODUCED:
-            if hasattr(loop_trainer, attr) and getattr(loop_trainer, attr) is not None:
-                row[key] = getattr(loop_trainer, attr)
+            if hasattr(trainer, attr) and getattr(trainer, attr) is not None:
+                row[key] = getattr(trainer, attr)
         self.native.run.log(row)
-        total = getattr(loop_trainer, "_total_epochs", None)
+        total = getattr(trainer, "_total_epochs", None)
         if epoch % SUMMARY_EVERY == 0 or (isinstance(total, int) and epoch == total - 1):
             from tqdm import tqdm
 
@@ -308,16 +354,16 @@ class WandbFace(Face):
                 else f"epoch {epoch}: {shown}"
             )
 
-    def on_train_end(self, loop_trainer: Any, **fields: Any) -> None:
+    def on_train_end(self, trainer: Any, **fields: Any) -> None:
         run, self.native.run = self.native.run, None
         if run is not None and self.owns_run:
             run.finish()
         self.owns_run = False
 
 
-def _learning_rate(loop_trainer: Any, given: Any) -> float | None:
+def _learning_rate(trainer: Any, given: Any) -> float | None:
     """``trainer.optimizer.param_groups[0]["lr"]``, else the ``lr`` field a loop passed."""
-    groups = getattr(getattr(loop_trainer, "optimizer", None), "param_groups", None)
+    groups = getattr(getattr(trainer, "optimizer", None), "param_groups", None)
     if groups:
         lr = _number(groups[0].get("lr"))
         if lr is not None:
@@ -329,10 +375,18 @@ class PrunerFace(Face):
     native: OptunaPruning
 
     def on_val_end(
-        self, loop_trainer: Any, epoch: int = 0, val_loss: Any = None, **fields: Any
+        self,
+        trainer: Any,
+        epoch: int = 0,
+        val_loss: Any = None,
+        metrics: Any = None,
+        **fields: Any,
     ) -> None:
         native = self.native
-        metrics = fields.get("metrics") or {}
+        if getattr(native, "pruner_form", False):  # PrunerCallback(pruner, trial, seed)
+            native.report_to_pruner(epoch, val_loss)
+            return
+        metrics = metrics or {}
         value = _number(
             val_loss if native.monitor in ("eval_loss", "val_loss") else metrics.get(native.monitor)
         )
@@ -354,11 +408,16 @@ class EarlyStoppingFace(Face):
     native: EarlyStopping
 
     def on_val_end(
-        self, loop_trainer: Any, epoch: int = 0, val_loss: Any = None, **fields: Any
+        self,
+        trainer: Any,
+        epoch: int = 0,
+        val_loss: Any = None,
+        metrics: Any = None,
+        **fields: Any,
     ) -> None:
         native = self.native
         monitor = native.monitor
-        metrics = fields.get("metrics") or {}
+        metrics = metrics or {}
         raw = (
             val_loss
             if monitor == "eval_loss"
@@ -376,27 +435,44 @@ class EarlyStoppingFace(Face):
 
 
 class CheckpointFace(Face):
-    """Saves model, optimizer, scheduler and the stateful callbacks to ``checkpoint_dir``."""
+    """Saves model, optimizer, scheduler and the stateful callbacks to ``checkpoint_dir``,
+    or hands them to the HPO trainer's checkpoint manager (``CheckpointCallback(manager,
+    config_hash)``), with the early-stopping state of ``trainer.callbacks``."""
 
     native: CheckpointPolicy
 
-    def on_train_begin(self, loop_trainer: Any, **fields: Any) -> None:
-        self._callback().directory_manager()
+    def on_train_begin(self, trainer: Any, **fields: Any) -> None:
+        if getattr(self.native, "checkpoint_manager", None) is None:
+            self._callback().directory_manager()
 
-    def _callback(self) -> CheckpointCallback:
-        if not isinstance(self.native, CheckpointCallback):
+    def _callback(self) -> Any:
+        """The HPO trainer's CheckpointCallback (it alone saves by itself, ``save_epoch``)."""
+        if not callable(getattr(self.native, "save_epoch", None)):
             raise ValueError(
                 f"{type(self.native).__name__} saves only inside a hookloop Trainer; in a loop "
                 "driven by CallbackRunner.fire use CheckpointCallback(checkpoint_dir=...)"
             )
         return self.native
 
-    def on_epoch_end(self, loop_trainer: Any, epoch: int = 0, **fields: Any) -> None:
+    def on_epoch_end(
+        self,
+        trainer: Any,
+        epoch: int = 0,
+        train_loss: Any = None,
+        val_loss: Any = None,
+        metrics: Any = None,
+        **fields: Any,
+    ) -> None:
         from hookloop.checkpoint import CallbackStates
 
         native = self._callback()
-        state: dict[str, Any] = {"model": loop_trainer.model, "optimizer": loop_trainer.optimizer}
-        scheduler = getattr(loop_trainer, "scheduler", None)
+        if native.checkpoint_manager is not None:
+            runner = getattr(trainer, "callbacks", None)
+            peers = getattr(runner, "callbacks", None) or self.peers
+            native.manager_save(trainer, epoch, val_loss, metrics, peers)
+            return
+        state: dict[str, Any] = {"model": trainer.model, "optimizer": trainer.optimizer}
+        scheduler = getattr(trainer, "scheduler", None)
         if scheduler is not None and hasattr(scheduler, "state_dict"):
             state["scheduler"] = scheduler
         stateful = {
@@ -406,7 +482,7 @@ class CheckpointFace(Face):
         }
         if stateful:
             state["callbacks"] = CallbackStates(stateful)
-        native.save_epoch(state, epoch, _number(fields.get("val_loss")))
+        native.save_epoch(state, epoch, _number(val_loss))
 
 
 _FACES: tuple[tuple[type, type[Face]], ...] = (

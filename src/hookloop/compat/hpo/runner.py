@@ -19,6 +19,7 @@ from hookloop.compat.hpo.callback import (
     check_training_callback,
     overridden_hooks,
 )
+from hookloop.compat.hpo.direct import HpoHooks
 from hookloop.compat.hpo.faces import face_for
 from hookloop.manager import add_note
 
@@ -34,26 +35,35 @@ class CallbackRunner:
     inside a hookloop Trainer, :meth:`native` runs them all.
     """
 
-    def __init__(self, callbacks: HpoCallbacks) -> None:
+    def __init__(self, callbacks: HpoCallbacks | None = None) -> None:
         if isinstance(callbacks, (TrainingCallback, Callback)):
             raise TypeError(
                 f"CallbackRunner takes a list of callbacks, got a single "
                 f"{type(callbacks).__name__}; write CallbackRunner([callback])"
             )
+        if callbacks is None:
+            callbacks = []
         if not isinstance(callbacks, Iterable) or isinstance(callbacks, (str, bytes)):
             raise TypeError(
                 f"CallbackRunner takes a list of callbacks, got {type(callbacks).__name__}"
             )
-        items = list(callbacks)
+        #: The callbacks in the order they run.
+        self.callbacks: list[TrainingCallback | Callback] = []
+        self._index(list(callbacks))
+
+    def add(self, callback: TrainingCallback | Callback) -> None:
+        """Add one callback; it runs in its place by priority (after equal ones already in)."""
+        self._index([*self.callbacks, callback])
+
+    def _index(self, items: list[TrainingCallback | Callback]) -> None:
         for item in items:
             _check_item(item)
         for i, item in enumerate(items):
             if any(other is item for other in items[:i]):
                 raise ValueError(f"{item!r} is in the list twice; it would run twice per event")
-        #: The callbacks in the order they run.
-        self.callbacks: list[TrainingCallback | Callback] = sorted(items, key=_priority)
+        self.callbacks[:] = sorted(items, key=_priority)
         # The nine built-ins are native; fire() drives them through their HPO-trainer faces.
-        self._faces = {id(cb): face_for(cb, self.callbacks) for cb in self.callbacks}
+        self._faces = {id(cb): _face(cb, self.callbacks) for cb in self.callbacks}
         hpo_hooks = [
             cb if isinstance(cb, TrainingCallback) else self._faces[id(cb)] for cb in self.callbacks
         ]
@@ -144,6 +154,13 @@ def _check_item(item: object) -> None:
             f"callbacks), got {type(item).__name__}: subclass "
             "hookloop.compat.hpo.TrainingCallback and override its on_* hooks"
         )
+
+
+def _face(callback: TrainingCallback | Callback, peers: list[Any]) -> Any:
+    """The HPO-trainer face of a native built-in (its own, shared with direct calls)."""
+    if isinstance(callback, HpoHooks):
+        return callback.hpo_face(peers)
+    return face_for(callback, peers) if isinstance(callback, Callback) else None
 
 
 def _priority(callback: TrainingCallback | Callback) -> int:
