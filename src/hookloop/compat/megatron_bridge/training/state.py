@@ -231,6 +231,8 @@ class GlobalState:
             self._writers = self._given_writers
             self._signal_handler = None
         self._cfg = value
+        if value is not None:
+            self._set_signal_handler()  # reads train.exit_signal, as Megatron-Bridge's
 
     @property
     def native_config(self) -> Any:
@@ -271,13 +273,19 @@ class GlobalState:
         self._ft_state = value
 
     @property
-    def signal_handler(self) -> DistributedSignalHandler:
-        """The handler of ``cfg.train.exit_signal`` (SIGTERM); ``training.train`` enters it
-        when ``cfg.train.exit_signal_handler`` is set."""
+    def signal_handler(self) -> DistributedSignalHandler | None:
+        """The handler of ``cfg.train.exit_signal`` (SIGTERM; None without a ``train``
+        section); ``training.train`` enters it when ``cfg.train.exit_signal_handler`` is set."""
         if self._signal_handler is None:
-            sig = getattr(getattr(self._cfg, "train", None), "exit_signal", signal.SIGTERM)
-            self._signal_handler = DistributedSignalHandler(sig)
+            self._set_signal_handler()
         return self._signal_handler
+
+    def _set_signal_handler(self) -> None:
+        train = getattr(self._cfg, "train", None) if self._cfg is not None else None
+        if train is not None:
+            self._signal_handler = DistributedSignalHandler(
+                getattr(train, "exit_signal", signal.SIGTERM)
+            )
 
     def close_loggers(self) -> None:
         """Flush and close the writers opened during the run (the entry points call it)."""

@@ -149,8 +149,8 @@ def train(
     interval_time.reset()  # a previous call that raised may have left it running
     interval_time.start()
     loop.fire("on_train_start")
-    catching = global_state.signal_handler if cfg.train.exit_signal_handler else nullcontext()
-    with catching:
+    handler = global_state.signal_handler if cfg.train.exit_signal_handler else None
+    with handler if handler is not None else nullcontext():
         should_exit, exit_code = loop.run(
             train_data_iterator,
             valid_data_iterator,
@@ -444,7 +444,8 @@ def checkpoint_and_decide_exit(
             callback_manager=callback_manager,
         )
 
-    if cfg.train.exit_signal_handler and any(state.signal_handler.signals_received()):
+    handler = state.signal_handler if cfg.train.exit_signal_handler else None
+    if handler is not None and any(handler.signals_received()):
         if cfg.checkpoint.save:
             save()
         barrier_and_log("exiting program after receiving SIGTERM.")
