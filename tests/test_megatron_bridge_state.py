@@ -25,6 +25,7 @@ from hookloop.compat.megatron_bridge.training.gpt_step import forward_step
 from hookloop.compat.megatron_bridge.training.pretrain import pretrain
 from hookloop.compat.megatron_bridge.training.state import GlobalState, TrainState
 from hookloop.compat.megatron_bridge.training.utils.log_utils import setup_logging
+from hookloop.compat.megatron_bridge.training.utils.train_utils import maybe_inject_state
 
 EMPTY = inspect.Parameter.empty
 POSITIONAL = inspect.Parameter.POSITIONAL_OR_KEYWORD
@@ -417,3 +418,24 @@ def test_setup_logging_sets_megatron_bridge_loggers_from_the_environment(monkeyp
     finally:
         logging.getLogger().setLevel(root_level)
         train_logger.setLevel(saved[0])
+
+
+def test_maybe_inject_state_binds_the_state_for_steps_that_ask_for_it():
+    class Functor:
+        def __call__(self, state, data_iterator, model, return_schedule_plan=False):
+            return state, return_schedule_plan
+
+    def annotated(first: GlobalState, data_iterator, model):
+        return first
+
+    def no_state(data_iterator, model, return_schedule_plan=False):
+        return "no state"
+
+    state = GlobalState()
+    assert maybe_inject_state(Functor(), state)(iter([]), None, return_schedule_plan=True) == (
+        state,
+        True,
+    )
+    assert maybe_inject_state(annotated, state)(iter([]), None) is state
+    assert maybe_inject_state(no_state, state) is no_state  # three parameters, none the state
+    assert maybe_inject_state(no_state, state, needs_injection=True).args == (state,)
