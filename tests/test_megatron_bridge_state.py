@@ -4,6 +4,7 @@ its own code uses them: ``GlobalState(cfg)`` then ``training.train``, ``pretrain
 
 from __future__ import annotations
 
+import gc
 import inspect
 import logging
 import os
@@ -439,3 +440,29 @@ def test_maybe_inject_state_binds_the_state_for_steps_that_ask_for_it():
     assert maybe_inject_state(annotated, state)(iter([]), None) is state
     assert maybe_inject_state(no_state, state) is no_state  # three parameters, none the state
     assert maybe_inject_state(no_state, state, needs_injection=True).args == (state,)
+
+
+def test_manual_gc_turns_the_collector_off_and_collects_at_megatron_bridges_points():
+    cfg = tiny_gpt_pretrain_config(train_iters=4, eval_interval=2)
+    cfg.train.manual_gc = True
+    cfg.train.manual_gc_interval = 2
+    collections: list[int] = []
+    enabled_during: list[bool] = []
+
+    def record(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and not gc.isenabled():  # explicit ones: automatic is off
+            collections.append(info["generation"])
+
+    manager = CallbackManager()
+    manager.register("on_train_step_end", lambda ctx: enabled_during.append(gc.isenabled()))
+    assert gc.isenabled()
+    gc.callbacks.append(record)
+    try:
+        train_with(cfg, GlobalState(cfg), manager)
+    finally:
+        gc.callbacks.remove(record)
+    assert enabled_during == [False] * 4
+    assert gc.isenabled()  # on again after the loop
+    # one full collection at the start; at steps 2 and 4 the validation's (a full one
+    # before, a young-generation one after), then the interval's
+    assert collections == [2, 2, 0, 2, 2, 0, 2]

@@ -73,6 +73,13 @@ class TrainingConfig(Section):
     exit_duration_in_mins: float | None = None
     exit_signal_handler: bool = False
     exit_signal: int = int(signal.SIGTERM)
+    #: ``training.train``: the automatic garbage collector off, a collection every
+    #: ``manual_gc_interval`` steps (0: none) and around each validation (``manual_gc_eval``).
+    manual_gc: bool = False
+    manual_gc_interval: int = 0
+    manual_gc_eval: bool = True
+    #: ``training.train``: a CUDA synchronisation every this many steps (None: none).
+    train_sync_interval: int | None = None
     #: Steps whose data is read and dropped, not trained on (``training.train.train`` only).
     iterations_to_skip: list[int] = field(default_factory=list)
 
@@ -230,9 +237,11 @@ class ConfigContainer(Section):
             ("dataset", "max_bytes"),
         ):
             _int_at_least(getattr(self, where), name, where, 1)
+        _int_at_least(t, "manual_gc_interval", "train", 0)
         for where, name in (
             ("train", "eval_interval"),
             ("train", "exit_interval"),
+            ("train", "train_sync_interval"),
             ("checkpoint", "save_interval"),
         ):
             if getattr(getattr(self, where), name) is not None:
@@ -366,6 +375,8 @@ class ConfigContainer(Section):
             ("logger", lg, "log_progress"),
             ("logger", lg, "log_validation_ppl_to_tensorboard"),
             ("train", t, "exit_signal_handler"),
+            ("train", t, "manual_gc"),
+            ("train", t, "manual_gc_eval"),
         ):
             if not isinstance(getattr(section, name), bool):
                 raise ValueError(

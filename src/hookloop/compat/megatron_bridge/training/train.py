@@ -65,6 +65,7 @@ from hookloop.compat.megatron_bridge.training.train_support import (
     agreed,
     bind_step,
     check_train_inputs,
+    manual_gc,
     optimizer_step,
 )
 from hookloop.compat.megatron_bridge.training.utils.log_utils import barrier_and_log
@@ -150,7 +151,7 @@ def train(
     interval_time.start()
     loop.fire("on_train_start")
     handler = global_state.signal_handler if cfg.train.exit_signal_handler else None
-    with handler if handler is not None else nullcontext():
+    with handler if handler is not None else nullcontext(), manual_gc(cfg.train):
         should_exit, exit_code = loop.run(
             train_data_iterator,
             valid_data_iterator,
@@ -257,9 +258,14 @@ class _Loop:
         process_non_loss_data_func: Callable[[Any, int, Any], Any] | None,
         non_loss_data_func: Callable[[Any], Any] | None,
     ) -> None:
-        """One validation pass, the ``interval-time`` timer paused meanwhile."""
+        """One validation pass, the ``interval-time`` timer paused meanwhile (and, with
+        ``train.manual_gc`` and ``manual_gc_eval``, a collection before and after)."""
         interval_time = self.state.timers("interval-time")
         interval_time.stop()
+        train_cfg = self.state.cfg.train
+        collect = train_cfg.manual_gc and train_cfg.manual_gc_eval
+        if collect:
+            gc.collect()  # everything, before validation
         evaluate_and_print_results(
             self.state,
             f"iteration {self.state.train_state.step}",
@@ -273,6 +279,8 @@ class _Loop:
             non_loss_data_func=non_loss_data_func,
             callback_manager=self.callback_manager,
         )
+        if collect:
+            gc.collect(generation=0)  # what validation made and dropped
         interval_time.start()
 
 

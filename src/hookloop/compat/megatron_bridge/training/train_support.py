@@ -1,14 +1,16 @@
 """What :func:`~.train.train` checks and computes besides Megatron-Bridge's 14 functions.
 
 The checks of ``train()``'s arguments (one line naming what is wrong), the binding of
-a forward step to the run's state, the clipped optimizer update and the agreement of
-an exit flag across ranks.
+a forward step to the run's state, the clipped optimizer update, the agreement of
+an exit flag across ranks and ``train.manual_gc``'s garbage collection.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+import gc
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -92,3 +94,20 @@ def agreed(flag: bool) -> bool:
     value = torch.tensor([int(flag)])
     torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
     return bool(value.item())
+
+
+@contextlib.contextmanager
+def manual_gc(train_cfg: Any) -> Iterator[None]:
+    """With ``train.manual_gc``: the automatic collector off (after one full collection)
+    while the loop runs, as Megatron-Bridge aligns collections across ranks; on again after."""
+    if not train_cfg.manual_gc:
+        yield
+        return
+    was_enabled = gc.isenabled()
+    gc.disable()
+    gc.collect()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
