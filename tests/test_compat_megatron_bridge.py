@@ -954,7 +954,8 @@ def test_finetune_from_the_container_starts_from_its_pretrained_checkpoint(tmp_p
     finetune(config, forward_step, callbacks=manager)
     assert started == pytest.approx(ended, rel=1e-6)
 
-    with pytest.raises(ValueError, match=r"config\.checkpoint\.pretrained_checkpoint"):
+    # Megatron-Bridge asserts: an AssertionError naming the two fields
+    with pytest.raises(AssertionError, match=r"config\.checkpoint\.pretrained_checkpoint"):
         finetune(tiny_gpt_pretrain_config(), forward_step)
 
 
@@ -996,8 +997,15 @@ def test_pretrain_logs_losses_and_evaluations_through_the_config_writers(tmp_pat
     events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"lm loss", "lr", "lm loss validation", "lm loss test"} <= tags
+    assert {"lm loss", "learning-rate", "lm loss validation", "lm loss test"} <= tags
+    # Megatron-Bridge's training-log tags, each also against the consumed samples
+    for tag in ("learning-rate", "batch-size", "lm loss", "grad-norm", "lm loss validation"):
+        assert {tag, f"{tag} vs samples"} <= tags, tag
     assert {e.step: e.value for e in events.Scalars("lm loss")} == pytest.approx(logged)
+    assert {e.step: e.value for e in events.Scalars("lm loss vs samples")} == pytest.approx(
+        {8 * step: loss for step, loss in logged.items()}
+    )
+    assert {e.value for e in events.Scalars("batch-size")} == {8.0}
     assert [e.step for e in events.Scalars("lm loss validation")] == [2, 4, 4]
     [test] = events.Scalars("lm loss test")
     assert (test.step, test.value) == (4, pytest.approx(result.metrics["test_lm loss"]))

@@ -6,12 +6,13 @@ optimizer, the scheduler, Megatron-Bridge's ``train_state`` and every RNG. The
 :class:`~hookloop.checkpoint.CheckpointManager` of the run lives in the
 ``checkpointing_context`` dict Megatron-Bridge threads through its loop, made on the
 first save. After each save ``on_checkpoint_save`` fires with the optimizer and the
-checkpoint's path, as the dialect fires it from ``pretrain()``.
+checkpoint's path (``context.checkpoint_path``), as the dialect fires it from
+``pretrain()``. The signature is Megatron-Bridge's; like it, it returns None.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from hookloop.checkpoint import CheckpointManager, RNGState, SavePolicy
@@ -31,21 +32,44 @@ def save_checkpoint(
     state: GlobalState,
     model: list[Any],
     optimizer: Any,
-    scheduler: Any,
-    checkpointing_context: dict[str, Any],
-    *,
+    opt_param_scheduler: Any,
+    num_floating_point_operations_so_far: float,
+    checkpointing_context: dict[str, Any] | None = None,
+    pipeline_rank: int | None = None,
+    tensor_rank: int | None = None,
+    non_persistent_ckpt: bool = False,
+    train_data_iterator: Any = None,
+    preprocess_common_state_dict_fn: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    prebuilt_state_dict: dict[str, Any] | None = None,
+    pg_collection: Any = None,
     callback_manager: CallbackManager | None = None,
-) -> Path | None:
-    """Save the run at ``state.train_state.step``; return the checkpoint's directory.
+    module_name: str | None = None,
+) -> None:
+    """Save the run at ``state.train_state.step`` (nothing when that step is saved already).
 
-    Returns None when this step is already saved. Every rank calls it; rank 0 writes.
+    Every rank calls it; rank 0 writes. The FLOPs count saved is ``train_state``'s (the
+    one ``num_floating_point_operations_so_far`` is taken from). The data iterator's
+    position is not saved. The Megatron-Core-only arguments (``pipeline_rank``,
+    ``tensor_rank``, ``non_persistent_ckpt``, ``preprocess_common_state_dict_fn``,
+    ``prebuilt_state_dict``, ``pg_collection``, ``module_name``) must keep their defaults.
     """
+    _refuse_megatron_core_arguments(
+        pipeline_rank=pipeline_rank,
+        tensor_rank=tensor_rank,
+        non_persistent_ckpt=non_persistent_ckpt or None,
+        preprocess_common_state_dict_fn=preprocess_common_state_dict_fn,
+        prebuilt_state_dict=prebuilt_state_dict,
+        pg_collection=pg_collection,
+        module_name=module_name,
+    )
     save = state.cfg.checkpoint.save
     if save is None:
         raise ValueError("saving a checkpoint needs cfg.checkpoint.save (the run directory)")
+    if checkpointing_context is None:
+        checkpointing_context = {}
     if not isinstance(checkpointing_context, dict):
         raise TypeError(
-            "checkpointing_context must be a dict (start with {}), got "
+            "checkpointing_context must be a dict (start with {}) or None, got "
             f"{type(checkpointing_context).__name__}"
         )
     manager = checkpointing_context.get(MANAGER_KEY)
@@ -53,8 +77,8 @@ def save_checkpoint(
         manager = CheckpointManager(RunDir(save).checkpoints, SavePolicy(keep_last=None))
         checkpointing_context[MANAGER_KEY] = manager
     named: dict[str, Any] = {"model": model[0], "optimizer": optimizer}
-    if hasattr(scheduler, "state_dict"):
-        named["scheduler"] = scheduler
+    if hasattr(opt_param_scheduler, "state_dict"):
+        named["scheduler"] = opt_param_scheduler
     named |= {"train_state": state.train_state, "rng": RNGState()}
     cfg = state.cfg
     path = manager.save(
@@ -70,4 +94,14 @@ def save_checkpoint(
         )
         context.checkpoint_path = path
         callback_manager.fire("on_checkpoint_save", context)
-    return path
+
+
+def _refuse_megatron_core_arguments(**given: Any) -> None:
+    """One line naming the first argument that only Megatron-Core's checkpointing takes."""
+    for name, value in given.items():
+        if value is not None:
+            raise ValueError(
+                f"save_checkpoint({name}={value!r}) needs Megatron-Core's distributed "
+                f"checkpointing; the dialect saves one hookloop checkpoint: leave {name} at "
+                "its default"
+            )

@@ -11,37 +11,84 @@ GPT hookloop trains) and :meth:`ConfigContainer.to_native` turns it into the
 >>> native = cfg.to_native(world_size=1)
 >>> native.train.max_steps, native.train.grad_accum
 (10, 2)
+
+Megatron-Bridge's sample-based settings convert to iterations as there:
+``train.train_samples`` gives ``train_iters = train_samples // global_batch_size``.
+A field Megatron-Bridge has and the dialect does not is refused by name:
+
+>>> cfg.train.rampup_batch_size = [16, 8, 300]  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+    ...
+AttributeError: train.rampup_batch_size is a Megatron-Bridge setting the dialect does not ...
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import signal
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from hookloop import config as hc
 from hookloop.recipes.gpt import GPTConfig, TextDataConfig
 
 
-@dataclass
-class TrainingConfig:
-    """Steps, batch sizes, evaluation cadence and exit conditions."""
+class Section:
+    """A config section whose fields are fixed: setting any other name is refused by name."""
 
-    train_iters: int = 4
+    section: ClassVar[str] = ""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        names = [f.name for f in dataclasses.fields(self)]  # type: ignore[arg-type]
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=1, cutoff=0.8)
+            hint = f". Did you mean {close[0]!r}?" if close else ""
+            where = f"{self.section}.{name}" if self.section else name
+            raise AttributeError(
+                f"{where} is a Megatron-Bridge setting the dialect does not reproduce "
+                "(Megatron-Core or a feature of its own drives it); the "
+                f"{self.section or 'ConfigContainer'} section has: {', '.join(names)}{hint}"
+            )
+        object.__setattr__(self, name, value)
+
+
+@dataclass
+class TrainingConfig(Section):
+    """Steps (``train_iters``, or ``train_samples`` over the global batch), batch sizes,
+    evaluation cadence and exit conditions.
+
+    ``exit_signal_handler``: ``training.train`` catches ``exit_signal`` (SIGTERM), then
+    saves (with ``checkpoint.save``) and exits after the step, as Megatron-Bridge.
+    """
+
+    section: ClassVar[str] = "train"
+    train_iters: int | None = 4
+    train_samples: int | None = None
     global_batch_size: int = 8
     micro_batch_size: int = 4
     eval_interval: int | None = 2
     eval_iters: int = 2
     exit_interval: int | None = None
     exit_duration_in_mins: float | None = None
+    exit_signal_handler: bool = False
+    exit_signal: int = int(signal.SIGTERM)
+    #: ``training.train``: the automatic garbage collector off, a collection every
+    #: ``manual_gc_interval`` steps (0: none) and around each validation (``manual_gc_eval``).
+    manual_gc: bool = False
+    manual_gc_interval: int = 0
+    manual_gc_eval: bool = True
+    #: ``training.train``: a CUDA synchronisation every this many steps (None: none).
+    train_sync_interval: int | None = None
     #: Steps whose data is read and dropped, not trained on (``training.train.train`` only).
     iterations_to_skip: list[int] = field(default_factory=list)
 
 
 @dataclass
-class GPTModelConfig:
+class GPTModelConfig(Section):
     """The byte-level GPT's shape (vocabulary fixed at 256 bytes)."""
 
+    section: ClassVar[str] = "model"
     num_layers: int = 2
     hidden_size: int = 32
     num_attention_heads: int = 2
@@ -50,9 +97,10 @@ class GPTModelConfig:
 
 
 @dataclass
-class OptimizerConfig:
+class OptimizerConfig(Section):
     """``optimizer`` is ``"adam"`` (decoupled weight decay, as Megatron's) or ``"sgd"``."""
 
+    section: ClassVar[str] = "optimizer"
     optimizer: str = "adam"
     lr: float = 3e-3
     min_lr: float = 3e-4
@@ -65,21 +113,35 @@ class OptimizerConfig:
 
 
 @dataclass
-class SchedulerConfig:
-    """``lr_decay_style``: ``"constant"``, ``"cosine"`` or ``"linear"`` (to ``min_lr``)."""
+class SchedulerConfig(Section):
+    """``lr_decay_style``: ``"constant"``, ``"cosine"`` or ``"linear"`` (to ``min_lr``).
 
+    As in Megatron-Bridge the decay runs over ``lr_decay_iters`` (default: the run's
+    steps) and the warm-up over ``lr_warmup_iters`` steps or ``lr_warmup_fraction`` of
+    the decay; a ``train.train_samples`` run gives them in samples instead
+    (``lr_decay_samples``, ``lr_warmup_samples``), divided by the global batch size.
+    The warm-up starts from 0 (``lr_warmup_init`` must stay 0.0).
+    """
+
+    section: ClassVar[str] = "scheduler"
     lr_decay_style: str = "constant"
     lr_warmup_iters: int = 0
+    lr_decay_iters: int | None = None
+    lr_warmup_fraction: float | None = None
+    lr_decay_samples: int | None = None
+    lr_warmup_samples: int = 0
+    lr_warmup_init: float = 0.0
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(Section):
     """``save``: the run directory (checkpoints under it); ``load``: resume from there.
 
     ``async_save``: write in the background (``on_checkpoint_save`` then fires once the
     write is done, a step or two later); off by default, as in Megatron-Bridge.
     """
 
+    section: ClassVar[str] = "checkpoint"
     save: str | None = None
     save_interval: int | None = None
     load: str | None = None
@@ -88,37 +150,44 @@ class CheckpointConfig:
 
 
 @dataclass
-class LoggerConfig:
+class LoggerConfig(Section):
     """Log cadence and the writers ``GlobalState`` opens (last rank only, lazily).
 
+    ``log_validation_ppl_to_tensorboard``: also write each validation's perplexity.
     ``log_progress``: append Megatron-Bridge's ``progress.txt`` lines to
     ``<checkpoint.save>/progress.txt`` (job start, each save with its throughput).
     """
 
+    section: ClassVar[str] = "logger"
     log_interval: int = 1
     log_progress: bool = False
     tensorboard_dir: str | None = None
+    tensorboard_queue_size: int = 1000
+    log_validation_ppl_to_tensorboard: bool = False
     wandb_project: str | None = None
     wandb_exp_name: str = ""
     wandb_save_dir: str | None = None
+    wandb_entity: str | None = None
 
 
 @dataclass
-class DatasetConfig:
+class DatasetConfig(Section):
     """Byte windows of ``source`` text, split ``"train,valid,test"`` by weight."""
 
+    section: ClassVar[str] = "dataset"
     source: str = "stdlib"
     max_bytes: int = 65_536
     split: str = "90,5,5"
 
 
 @dataclass
-class RNGConfig:
+class RNGConfig(Section):
+    section: ClassVar[str] = "rng"
     seed: int = 1234
 
 
 @dataclass
-class ConfigContainer:
+class ConfigContainer(Section):
     """Every section of a run, under Megatron-Bridge's names."""
 
     train: TrainingConfig = field(default_factory=TrainingConfig)
@@ -149,10 +218,13 @@ class ConfigContainer:
         return weights[0] / total, weights[1] / total, weights[2] / total
 
     def validate(self, world_size: int = 1) -> ConfigContainer:
-        """Check every field; raises ``ValueError`` naming the field and what is allowed."""
-        t, m, o, s = self.train, self.model, self.optimizer, self.scheduler
+        """Check every field; raises ``ValueError`` naming the field and what is allowed.
+
+        A ``train.train_samples`` run gets its ``train.train_iters`` here, as in
+        Megatron-Bridge.
+        """
+        t, m, o = self.train, self.model, self.optimizer
         for where, name in (
-            ("train", "train_iters"),
             ("train", "global_batch_size"),
             ("train", "micro_batch_size"),
             ("train", "eval_iters"),
@@ -161,17 +233,21 @@ class ConfigContainer:
             ("model", "num_attention_heads"),
             ("model", "seq_length"),
             ("logger", "log_interval"),
+            ("logger", "tensorboard_queue_size"),
             ("dataset", "max_bytes"),
         ):
             _int_at_least(getattr(self, where), name, where, 1)
+        _int_at_least(t, "manual_gc_interval", "train", 0)
         for where, name in (
             ("train", "eval_interval"),
             ("train", "exit_interval"),
+            ("train", "train_sync_interval"),
             ("checkpoint", "save_interval"),
         ):
             if getattr(getattr(self, where), name) is not None:
                 _int_at_least(getattr(self, where), name, where, 1, none_ok=True)
-        _int_at_least(s, "lr_warmup_iters", "scheduler", 0)
+        self._check_iterations()
+        self._check_schedule()
         skip = t.iterations_to_skip
         if not isinstance(skip, (list, tuple)) or any(
             isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in skip
@@ -202,31 +278,119 @@ class ConfigContainer:
             raise ValueError(f"optimizer.min_lr must lie in [0, optimizer.lr], got {o.min_lr!r}")
         if not _number(o.clip_grad) or o.clip_grad < 0:
             raise ValueError(f"optimizer.clip_grad must be >= 0 (0: off), got {o.clip_grad!r}")
+        self._check_exits_and_outputs()
+        self.split_weights()
+        return self
+
+    def _check_iterations(self) -> None:
+        """``train_iters`` or ``train_samples`` (then ``train_iters`` from it), not both."""
+        t = self.train
+        if t.train_samples is None:
+            _int_at_least(t, "train_iters", "train", 1)
+            return
+        _int_at_least(t, "train_samples", "train", 1, none_ok=True)
+        iterations = t.train_samples // t.global_batch_size
+        if iterations < 1:
+            raise ValueError(
+                f"train.train_samples ({t.train_samples}) must be at least one "
+                f"train.global_batch_size ({t.global_batch_size})"
+            )
+        if t.train_iters is not None and t.train_iters != iterations:
+            raise ValueError(
+                f"set train.train_iters ({t.train_iters}) or train.train_samples "
+                f"({t.train_samples}), not both (set the other to None)"
+            )
+        t.train_iters = iterations
+
+    def _check_schedule(self) -> None:
+        """The scheduler's fields: one unit (iterations or samples) and one warm-up kind."""
+        s = self.scheduler
         if s.lr_decay_style not in ("constant", "cosine", "linear"):
             raise ValueError(
                 "scheduler.lr_decay_style must be 'constant', 'cosine' or 'linear', "
                 f"got {s.lr_decay_style!r}"
             )
+        _int_at_least(s, "lr_warmup_iters", "scheduler", 0)
+        _int_at_least(s, "lr_warmup_samples", "scheduler", 0)
+        for name in ("lr_decay_iters", "lr_decay_samples"):
+            if getattr(s, name) is not None:
+                _int_at_least(s, name, "scheduler", 1, none_ok=True)
+        by_samples = self.train.train_samples is not None
+        other = ("lr_decay_iters", "lr_warmup_iters") if by_samples else ("lr_decay_samples",)
+        other += () if by_samples else ("lr_warmup_samples",)
+        for name in other:
+            if getattr(s, name) not in (None, 0):
+                unit, kind = (
+                    ("train.train_samples", "samples")
+                    if by_samples
+                    else ("train.train_iters", "iters")
+                )
+                raise ValueError(
+                    f"scheduler.{name} does not fit a run counted by {unit}: give the schedule "
+                    f"as scheduler.lr_decay_{kind} / lr_warmup_{kind} (or lr_warmup_fraction)"
+                )
+        fraction = s.lr_warmup_fraction
+        if fraction is not None:
+            if not _number(fraction) or not 0 <= fraction <= 1:
+                raise ValueError(
+                    f"scheduler.lr_warmup_fraction must lie in [0, 1] or be None, got {fraction!r}"
+                )
+            if s.lr_warmup_iters or s.lr_warmup_samples:
+                raise ValueError(
+                    "set one of scheduler.lr_warmup_fraction, lr_warmup_iters and "
+                    "lr_warmup_samples, not several"
+                )
+        if s.lr_warmup_init != 0.0:
+            raise ValueError(
+                f"scheduler.lr_warmup_init must be 0.0 (hookloop's warm-up starts from 0), got "
+                f"{s.lr_warmup_init!r}"
+            )
+
+    def schedule_iterations(self) -> tuple[int, int]:
+        """``(warm-up, decay)`` in iterations, from the scheduler's fields (after validate)."""
+        s, t = self.scheduler, self.train
+        if t.train_samples is not None:
+            decay = (s.lr_decay_samples or t.train_samples) / t.global_batch_size
+            warmup = s.lr_warmup_samples / t.global_batch_size
+        else:
+            decay = s.lr_decay_iters or t.train_iters
+            warmup = s.lr_warmup_iters
+        if s.lr_warmup_fraction is not None:
+            warmup = s.lr_warmup_fraction * decay
+        return round(warmup), max(1, round(decay))
+
+    def _check_exits_and_outputs(self) -> None:
+        t, ck, lg = self.train, self.checkpoint, self.logger
         minutes = t.exit_duration_in_mins
         if minutes is not None and (not _number(minutes) or not minutes > 0):
             raise ValueError(f"train.exit_duration_in_mins must be > 0 or None, got {minutes!r}")
-        ck = self.checkpoint
         if ck.load is not None and ck.save is not None and ck.load != ck.save:
             raise ValueError(
                 f"checkpoint.load ({ck.load!r}) differs from checkpoint.save ({ck.save!r}): "
                 "hookloop resumes a run in its own directory; set load to save (or leave it "
                 "None), or use checkpoint.pretrained_checkpoint to start from other weights"
             )
-        if not isinstance(ck.async_save, bool):
-            raise ValueError(f"checkpoint.async_save must be True or False, got {ck.async_save!r}")
-        if not isinstance(self.logger.log_progress, bool):
+        for where, section, name in (
+            ("checkpoint", ck, "async_save"),
+            ("logger", lg, "log_progress"),
+            ("logger", lg, "log_validation_ppl_to_tensorboard"),
+            ("train", t, "exit_signal_handler"),
+            ("train", t, "manual_gc"),
+            ("train", t, "manual_gc_eval"),
+        ):
+            if not isinstance(getattr(section, name), bool):
+                raise ValueError(
+                    f"{where}.{name} must be True or False, got {getattr(section, name)!r}"
+                )
+        valid_signals = {int(s) for s in signal.valid_signals()}
+        if isinstance(t.exit_signal, bool) or t.exit_signal not in valid_signals:
             raise ValueError(
-                f"logger.log_progress must be True or False, got {self.logger.log_progress!r}"
+                f"train.exit_signal must be a signal number (e.g. signal.SIGTERM), "
+                f"got {t.exit_signal!r}"
             )
-        if self.logger.wandb_project is not None and not self.logger.wandb_project:
+        t.exit_signal = int(t.exit_signal)  # a plain int in the saved config (not signal.Signals)
+        if lg.wandb_project is not None and not lg.wandb_project:
             raise ValueError("logger.wandb_project must be a non-empty name or None")
-        self.split_weights()
-        return self
 
     def gpt_config(self) -> GPTConfig:
         """The byte-level GPT that ``model`` describes."""
@@ -267,7 +431,7 @@ class ConfigContainer:
             ),
             scheduler=hc.SchedulerConfig(
                 name=s.lr_decay_style,  # type: ignore[arg-type]
-                warmup_steps=s.lr_warmup_iters,
+                warmup_steps=self.schedule_iterations()[0],
                 min_lr_ratio=float(o.min_lr) / float(o.lr),
             ),
             train=hc.TrainConfig(

@@ -1,18 +1,21 @@
 """Validation and test passes of a :func:`~.train.train` run, as Megatron-Bridge runs them.
 
-:func:`evaluate` runs ``cfg.train.eval_iters`` iterations of one global batch each,
+:func:`evaluate` (Megatron-Bridge's signature and its three return values) runs
+``cfg.train.eval_iters`` iterations of one global batch each,
 without gradients, firing ``on_eval_*`` (or ``on_test_*``) and counting
 ``train_state.consumed_valid_samples`` by one global batch per iteration. Its losses
 are summed over every iteration ( ``[sum, count]`` values as sums, one-element values
-by micro-batch) and divided at the end. :func:`evaluate_and_print_results` logs them
-with their perplexity and writes them to the TensorBoard writer, as
-``"<key> validation"``.
+by micro-batch) and divided at the end; a ``train.exit_duration_in_mins`` that passes
+meanwhile ends it early. :func:`evaluate_and_print_results` logs them with their
+perplexity and writes them to the TensorBoard and W&B writers as ``"<key> validation"``
+(and ``… vs samples``; the perplexity with ``logger.log_validation_ppl_to_tensorboard``).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,6 +30,7 @@ from hookloop.compat.megatron_bridge.training.forward_backward import (
     forward_backward,
     num_microbatches,
 )
+from hookloop.compat.megatron_bridge.training.loggers import write_validation_scalars
 from hookloop.compat.megatron_bridge.training.state import GlobalState
 from hookloop.distributed import rank_info
 
@@ -37,18 +41,26 @@ ForwardStep = Callable[[Iterator[Any], Any], tuple[Any, Callable[[Any], Any]]]
 
 def evaluate(
     state: GlobalState,
-    forward_step: ForwardStep,
+    forward_step_func: ForwardStep,
     data_iterator: Iterator[Any] | None,
     model: list[torch.nn.Module],
-    *,
+    process_non_loss_data_func: Callable[[Any, int, Any], Any] | None,
+    config: Any,
+    verbose: bool = False,
     non_loss_data_func: Callable[[Any], Any] | None = None,
+    p2p_communicator: Any = None,
+    pg_collection: Any = None,
     callback_manager: CallbackManager | None = None,
     is_test: bool = False,
-) -> tuple[dict[str, torch.Tensor], Any]:
-    """``(total_loss_dict, non-loss data)`` over ``cfg.train.eval_iters`` iterations.
+) -> tuple[dict[str, torch.Tensor] | None, Any, bool]:
+    """``(total_loss_dict, non-loss data, timelimit_hit)`` over ``cfg.train.eval_iters``
+    iterations; ``(None, None, True)`` when ``train.exit_duration_in_mins`` passed meanwhile.
 
-    ``forward_step`` takes ``(data_iterator, model)``, the state already bound.
+    ``forward_step_func`` takes ``(data_iterator, model)``, the state already bound.
+    ``config`` (Megatron-Bridge passes the model's config) is not read;
+    ``p2p_communicator`` and ``pg_collection`` (pipeline stages) must be None.
     """
+    _refuse_pipeline_arguments(p2p_communicator, pg_collection)
     cfg = state.cfg.train
     kind = "test" if is_test else "eval"
     count = num_microbatches(
@@ -56,25 +68,37 @@ def evaluate(
         micro_batch_size=cfg.micro_batch_size,
         data_parallel_size=rank_info()[2],
     )
+    if verbose:
+        logger.info("Evaluating on %d samples", cfg.eval_iters * cfg.global_batch_size)
+    timer = state.timers("evaluate", log_level=0)
+    timer.start()
     _fire(callback_manager, f"on_{kind}_start", state, model)
     for chunk in model:
         chunk.eval()
     sums: dict[str, torch.Tensor] = {}
     try:
         with torch.no_grad():
-            for _ in range(cfg.eval_iters):
+            for iteration in range(1, cfg.eval_iters + 1):
+                if verbose:
+                    logger.info("Evaluating iter %d/%d", iteration, cfg.eval_iters)
                 _fire(callback_manager, f"on_{kind}_step_start", state, model)
                 what = "test_data_iterator" if is_test else "valid_data_iterator"
                 loss_dicts = forward_backward(
-                    forward_step, data_iterator, model[0], count, forward_only=True, what=what
+                    forward_step_func, data_iterator, model[0], count, forward_only=True, what=what
                 )
                 _fire(callback_manager, f"on_{kind}_step_end", state, model)
                 _accumulate(sums, loss_dicts)
                 state.train_state.consumed_valid_samples += cfg.global_batch_size
+                if _time_is_up(state):
+                    logger.info("Exiting during evaluation, timelimit reached")
+                    return None, None, True
         non_loss_data = non_loss_data_func(model) if non_loss_data_func is not None else None
     finally:
         for chunk in model:
             chunk.train()
+        if timer.active:
+            timer.stop()
+    state.timers.log(["evaluate"])
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         for total in sums.values():
             torch.distributed.all_reduce(total)
@@ -85,45 +109,83 @@ def evaluate(
         context.total_loss_dict = total_loss_dict
         context.non_loss_data = non_loss_data
         callback_manager.fire(f"on_{kind}_end", context)
-    return total_loss_dict, non_loss_data
+    return total_loss_dict, non_loss_data, False
 
 
 def evaluate_and_print_results(
     state: GlobalState,
     prefix: str,
-    forward_step: ForwardStep,
+    forward_step_func: ForwardStep,
     data_iterator: Iterator[Any] | None,
     model: list[torch.nn.Module],
-    *,
+    config: Any,
+    verbose: bool = False,
+    write_to_tensorboard: bool = True,
     process_non_loss_data_func: Callable[[Any, int, Any], Any] | None = None,
     non_loss_data_func: Callable[[Any], Any] | None = None,
+    p2p_communicator: Any = None,
+    pg_collection: Any = None,
     callback_manager: CallbackManager | None = None,
     is_test: bool = False,
-) -> dict[str, torch.Tensor]:
-    """:func:`evaluate`, then log each loss and its perplexity and write them to TensorBoard."""
-    total_loss_dict, non_loss_data = evaluate(
+) -> dict[str, torch.Tensor] | None:
+    """:func:`evaluate`, then log each loss and its perplexity and write them to the
+    writers; returns the losses (None when the time limit cut the evaluation short)."""
+    total_loss_dict, non_loss_data, timelimit_hit = evaluate(
         state,
-        forward_step,
+        forward_step_func,
         data_iterator,
         model,
-        non_loss_data_func=non_loss_data_func,
-        callback_manager=callback_manager,
-        is_test=is_test,
+        process_non_loss_data_func,
+        config,
+        verbose,
+        non_loss_data_func,
+        p2p_communicator,
+        pg_collection,
+        callback_manager,
+        is_test,
     )
-    step, writer = state.train_state.step, state.tensorboard_logger
+    if timelimit_hit or total_loss_dict is None:
+        return None
+    ts = state.train_state
+    writer = state.tensorboard_logger if write_to_tensorboard else None
     label = "test" if is_test else "validation"
+    losses = {key: float(value) for key, value in total_loss_dict.items()}
     parts = [f"{label} loss at {prefix}"]
-    for key, value in total_loss_dict.items():
-        loss = float(value)
-        ppl = math.exp(min(20.0, loss))
-        parts.append(f"{key} value: {loss:.6E} | {key} PPL: {ppl:.6E}")
-        if writer is not None:
-            writer.add_scalar(f"{key} {label}", loss, step)
-            writer.add_scalar(f"{key} {label} ppl", ppl, step)
+    for key, loss in losses.items():
+        parts.append(f"{key} value: {loss:.6E} | {key} PPL: {math.exp(min(20.0, loss)):.6E}")
     logger.info(" | ".join(parts))
-    if process_non_loss_data_func is not None and non_loss_data is not None:
-        process_non_loss_data_func(non_loss_data, step, writer)
+    write_validation_scalars(
+        writer,
+        state.wandb_logger,
+        step=ts.step,
+        samples=ts.consumed_train_samples,
+        losses=losses,
+        label=label,
+        ppl=bool(getattr(state.cfg.logger, "log_validation_ppl_to_tensorboard", False)),
+    )
+    if process_non_loss_data_func is not None and non_loss_data is not None and writer:
+        process_non_loss_data_func(non_loss_data, ts.step, writer)
     return total_loss_dict
+
+
+def _refuse_pipeline_arguments(p2p_communicator: Any, pg_collection: Any) -> None:
+    for name, value in (("p2p_communicator", p2p_communicator), ("pg_collection", pg_collection)):
+        if value is not None:
+            raise ValueError(
+                f"{name} is for Megatron-Core pipeline stages; the dialect evaluates one "
+                f"model chunk: leave {name}=None"
+            )
+
+
+def _time_is_up(state: GlobalState) -> bool:
+    """Whether ``train.exit_duration_in_mins`` has passed since the job started, on any rank."""
+    minutes = state.cfg.train.exit_duration_in_mins
+    if not minutes:
+        return False
+    done = torch.tensor([int((time.time() - state.start_time) / 60.0 > minutes)])
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MAX)
+    return bool(done.item())
 
 
 def _accumulate(sums: dict[str, torch.Tensor], loss_dicts: list[dict[str, Any]]) -> None:

@@ -18,14 +18,20 @@ Where the settings come from:
 W&B runs offline unless ``WANDB_MODE`` says otherwise (hookloop's rule for
 every W&B writer; the original goes online by default).
 
-:class:`LogToWriters` is the entry point's own logging through the same
-writers (as Megatron-Bridge's loop logs the loss components to TensorBoard/W&B): each
-log's numbers at its step, and each evaluation's as ``<name> validation`` and
-the test phase's as ``<name> test``, as Megatron's tags read.
+:func:`write_training_scalars` and :func:`write_validation_scalars` write what
+Megatron-Bridge's training log and evaluation write, under its tags: per log step
+``learning-rate``, ``batch-size``, each loss, ``grad-norm`` (and
+``skipped-train-samples`` once a step was skipped), each also ``<tag> vs samples``
+against the consumed samples; per evaluation ``<loss> validation`` (and ``… vs
+samples``; the ``… ppl`` pair with ``logger.log_validation_ppl_to_tensorboard``).
+``training.train`` calls them; in ``pretrain()`` :class:`LogToWriters` does, from the
+loop's logs (the test phase's losses as ``<loss> test``).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -36,6 +42,11 @@ from hookloop.compat.megatron_bridge.training.config import ConfigContainer
 from hookloop.distributed import rank_info
 from hookloop.rundir import RunDir
 from hookloop.state import CallbackContext
+
+logger = logging.getLogger("megatron.bridge.training.train")
+
+#: The loop's own log keys that are not losses: renamed to Megatron's tags, or not written.
+NATIVE_LOG_TAGS = {"lr": "learning-rate", "grad_norm": "grad-norm", "epoch": None}
 
 
 class Writers:
@@ -48,12 +59,16 @@ class Writers:
         wandb_project: str | None = None,
         wandb_exp_name: str = "",
         wandb_save_dir: str | Path | None = None,
+        wandb_entity: str | None = None,
+        tensorboard_queue_size: int = 1000,
         config: dict[str, Any] | None = None,
     ) -> None:
         self.tensorboard_dir = tensorboard_dir
         self.wandb_project = wandb_project
         self.wandb_exp_name = wandb_exp_name
         self.wandb_save_dir = wandb_save_dir
+        self.wandb_entity = wandb_entity
+        self.tensorboard_queue_size = tensorboard_queue_size
         self.config = config or {}
         self._tensorboard: Any = None
         self._wandb: Any = None
@@ -70,6 +85,8 @@ class Writers:
                 wandb_project=lg.wandb_project,
                 wandb_exp_name=lg.wandb_exp_name,
                 wandb_save_dir=save_dir,
+                wandb_entity=lg.wandb_entity,
+                tensorboard_queue_size=lg.tensorboard_queue_size,
                 config=cfg.to_dict(),
             )
         logging = getattr(cfg, "logging", None)
@@ -101,7 +118,9 @@ class Writers:
             writer = require(
                 "torch.utils.tensorboard", extra="tensorboard", feature="tensorboard_logger"
             )
-            self._tensorboard = writer.SummaryWriter(log_dir=str(self.tensorboard_dir))
+            self._tensorboard = writer.SummaryWriter(
+                log_dir=str(self.tensorboard_dir), max_queue=self.tensorboard_queue_size
+            )
         return self._tensorboard
 
     @property
@@ -122,6 +141,7 @@ class Writers:
                 name=self.wandb_exp_name,
                 dir=None if save_dir is None else str(save_dir),
                 config=self.config,
+                entity=self.wandb_entity,
                 mode=os.environ.get("WANDB_MODE") or "offline",
             )
             self._wandb = wandb
@@ -137,35 +157,179 @@ class Writers:
             self._wandb = None
 
 
+def write_training_scalars(
+    tensorboard: Any,
+    wandb: Any,
+    *,
+    step: int,
+    samples: int,
+    skipped_samples: int,
+    learning_rate: float,
+    batch_size: int | None,
+    losses: dict[str, float],
+    grad_norm: float | None,
+) -> None:
+    """One log step's scalars under Megatron-Bridge's tags (either writer may be None)."""
+    values: dict[str, float] = {"learning-rate": learning_rate}
+    if skipped_samples > 0:
+        values["skipped-train-samples"] = skipped_samples
+    if batch_size is not None:
+        values["batch-size"] = batch_size
+    values |= losses
+    if grad_norm is not None:
+        values["grad-norm"] = grad_norm
+    if tensorboard is not None:
+        for tag, value in values.items():
+            tensorboard.add_scalar(tag, value, step)
+            if tag != "skipped-train-samples":
+                tensorboard.add_scalar(f"{tag} vs samples", value, samples)
+    if wandb is not None:
+        wandb.log({"samples vs steps": samples, **values}, step=step)
+
+
+def write_validation_scalars(
+    tensorboard: Any,
+    wandb: Any,
+    *,
+    step: int,
+    samples: int,
+    losses: dict[str, float],
+    label: str = "validation",
+    ppl: bool = False,
+) -> None:
+    """One evaluation's losses as ``<key> <label>`` (and ``… vs samples``; ``… ppl`` too)."""
+    for key, loss in losses.items():
+        values = {f"{key} {label}": loss}
+        if ppl:
+            values[f"{key} {label} ppl"] = math.exp(min(20.0, loss))
+        if tensorboard is not None:
+            for tag, value in values.items():
+                tensorboard.add_scalar(tag, value, step)
+                tensorboard.add_scalar(f"{tag} vs samples", value, samples)
+        if wandb is not None:
+            wandb.log(values, step=step)
+
+
+def training_log_line(
+    step: int,
+    train_iters: int,
+    samples: int,
+    learning_rate: float,
+    batch_size: int,
+    losses: dict[str, float],
+    grad_norm: float | None,
+) -> str:
+    """The console line of one log step, in Megatron-Bridge's layout."""
+    parts = [
+        f"iteration {step:8d}/{train_iters:8d}",
+        f"consumed samples: {samples:12d}",
+        f"learning rate: {learning_rate:.6E}",
+        f"global batch size: {batch_size:5d}",
+        *(f"{key}: {value:.6E}" for key, value in losses.items()),
+    ]
+    if grad_norm is not None:
+        parts.append(f"grad norm: {grad_norm:.3f}")
+    return " | ".join(parts)
+
+
+def log_training_step(
+    state: Any, loss_dict: dict[str, Any], grad_norm: float | None, optimizer: Any
+) -> None:
+    """Every ``logger.log_interval`` steps of ``training.train``: the console line and the
+    writers' scalars (``state`` a GlobalState, its step already counted)."""
+    ts, cfg = state.train_state, state.cfg
+    if not cfg.logger.log_interval or ts.step % cfg.logger.log_interval:
+        return
+    learning_rate = float(optimizer.param_groups[0]["lr"])
+    losses = {key: float(value) for key, value in loss_dict.items()}
+    write_training_scalars(
+        state.tensorboard_logger,
+        state.wandb_logger,
+        step=ts.step,
+        samples=ts.consumed_train_samples,
+        skipped_samples=ts.skipped_train_samples,
+        learning_rate=learning_rate,
+        batch_size=cfg.train.global_batch_size,
+        losses=losses,
+        grad_norm=grad_norm,
+    )
+    line = training_log_line(
+        ts.step,
+        cfg.train.train_iters,
+        ts.consumed_train_samples,
+        learning_rate,
+        cfg.train.global_batch_size,
+        losses,
+        grad_norm,
+    )
+    logger.info(line)
+
+
 class LogToWriters(Callback):
-    """Writes every log and evaluation to the run's enabled writers (last rank only)."""
+    """Writes every log and evaluation of a ``pretrain()`` run to its enabled writers.
+
+    ``batch_size``: the global batch size (None: no ``batch-size`` tag);
+    ``validation_ppl``: also the perplexities (``logger.log_validation_ppl_to_tensorboard``).
+    """
 
     priority = 100  # after the producers of on_before_log
 
-    def __init__(self, writers: Writers) -> None:
+    def __init__(
+        self, writers: Writers, batch_size: int | None = None, validation_ppl: bool = False
+    ) -> None:
         self.writers = writers
+        self.batch_size = batch_size
+        self.validation_ppl = validation_ppl
 
     def on_log(self, ctx: CallbackContext) -> None:
-        self._write(ctx.logs, ctx.state.step, suffix="")
+        numbers = _numbers(ctx.logs)
+        named = {NATIVE_LOG_TAGS.get(key, key): value for key, value in numbers.items()}
+        losses = {
+            key: value
+            for key, value in numbers.items()
+            if key not in NATIVE_LOG_TAGS and key != "skipped_steps"
+        }
+        if len(losses) > 1:
+            losses.pop("loss", None)  # the loop's total; Megatron writes the loss-dict keys
+        if "learning-rate" not in named:
+            return
+        write_training_scalars(
+            self.writers.tensorboard,
+            self.writers.wandb,
+            step=ctx.state.step,
+            samples=ctx.state.samples,
+            skipped_samples=0,
+            learning_rate=named["learning-rate"],
+            batch_size=self.batch_size,
+            losses=losses,
+            grad_norm=named.get("grad-norm"),
+        )
 
     def on_eval_end(self, ctx: CallbackContext) -> None:
-        self._write(ctx.metrics, ctx.state.step, suffix=" validation")
+        self._evaluation(ctx, "validation")
 
     def on_test_end(self, ctx: CallbackContext) -> None:
-        self._write(ctx.metrics, ctx.state.step, suffix=" test")
+        self._evaluation(ctx, "test")
 
-    def _write(self, values: dict[str, Any] | None, step: int, suffix: str) -> None:
-        numbers = {
-            # evaluation keys carry the loop's prefix ("eval_lm loss"): Megatron's tags don't
-            (key.partition("_")[2] if suffix else key) + suffix: float(value)
-            for key, value in (values or {}).items()
-            if isinstance(value, (int, float)) and not isinstance(value, bool)
-        }
-        if not numbers:
-            return
-        tensorboard, wandb = self.writers.tensorboard, self.writers.wandb
-        if tensorboard is not None:
-            for tag, value in numbers.items():
-                tensorboard.add_scalar(tag, value, step)
-        if wandb is not None:
-            wandb.log(numbers, step=step)
+    def _evaluation(self, ctx: CallbackContext, label: str) -> None:
+        # evaluation keys carry the loop's prefix ("eval_lm loss"): Megatron's tags don't
+        losses = {key.partition("_")[2]: v for key, v in _numbers(ctx.metrics).items()}
+        if len(losses) > 1:
+            losses.pop("loss", None)
+        write_validation_scalars(
+            self.writers.tensorboard,
+            self.writers.wandb,
+            step=ctx.state.step,
+            samples=ctx.state.samples,
+            losses=losses,
+            label=label,
+            ppl=self.validation_ppl,
+        )
+
+
+def _numbers(values: dict[str, Any] | None) -> dict[str, float]:
+    return {
+        key: float(value)
+        for key, value in (values or {}).items()
+        if isinstance(value, (int, float)) and not isinstance(value, bool)
+    }

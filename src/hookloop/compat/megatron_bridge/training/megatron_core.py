@@ -97,3 +97,12 @@ def _kind(value: object) -> str:
     if isinstance(value, (list, tuple)) and not value:
         return "an empty list"
     return f"a {type(value).__name__}"
+
+
+def check_nvrx_straggler_detection(nvrx_straggler_manager: Any) -> bool:
+    """Whether NVRx's straggler detection asks the run to stop: never without a manager
+    (the dialect makes none); a manager given is asked for this rank."""
+    if nvrx_straggler_manager is None:
+        return False
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    return bool(nvrx_straggler_manager.check_stragglers(rank))

@@ -115,7 +115,7 @@ def run(
     # second run must not count or write into the first run's state.
     run_callbacks: list[Any] = [ValidSampleCounter(global_state)]
     if writers.enabled:
-        run_callbacks.insert(0, LogToWriters(writers))
+        run_callbacks.insert(0, log_to_writers(config, native, writers))
     if isinstance(config, ConfigContainer) and config.logger.log_progress:
         progress = MegatronBridgeProgressLog(global_state, async_save=config.checkpoint.async_save)
         run_callbacks.insert(-1, progress)
@@ -209,7 +209,9 @@ def build_trainer(
     parts = build_parts(config, native)
     optimizer = build_optimizer(native.optimizer, parts.model)
     # Megatron-Bridge always has a scheduler; a constant rate gets one that keeps it.
-    scheduler = build_scheduler(native.scheduler, optimizer, native.train.max_steps)
+    # It decays over scheduler.lr_decay_iters (or its samples), not always the whole run.
+    decay_iterations = config.schedule_iterations()[1]
+    scheduler = build_scheduler(native.scheduler, optimizer, decay_iterations)
     if scheduler is None:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _constant)
     return Trainer(
@@ -226,6 +228,19 @@ def build_trainer(
         resume=resume,
         flops_per_sample=parts.flops_per_sample,
     )
+
+
+def log_to_writers(config: AnyConfig, native: Config, writers: Writers) -> LogToWriters:
+    """The run's logging to its writers, with its global batch size (Megatron's tags)."""
+    if isinstance(config, ConfigContainer):
+        return LogToWriters(
+            writers,
+            batch_size=config.train.global_batch_size,
+            validation_ppl=config.logger.log_validation_ppl_to_tensorboard,
+        )
+    per_rank = getattr(native.data, "batch_size", None)
+    batch = None if per_rank is None else per_rank * native.train.grad_accum * rank_info()[2]
+    return LogToWriters(writers, batch_size=batch)
 
 
 def _constant(step: int) -> float:

@@ -2,8 +2,9 @@
 
 Shaped as Megatron-Bridge's (``megatron.bridge.training.state``): ``cfg``,
 ``train_state`` (a plain, mutable dataclass with its eight fields), ``timers`` (with
-Megatron-Core's ``log()`` and ``write()``), ``start_time``, and the TensorBoard and
-W&B writers. The loop keeps its own counters; before each callback event and each
+Megatron-Core's ``log()`` and ``write()``), ``start_time``, the TensorBoard and
+W&B writers its config names (opened on first use, last rank only) and the exit
+signal handler. The loop keeps its own counters; before each callback event and each
 forward step the dialect copies them into ``train_state`` under Megatron-Bridge's
 numbering (:meth:`GlobalState.refresh`): during a step, ``step`` is the number of
 steps done before it, as in Megatron-Bridge, where the counter moves after the step.
@@ -21,18 +22,21 @@ True
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from hookloop.compat.megatron_bridge.training.config import ConfigContainer
 from hookloop.compat.megatron_bridge.training.loggers import Writers
+from hookloop.compat.megatron_bridge.training.utils.sig_utils import DistributedSignalHandler
 from hookloop.state import TrainState as NativeTrainState
 from hookloop.timers import Timer
 from hookloop.timers import Timers as NativeTimers
 
-__all__ = ["GlobalState", "Timer", "Timers", "TrainState"]
+__all__ = ["FaultToleranceState", "GlobalState", "Timer", "Timers", "TrainState"]
 
 #: Megatron-Core logs its timers through this logger.
 timers_logger = logging.getLogger("megatron.core.timers")
@@ -52,7 +56,7 @@ class TrainState:
     do_test: bool = False
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The fields as tensors, as Megatron-Bridge checkpoints them."""
+        """The fields as tensors of Megatron-Bridge's types (int32 counters, float64 FLOPs)."""
         return {
             name: torch.tensor(value, dtype=_DTYPES[name]) for name, value in vars(self).items()
         }
@@ -63,15 +67,29 @@ class TrainState:
 
 
 _DTYPES = {
-    "step": torch.int64,
-    "consumed_train_samples": torch.int64,
-    "skipped_train_samples": torch.int64,
-    "consumed_valid_samples": torch.int64,
+    "step": torch.int32,
+    "consumed_train_samples": torch.int32,
+    "skipped_train_samples": torch.int32,
+    "consumed_valid_samples": torch.int32,
     "floating_point_operations_so_far": torch.float64,
     "do_train": torch.bool,
     "do_valid": torch.bool,
     "do_test": torch.bool,
 }
+
+
+@dataclass
+class FaultToleranceState:
+    """Megatron-Bridge's fault-tolerance bookkeeping; the dialect keeps it, NVRx never fills it."""
+
+    ft_state_path: str | None = None
+    is_persistent_chkpt_loaded: bool = False
+    is_async_chkpt_enabled: bool = False
+    is_calculating_timeouts: bool = False
+    is_setup_section_open: bool = False
+    seen_checkpoints_cnt: int = 0
+    seen_tr_iters_cnt: int = 0
+    curr_eval_iter_idx: int = 0
 
 
 class Timers:
@@ -174,6 +192,8 @@ class GlobalState:
 
     One is shared by the forward step and the callbacks of a run. ``start_time`` is
     when it was made (Megatron-Bridge measures the job's throughput from there).
+    ``GlobalState(cfg)`` or, as in Megatron-Bridge, ``GlobalState()`` then
+    ``state.cfg = cfg``: the writers and the signal handler follow the config set.
     """
 
     def __init__(
@@ -183,16 +203,41 @@ class GlobalState:
         native_config: Any = None,
         writers: Writers | None = None,
     ) -> None:
-        self.cfg = cfg
-        #: The hookloop Config the loop runs (``cfg`` itself unless cfg is a ConfigContainer).
-        self.native_config = cfg if native_config is None else native_config
+        self._cfg = cfg
+        self._native_config = native_config
         self.start_time: float = time.time()
         #: FLOPs already done when this job started (a resumed run's restored count);
         #: the job's throughput in ``progress.txt`` counts from here.
         self.job_start_flops: float = 0.0
-        self._writers = writers if writers is not None else Writers()
+        #: Writers given by the entry point; None: those ``cfg`` names, made on first use.
+        self._given_writers = writers
+        self._writers: Writers | None = writers
+        self._signal_handler: DistributedSignalHandler | None = None
         self._train_state = TrainState()
         self._timers = Timers()
+        self._ft_state = FaultToleranceState()
+        #: NVRx's straggler detection is not reproduced: always None.
+        self.nvrx_straggler_manager: Any = None
+
+    @property
+    def cfg(self) -> Any:
+        """The run's ConfigContainer (or hookloop Config)."""
+        return self._cfg
+
+    @cfg.setter
+    def cfg(self, value: Any) -> None:
+        if value is not self._cfg:
+            self.close_loggers()
+            self._writers = self._given_writers
+            self._signal_handler = None
+        self._cfg = value
+        if value is not None:
+            self._set_signal_handler()  # reads train.exit_signal, as Megatron-Bridge's
+
+    @property
+    def native_config(self) -> Any:
+        """The hookloop Config the loop runs (``cfg`` itself unless cfg is a ConfigContainer)."""
+        return self._cfg if self._native_config is None else self._native_config
 
     @property
     def train_state(self) -> TrainState:
@@ -211,17 +256,48 @@ class GlobalState:
 
     @property
     def tensorboard_logger(self) -> Any:
-        """A ``SummaryWriter`` (last rank, when the config enables TensorBoard), else None."""
-        return self._writers.tensorboard
+        """A ``SummaryWriter`` into ``cfg.logger.tensorboard_dir`` on the last rank, else None."""
+        return self._open_writers().tensorboard
 
     @property
     def wandb_logger(self) -> Any:
         """The ``wandb`` module, its run started (last rank, when enabled), else None."""
-        return self._writers.wandb
+        return self._open_writers().wandb
+
+    @property
+    def fault_tolerance_state(self) -> FaultToleranceState:
+        return self._ft_state
+
+    @fault_tolerance_state.setter
+    def fault_tolerance_state(self, value: FaultToleranceState) -> None:
+        self._ft_state = value
+
+    @property
+    def signal_handler(self) -> DistributedSignalHandler | None:
+        """The handler of ``cfg.train.exit_signal`` (SIGTERM; None without a ``train``
+        section); ``training.train`` enters it when ``cfg.train.exit_signal_handler`` is set."""
+        if self._signal_handler is None:
+            self._set_signal_handler()
+        return self._signal_handler
+
+    def _set_signal_handler(self) -> None:
+        train = getattr(self._cfg, "train", None) if self._cfg is not None else None
+        if train is not None:
+            self._signal_handler = DistributedSignalHandler(
+                getattr(train, "exit_signal", signal.SIGTERM)
+            )
 
     def close_loggers(self) -> None:
         """Flush and close the writers opened during the run (the entry points call it)."""
-        self._writers.close()
+        if self._writers is not None:
+            self._writers.close()
+
+    def _open_writers(self) -> Writers:
+        if self._writers is None:
+            cfg = self._cfg
+            save = cfg.checkpoint.save if isinstance(cfg, ConfigContainer) else None
+            self._writers = Writers.for_run(cfg, save)
+        return self._writers
 
     def refresh(
         self,

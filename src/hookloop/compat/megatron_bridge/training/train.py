@@ -22,12 +22,12 @@ ones in :mod:`.progress`; both are importable from here under Megatron-Bridge's 
 
 from __future__ import annotations
 
-import functools
 import gc
 import logging
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -38,15 +38,16 @@ from hookloop.compat.megatron_bridge.training.callbacks import (
     should_fire,
 )
 from hookloop.compat.megatron_bridge.training.checkpointing import save_checkpoint
-from hookloop.compat.megatron_bridge.training.config import ConfigContainer
 from hookloop.compat.megatron_bridge.training.eval import evaluate_and_print_results
 from hookloop.compat.megatron_bridge.training.forward_backward import (
     forward_backward,
     num_microbatches,
     reduce_loss_dicts,
 )
+from hookloop.compat.megatron_bridge.training.loggers import log_training_step
 from hookloop.compat.megatron_bridge.training.megatron_core import (
     check_chunks,
+    check_nvrx_straggler_detection,
     disable_forward_pre_hook,
     enable_forward_pre_hook,
     should_disable_forward_pre_hook,
@@ -60,9 +61,16 @@ from hookloop.compat.megatron_bridge.training.progress import (
     log_job_start,
 )
 from hookloop.compat.megatron_bridge.training.state import GlobalState
+from hookloop.compat.megatron_bridge.training.train_support import (
+    agreed,
+    bind_step,
+    check_train_inputs,
+    manual_gc,
+    optimizer_step,
+)
+from hookloop.compat.megatron_bridge.training.utils.log_utils import barrier_and_log
 from hookloop.distributed import rank_info
 from hookloop.recipes.gpt import flops_per_sample
-from hookloop.step import bind_forward_step
 
 __all__ = [
     "_dummy_train_step",
@@ -108,9 +116,11 @@ def train(
     model)``) returns ``(output, loss_func)``. Validation runs on ``valid_data_iterator``
     every ``cfg.train.eval_interval`` steps when ``train_state.do_valid`` is set (it is
     set here when a valid iterator is given). ``callback_manager`` (Megatron-Bridge's
-    newer keyword) receives the training, validation and checkpoint events.
+    newer keyword) receives the training, validation and checkpoint events. With
+    ``cfg.train.exit_signal_handler`` the signal ``cfg.train.exit_signal`` (SIGTERM) is
+    caught while training: the step finishes, the run saves and exits.
     """
-    cfg = _check_train_inputs(
+    cfg = check_train_inputs(
         global_state, optimizer, checkpointing_context, callback_manager, model
     )
     for name, fn in (
@@ -119,82 +129,35 @@ def train(
     ):
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
-    step_func = _bind(forward_step_func, global_state)
-    ts, train_cfg = global_state.train_state, cfg.train
+    loop = _Loop(
+        bind_step(forward_step_func, global_state),
+        model,
+        optimizer,
+        scheduler,
+        global_state,
+        checkpointing_context,
+        callback_manager,
+    )
+    ts = global_state.train_state
     ts.do_train = True
     ts.do_valid = ts.do_valid or valid_data_iterator is not None
     global_state.job_start_flops = ts.floating_point_operations_so_far
     if cfg.logger.log_progress:
         log_job_start(global_state)
-    flops_per_batch = train_cfg.global_batch_size * flops_per_sample(
-        cfg.gpt_config(), sum(p.numel() for p in model[0].parameters())
-    )
     for chunk in model:
         chunk.train()
     interval_time = global_state.timers("interval-time")
     interval_time.reset()  # a previous call that raised may have left it running
     interval_time.start()
-    _fire(callback_manager, "on_train_start", global_state, model, optimizer, scheduler)
-
-    flops_since_log, should_exit, exit_code = 0.0, False, 0
-    while ts.step < train_cfg.train_iters:
-        if _should_skip_and_handle_iteration(global_state, train_data_iterator):
-            continue
-        _fire(callback_manager, "on_train_step_start", global_state, model, optimizer, scheduler)
-        loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, grad_norm, _ = (
-            train_step(step_func, train_data_iterator, model, optimizer, scheduler, global_state)
-        )
-        if should_fire(callback_manager, "on_train_step_end"):
-            assert callback_manager is not None
-            context = _context(callback_manager, global_state, model, optimizer, scheduler)
-            context.loss_dict, context.grad_norm = loss_dict, grad_norm
-            context.skipped_iter = bool(skipped_iter)
-            callback_manager.fire("on_train_step_end", context)
-        if should_checkpoint:
-            save_checkpoint_and_time(
-                global_state,
-                model,
-                optimizer,
-                scheduler,
-                ts.floating_point_operations_so_far,
-                checkpointing_context,
-                callback_manager=callback_manager,
-            )
-        if should_exit:
-            break
-        ts.step += 1
-        ts.consumed_train_samples += train_cfg.global_batch_size
-        ts.floating_point_operations_so_far += flops_per_batch
-        flops_since_log += flops_per_batch
-        _log_step(global_state, loss_dict, grad_norm, optimizer)
-        interval = train_cfg.eval_interval
-        if ts.do_valid and interval and ts.step % interval == 0:
-            interval_time.stop()
-            evaluate_and_print_results(
-                global_state,
-                f"iteration {ts.step}",
-                step_func,
-                valid_data_iterator,
-                model,
-                process_non_loss_data_func=process_non_loss_data_func,
-                non_loss_data_func=non_loss_data_func,
-                callback_manager=callback_manager,
-            )
-            interval_time.start()
-        post_training_step_callbacks(model, flops_since_log, None, ts.step, None, cfg, False, None)
-        should_exit = checkpoint_and_decide_exit(
-            global_state,
-            model,
-            optimizer,
-            scheduler,
-            ts.floating_point_operations_so_far,
-            checkpointing_context,
+    loop.fire("on_train_start")
+    handler = global_state.signal_handler if cfg.train.exit_signal_handler else None
+    with handler if handler is not None else nullcontext(), manual_gc(cfg.train):
+        should_exit, exit_code = loop.run(
             train_data_iterator,
-            callback_manager=callback_manager,
+            valid_data_iterator,
+            process_non_loss_data_func,
+            non_loss_data_func,
         )
-        if should_exit:
-            break
-
     interval_time.stop()
     writer = global_state.tensorboard_logger
     if writer is not None:
@@ -202,7 +165,123 @@ def train(
     if should_exit:
         _finish_train(global_state)
         sys.exit(exit_code)
-    _fire(callback_manager, "on_train_end", global_state, model, optimizer, scheduler)
+    loop.fire("on_train_end")
+
+
+class _Loop:
+    """The objects of one :func:`train` call, and its iterations."""
+
+    def __init__(
+        self,
+        step_func: Callable[..., Any],
+        model: list[torch.nn.Module],
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        state: GlobalState,
+        checkpointing_context: dict[str, Any],
+        callback_manager: CallbackManager | None,
+    ) -> None:
+        self.step_func, self.model, self.optimizer, self.scheduler = (
+            step_func,
+            model,
+            optimizer,
+            scheduler,
+        )
+        self.state, self.checkpointing_context = state, checkpointing_context
+        self.callback_manager = callback_manager
+        cfg = state.cfg
+        self.flops_per_batch = cfg.train.global_batch_size * flops_per_sample(
+            cfg.gpt_config(), sum(p.numel() for p in model[0].parameters())
+        )
+
+    def fire(self, event: str) -> None:
+        _fire(self.callback_manager, event, self.state, self.model, self.optimizer, self.scheduler)
+
+    def run(
+        self,
+        train_data_iterator: DataIterator,
+        valid_data_iterator: DataIterator,
+        process_non_loss_data_func: Callable[[Any, int, Any], Any] | None,
+        non_loss_data_func: Callable[[Any], Any] | None,
+    ) -> tuple[bool, int]:
+        """Iterate until the budget is spent or an exit holds: ``(should_exit, exit_code)``."""
+        state, manager = self.state, self.callback_manager
+        ts, train_cfg = state.train_state, state.cfg.train
+        objects = (self.model, self.optimizer, self.scheduler)
+        flops_since_log, should_exit, exit_code = 0.0, False, 0
+        while ts.step < train_cfg.train_iters:
+            if _should_skip_and_handle_iteration(state, train_data_iterator):
+                continue
+            self.fire("on_train_step_start")
+            loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, grad_norm, _ = (
+                train_step(self.step_func, train_data_iterator, *objects, state)
+            )
+            if should_fire(manager, "on_train_step_end"):
+                assert manager is not None
+                context = _context(manager, state, *objects)
+                context.loss_dict, context.grad_norm = loss_dict, grad_norm
+                context.skipped_iter = bool(skipped_iter)
+                manager.fire("on_train_step_end", context)
+            flops = ts.floating_point_operations_so_far
+            if should_checkpoint:
+                save_checkpoint_and_time(
+                    state, *objects, flops, self.checkpointing_context, callback_manager=manager
+                )
+            if should_exit:
+                break
+            ts.step += 1
+            ts.consumed_train_samples += train_cfg.global_batch_size
+            ts.floating_point_operations_so_far += self.flops_per_batch
+            flops_since_log += self.flops_per_batch
+            log_training_step(state, loss_dict, grad_norm, self.optimizer)
+            interval = train_cfg.eval_interval
+            if ts.do_valid and interval and ts.step % interval == 0:
+                self._validate(valid_data_iterator, process_non_loss_data_func, non_loss_data_func)
+            post_training_step_callbacks(
+                self.model, flops_since_log, None, ts.step, None, state.cfg, False, None
+            )
+            should_exit = checkpoint_and_decide_exit(
+                state,
+                *objects,
+                ts.floating_point_operations_so_far,
+                self.checkpointing_context,
+                train_data_iterator,
+                callback_manager=manager,
+            )
+            if should_exit:
+                break
+        return should_exit, exit_code
+
+    def _validate(
+        self,
+        valid_data_iterator: DataIterator,
+        process_non_loss_data_func: Callable[[Any, int, Any], Any] | None,
+        non_loss_data_func: Callable[[Any], Any] | None,
+    ) -> None:
+        """One validation pass, the ``interval-time`` timer paused meanwhile (and, with
+        ``train.manual_gc`` and ``manual_gc_eval``, a collection before and after)."""
+        interval_time = self.state.timers("interval-time")
+        interval_time.stop()
+        train_cfg = self.state.cfg.train
+        collect = train_cfg.manual_gc and train_cfg.manual_gc_eval
+        if collect:
+            gc.collect()  # everything, before validation
+        evaluate_and_print_results(
+            self.state,
+            f"iteration {self.state.train_state.step}",
+            self.step_func,
+            valid_data_iterator,
+            self.model,
+            self.state.cfg.model,
+            verbose=False,
+            write_to_tensorboard=True,
+            process_non_loss_data_func=process_non_loss_data_func,
+            non_loss_data_func=non_loss_data_func,
+            callback_manager=self.callback_manager,
+        )
+        if collect:
+            gc.collect(generation=0)  # what validation made and dropped
+        interval_time.start()
 
 
 def train_step(
@@ -225,7 +304,7 @@ def train_step(
     """
     cfg = global_state.cfg
     chunks = check_chunks(model)
-    step_func = _bind(forward_step_func, global_state)
+    step_func = bind_step(forward_step_func, global_state)
     count = num_microbatches(
         global_batch_size=cfg.train.global_batch_size,
         micro_batch_size=cfg.train.micro_batch_size,
@@ -243,7 +322,7 @@ def train_step(
             what="train_data_iterator",
         )
     with timers("optimizer"):
-        update_successful, grad_norm = _optimizer_step(optimizer, chunks, cfg.optimizer.clip_grad)
+        update_successful, grad_norm = optimizer_step(optimizer, chunks, cfg.optimizer.clip_grad)
     if update_successful and scheduler is not None:
         scheduler.step()
     return (
@@ -328,7 +407,9 @@ def save_checkpoint_and_time(
             model,
             optimizer,
             opt_param_scheduler,
+            num_floating_point_operations_so_far,
             checkpointing_context,
+            train_data_iterator=train_data_iterator,
             callback_manager=callback_manager,
         )
     timers.log(["save-checkpoint"])
@@ -351,9 +432,10 @@ def checkpoint_and_decide_exit(
 ) -> bool:
     """Save when ``checkpoint.save_interval`` is due; say whether to stop.
 
-    Stops (after a save, unless one was just made) when ``train.exit_duration_in_mins``
-    has passed since ``state.start_time`` or the step is a multiple of
-    ``train.exit_interval``. Returns True when the loop should exit.
+    Stops, saving first (with ``checkpoint.save``, unless a save was just made), when
+    any rank caught the exit signal (with ``train.exit_signal_handler``), when
+    ``train.exit_duration_in_mins`` has passed since ``state.start_time``, or when the
+    step is a multiple of ``train.exit_interval``. Returns True when the loop should exit.
     """
     cfg = state.cfg
     step = state.train_state.step
@@ -370,22 +452,34 @@ def checkpoint_and_decide_exit(
             callback_manager=callback_manager,
         )
 
+    handler = state.signal_handler if cfg.train.exit_signal_handler else None
+    if handler is not None and any(handler.signals_received()):
+        if cfg.checkpoint.save:
+            save()
+        barrier_and_log("exiting program after receiving SIGTERM.")
+        return True
     saved = False
     interval = cfg.checkpoint.save_interval
     if cfg.checkpoint.save and interval and step % interval == 0:
         save()
         saved = True
     minutes = cfg.train.exit_duration_in_mins
-    if minutes and _agreed((time.time() - state.start_time) / 60.0 > minutes):
+    train_time = (time.time() - state.start_time) / 60.0
+    if minutes and agreed(train_time > minutes):
         if cfg.checkpoint.save and not saved:
             save()
-        logger.info("exiting program after %s minutes", minutes)
+        barrier_and_log(f"exiting program after {train_time} minutes")
         return True
     exit_interval = cfg.train.exit_interval
     if exit_interval and step % exit_interval == 0:
         if cfg.checkpoint.save and not saved:
             save()
-        logger.info("exiting program at iteration %d", step)
+        barrier_and_log(f"exiting program at iteration {step}")
+        return True
+    if check_nvrx_straggler_detection(state.nvrx_straggler_manager):
+        if cfg.checkpoint.save and not saved:
+            save()
+        barrier_and_log("Exiting program due to straggler detection.")
         return True
     return False
 
@@ -430,111 +524,6 @@ def _dummy_train_step(global_state: GlobalState, train_data_iterator: DataIterat
                 f"train_data_iterator ran out of data while skipping step "
                 f"{global_state.train_state.step} (micro-batch {index + 1} of {count})"
             ) from None
-
-
-# -- helpers
-
-
-def _check_train_inputs(
-    global_state: Any,
-    optimizer: Any,
-    checkpointing_context: Any,
-    callback_manager: Any,
-    model: Any,
-) -> ConfigContainer:
-    """The run's ConfigContainer, once every argument is of a kind the loop can drive."""
-    if not isinstance(global_state, GlobalState):
-        raise TypeError(f"global_state must be a GlobalState, got {type(global_state).__name__}")
-    cfg = global_state.cfg
-    if not isinstance(cfg, ConfigContainer):
-        raise TypeError(
-            "global_state.cfg must be a ConfigContainer (e.g. "
-            f"recipes.tiny_gpt_pretrain_config()), got {type(cfg).__name__}"
-        )
-    cfg.validate(rank_info()[2])
-    if len(check_chunks(model)) != 1:
-        raise ValueError(
-            f"model has {len(model)} chunks; training.train drives one (several chunks are "
-            "pipeline stages, which need Megatron-Core)"
-        )
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch optimizer, got {type(optimizer).__name__}")
-    if not isinstance(checkpointing_context, dict):
-        raise TypeError(
-            "checkpointing_context must be a dict (start with {}), got "
-            f"{type(checkpointing_context).__name__}"
-        )
-    if callback_manager is not None and not isinstance(callback_manager, CallbackManager):
-        raise TypeError(
-            "callback_manager must be a CallbackManager or None, got "
-            f"{type(callback_manager).__name__}"
-        )
-    return cfg
-
-
-def _bind(forward_step_func: ForwardStepFunc, global_state: GlobalState) -> Callable[..., Any]:
-    """``forward_step_func`` as ``(data_iterator, model)``, the state bound when it takes it."""
-    if not callable(forward_step_func):
-        raise TypeError(
-            "forward_step_func must be callable as (global_state, data_iterator, model) or "
-            f"(data_iterator, model), got {type(forward_step_func).__name__}"
-        )
-    return functools.partial(bind_forward_step(forward_step_func), global_state)
-
-
-def _optimizer_step(
-    optimizer: torch.optim.Optimizer, model: list[torch.nn.Module], clip_grad: float
-) -> tuple[bool, float | None]:
-    """Clip (when ``clip_grad`` > 0) and step; skip the update when the norm is not finite."""
-    grad_norm = None
-    if clip_grad > 0:
-        params = [p for chunk in model for p in chunk.parameters() if p.grad is not None]
-        norm = float(torch.nn.utils.clip_grad_norm_(params, clip_grad))
-        if not torch.isfinite(torch.tensor(norm)):
-            return False, None
-        grad_norm = norm
-    optimizer.step()
-    return True, grad_norm
-
-
-def _agreed(flag: bool) -> bool:
-    """``flag`` agreed over ranks: True when any rank says so."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return flag
-    value = torch.tensor([int(flag)])
-    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
-    return bool(value.item())
-
-
-def _log_step(
-    state: GlobalState,
-    loss_dict: dict[str, torch.Tensor],
-    grad_norm: float | None,
-    optimizer: torch.optim.Optimizer,
-) -> None:
-    """Every ``logger.log_interval`` steps: one log line and the TensorBoard scalars."""
-    ts, cfg = state.train_state, state.cfg
-    if not cfg.logger.log_interval or ts.step % cfg.logger.log_interval:
-        return
-    lr = optimizer.param_groups[0]["lr"]
-    losses = {key: float(value) for key, value in loss_dict.items()}
-    writer = state.tensorboard_logger
-    if writer is not None:
-        writer.add_scalar("learning-rate", lr, ts.step)
-        for key, value in losses.items():
-            writer.add_scalar(key, value, ts.step)
-        if grad_norm is not None:
-            writer.add_scalar("grad-norm", grad_norm, ts.step)
-    parts = [
-        f"iteration {ts.step:8d}/{cfg.train.train_iters:8d}",
-        f"consumed samples: {ts.consumed_train_samples:12d}",
-        f"learning rate: {lr:.6E}",
-        f"global batch size: {cfg.train.global_batch_size:5d}",
-        *(f"{key}: {value:.6E}" for key, value in losses.items()),
-    ]
-    if grad_norm is not None:
-        parts.append(f"grad norm: {grad_norm:.3f}")
-    logger.info(" | ".join(parts))
 
 
 def _context(

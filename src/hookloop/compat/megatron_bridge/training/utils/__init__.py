@@ -1,0 +1,1 @@
+"""Megatron-Bridge's ``training.utils`` helpers the dialect reproduces."""
