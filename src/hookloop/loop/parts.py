@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,6 +63,7 @@ class Inputs:
     out_dir: str | None
     resume: str | None
     non_loss_data_func: Any
+    collate_fn: Callable[[list[Any]], Any] | None = None
 
 
 @dataclass
@@ -133,13 +134,16 @@ class Parts:
 
 def build_parts(given: Inputs, dialect: Dialect | None = None) -> Parts:
     """Place the model, open the data, plan the budget and build every part, once."""
+    native = dialect is None
     dialect = dialect or Dialect()
     config, callbacks = given.config, given.callbacks
     progress = Progress()
     progress.rank, progress.local_rank, progress.world_size = rank_info()
     device = resolve_device(config.train.device, progress.local_rank)
     model, train_model, optimizer = place_model(given.model, given.optimizer, config, device)
-    open_loader = functools.partial(_open_loader, config=config, progress=progress)
+    open_loader = functools.partial(
+        _open_loader, config=config, progress=progress, collate_fn=given.collate_fn
+    )
     p = Parts(
         config=config,
         callbacks=callbacks,
@@ -162,7 +166,10 @@ def build_parts(given: Inputs, dialect: Dialect | None = None) -> Parts:
     )
     (dialect.plan_budget or plan_budget)(p)
     k = config.train.grad_accum
-    p.position = DataPosition(p.loaders.train if p.loaders.train is not None else (), k)
+    # A dialect's data comes as its original's does; the native loop refuses rows.
+    p.position = DataPosition(
+        p.loaders.train if p.loaders.train is not None else (), k, check_rows=native
+    )
     p.scheduler = (
         given.scheduler
         if given.scheduler is not None
@@ -211,12 +218,23 @@ def place_model(
 
 
 def _open_loader(
-    data: Iterable[Any] | None, train: bool, *, config: Config, progress: Progress
+    data: Iterable[Any] | None,
+    train: bool,
+    *,
+    config: Config,
+    progress: Progress,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
 ) -> Iterable[Any] | None:
-    """A map-style dataset wrapped in a resumable, seeded loader; loaders and other
-    iterables of batches as they are."""
+    """A dataset (any sized indexable but a list or tuple, :mod:`hookloop.data`) wrapped
+    in a resumable, seeded loader; loaders and other iterables of batches as they are."""
     if data is None:
         return None
+    if isinstance(data, (Mapping, torch.Tensor)) or not isinstance(data, Iterable | Sized):
+        raise TypeError(
+            f"{'train' if train else 'eval/test'} data must be a dataset (an object with "
+            "__getitem__ and __len__, e.g. a torch Dataset or a datasets.Dataset), a "
+            f"DataLoader or an iterable of batches, got {type(data).__name__}"
+        )
     if is_map_style(data):
         dc = config.data
         return make_loader(
@@ -228,11 +246,13 @@ def _open_loader(
             world_size=progress.world_size,
             num_workers=dc.num_workers,
             drop_last=train,
+            collate_fn=collate_fn,
         )
-    if not isinstance(data, Iterable):
-        raise TypeError(
-            f"{'train' if train else 'eval/test'} data must be a map-style Dataset, a "
-            f"DataLoader or an iterable of batches, got {type(data).__name__}"
+    if collate_fn is not None:
+        raise ValueError(
+            f"collate_fn applies to a dataset hookloop batches, but the "
+            f"{'train' if train else 'eval/test'} data is a {type(data).__name__} of "
+            "batches: give the collate_fn to its DataLoader instead"
         )
     return data
 
