@@ -170,11 +170,7 @@ def build_parts(given: Inputs, dialect: Dialect | None = None) -> Parts:
     p.position = DataPosition(
         p.loaders.train if p.loaders.train is not None else (), k, check_rows=native
     )
-    p.scheduler = (
-        given.scheduler
-        if given.scheduler is not None
-        else build_scheduler(config.scheduler, optimizer, progress.max_steps)
-    )
+    p.scheduler = make_scheduler(given.scheduler, config, optimizer, progress.max_steps)
     loss_fn = compile_loss(given.loss_fn) if config.train.compile else given.loss_fn
     p.forward = bind_forward_step(given.forward_step or default_forward_step(loss_fn, device))
     p.precision = Precision(config.train.precision, device)
@@ -203,8 +199,9 @@ def place_model(
     """``(model, what the step runs, optimizer)``: the model on its device as users and
     callbacks see it (never wrapped, but sharded in place under fsdp, its parameters
     then DTensors); DDP-wrapped, FSDP2-sharded or compiled for the step. Sharding
-    replaces the parameters, so an optimizer from the config is built afterwards. A
-    model given compiled is unwrapped (:mod:`hookloop.compile`)."""
+    replaces the parameters, so an optimizer from the config, or from a function of the
+    model given as ``optimizer``, is built afterwards. A model given compiled is
+    unwrapped (:mod:`hookloop.compile`)."""
     cfg = config.train
     model, compiled = unwrap_compiled(model)
     model = model.to(device)
@@ -214,7 +211,36 @@ def place_model(
             check_can_compile(device)
         single = train_model is model and compiled is not None
         train_model = compiled if single else compile_module(train_model)
-    return model, train_model, optimizer or build_optimizer(config.optimizer, model)
+    if optimizer is None:
+        optimizer = build_optimizer(config.optimizer, model)
+    elif not isinstance(optimizer, torch.optim.Optimizer):  # a factory, given the model
+        optimizer = _made(optimizer(model), torch.optim.Optimizer, "optimizer")
+    return model, train_model, optimizer
+
+
+def _made(made: Any, cls: type, what: str) -> Any:
+    if not isinstance(made, cls):
+        raise TypeError(
+            f"the {what} function must return a {cls.__module__}.{cls.__name__}, got "
+            f"{type(made).__name__}"
+        )
+    return made
+
+
+def make_scheduler(scheduler: Any, config: Config, optimizer: Any, total_steps: Any) -> Any:
+    """The given scheduler; one a function makes from the optimizer (a value with no
+    ``step`` method is such a function); or the config's (None: a constant rate)."""
+    if scheduler is None:
+        return build_scheduler(config.scheduler, optimizer, total_steps)
+    if callable(scheduler) and not hasattr(scheduler, "step"):
+        made = scheduler(optimizer)
+        if not callable(getattr(made, "step", None)):
+            raise TypeError(
+                f"the scheduler function must return a scheduler (with step()), got "
+                f"{type(made).__name__}"
+            )
+        return made
+    return scheduler
 
 
 def _open_loader(
@@ -524,9 +550,12 @@ def check_inputs(
 ) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+    if optimizer is not None and not (
+        isinstance(optimizer, torch.optim.Optimizer) or callable(optimizer)
+    ):
         raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
+            "optimizer must be a torch.optim.Optimizer, a function of the model that makes "
+            f"one, or None, got {type(optimizer).__name__}"
         )
     if forward_step is not None and loss_fn is not None:
         raise ValueError("give forward_step or loss_fn, not both (loss_fn is for the default step)")

@@ -62,9 +62,13 @@ class Trainer:
     a list or any iterable of batches (one that yields single rows is refused). Give
     ``forward_step(state, data_iterator, model)`` for full control, or
     ``loss_fn(outputs, targets)`` for ``(inputs, targets)`` batches, or neither when the
-    model returns its own loss. ``out_dir`` is the run directory (checkpoints and the
-    loggers' files); ``resume`` is ``"auto"`` or a checkpoint path. ``dialect`` replaces
-    parts of the loop (see :class:`~hookloop.loop.parts.Dialect`).
+    model returns its own loss. ``optimizer`` may be a function of the model that makes
+    one (called once the model is placed; None: ``config.optimizer``), ``scheduler`` a
+    function of the optimizer (None: ``config.scheduler``). ``out_dir`` is the run
+    directory (checkpoints and the loggers' files); ``resume`` is ``"auto"`` or a
+    checkpoint path. ``dialect`` replaces parts of the loop (see
+    :class:`~hookloop.loop.parts.Dialect`). The bare loop adds no callbacks:
+    :class:`hookloop.trainer.Trainer` adds the run's defaults.
 
     Public attributes: ``model`` (never wrapped), ``optimizer``, ``scheduler``,
     ``config``, ``callbacks`` (the manager), ``state`` (read-only counters; the loop
@@ -79,7 +83,7 @@ class Trainer:
     def __init__(
         self,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | Callable[[torch.nn.Module], Any] | None = None,
         *,
         train_data: Iterable[Any] | None = None,
         eval_data: Iterable[Any] | None = None,
