@@ -5,17 +5,21 @@ checkpoints. A run given a directory (``out_dir``) is expected to show and keep 
 ``hookloop train`` shows and keeps, so :class:`Trainer` adds the same default set
 (:func:`hookloop.callbacks.defaults.default_callbacks`, switched by the config's
 ``callbacks.*`` and ``logging.*`` keys): the run summary, progress on stderr, the
-metrics in ``metrics.jsonl`` (which ``hookloop runs`` reads), TensorBoard, and a line
-saying where a resume started. They are added beside the user's own callbacks; a user
-callback of the same class as a default one replaces it; ``default_callbacks=False``
-keeps them all out, and ``True`` adds them without a run directory (no files then).
+metrics in ``metrics.jsonl`` (which ``hookloop runs`` reads), TensorBoard (when it is
+installed), and a line saying where a resume started. They are added beside the user's
+own callbacks; a user callback of the same class as a default one replaces it;
+``default_callbacks=False`` keeps them all out, and ``True`` adds them without a run
+directory (no files then).
 
-The reproduced systems (transformers' Trainer, Megatron-Bridge, Forgather) build on the
-bare loop, so their output stays their original's.
+transformers' Trainer, Megatron-Bridge and Forgather build on the bare loop, so their
+output stays their original's. The HPO trainer's callbacks run inside this Trainer:
+with ``out_dir`` give ``default_callbacks=False`` to keep its output alone.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 from typing import Any
 
 import torch
@@ -60,6 +64,10 @@ def with_default_callbacks(callbacks: Any, config: Any, out_dir: Any) -> Callbac
     has added beside them."""
     manager = as_manager(callbacks)
     present = {type(cb) for cb in manager.callbacks}
+    if config.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        config = dataclasses.replace(  # TensorBoard when it is installed
+            config, logging=dataclasses.replace(config.logging, tensorboard=False)
+        )
     defaults: list[Callback] = [
         cb for cb in build_defaults(config, out_dir) if type(cb) not in present
     ]
