@@ -268,7 +268,8 @@ class DataPosition:
                 f"hookloop resume: the train data ({type(loader).__name__}) cannot be positioned "
                 f"mid-epoch, so {consumed} already-trained batches are read and dropped; the "
                 "resume is exact only if the data comes in the same order every run. Pass a "
-                "map-style Dataset (hookloop shuffles it reproducibly) or a loader with "
+                "dataset (an object with __getitem__ and __len__: hookloop batches and shuffles it "
+                "reproducibly) or a loader with "
                 "state_dict()/load_state_dict() (e.g. torchdata's StatefulDataLoader).",
                 stacklevel=3,
             )
