@@ -136,13 +136,6 @@ NOT_RUN = {
     ("forgather.md", "DiLoCoCallback(server_addr"): "needs a DiLoCo server and its fleet",
     ("hpo-trainer.md", "runner.native()).train()"): "a fragment: `model` and the data are yours",
     ("performance.md", "trainer.callbacks.profile()"): "a fragment: `trainer` is yours",
-    ("training.md", "train_data=train_ds"): "a fragment: `model` and the data are yours",
-    ("training.md", "config.train.max_steps = 100"): "trains the GPT recipe 100 steps (~20 s)",
-    ("training.md", "timers = ctx.state.timers"): "a fragment of a callback's handler (`ctx`)",
-    (
-        "transformers-trainer.md",
-        "StopAt()",
-    ): "a fragment: `model`, the data and `loss_fn` are yours",
 }
 
 _RUN_BLOCKS = """

@@ -264,7 +264,7 @@ def test_build_returns_model_and_map_style_datasets(tmp_path) -> None:
     assert isinstance(parts.model, GPT)
     assert isinstance(parts.train_data, ByteWindows) and isinstance(parts.eval_data, ByteWindows)
     assert len(parts.train_data) > len(parts.eval_data) > 0
-    assert parts.forward_step is forward_step
+    assert parts.forward_step is gpt.lm_step  # one name per metric: no "lm loss" beside "loss"
     assert parts.flops_per_sample == flops_per_sample(cfg.model, parts.model.num_params())
 
 

@@ -630,7 +630,12 @@ def test_exit_duration_stops_after_the_first_step(make_trainer):
         ({"optimizer": "adam"}, TypeError, r"torch\.optim\.Optimizer"),
         ({"forward_step": lambda it, m: None}, ValueError, "forward_step or loss_fn, not both"),
         ({"loss_fn": "mse"}, TypeError, "loss_fn must be callable"),
-        ({"train_data": 42}, TypeError, "map-style Dataset, a DataLoader or an iterable"),
+        (
+            {"train_data": 42},
+            TypeError,
+            r"must be a dataset \(an object with __getitem__ and __len__.*"
+            "a DataLoader or an iterable of batches",
+        ),
         ({"eval_data": 3.5}, TypeError, "eval/test data"),
         ({"config": {"max_steps": 3}}, TypeError, "Config or TrainConfig"),
         ({"callbacks": print}, TypeError, "register"),

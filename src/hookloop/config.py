@@ -52,16 +52,31 @@ class DataConfig:
         _non_negative(self, "num_workers", "data")
 
 
+#: The optimizers ``optimizer.name`` knows by a short name (their settings are its keys).
+OPTIMIZERS = ("adamw", "adam", "sgd")
+#: The schedules ``scheduler.name`` knows by a short name (warm-up, then decay).
+SCHEDULES = ("constant", "cosine", "linear")
+
+
 @dataclass
 class OptimizerConfig:
-    name: Literal["adamw", "adam", "sgd"] = opt("adamw", "Optimizer.")
+    name: str = opt(
+        "adamw",
+        "Optimizer: adamw | adam | sgd, a torch.optim class name (RMSprop, Adagrad, ...) "
+        "or an import path package.module:Class.",
+    )
     lr: float = opt(1e-3, "Peak learning rate.")
     weight_decay: float = opt(0.0, "Decoupled weight decay (adamw) or L2 (adam, sgd).")
-    betas: tuple[float, float] = opt((0.9, 0.999), "Adam betas.")
-    eps: float = opt(1e-8, "Adam epsilon.")
-    momentum: float = opt(0.0, "SGD momentum.")
+    betas: tuple[float, float] = opt((0.9, 0.999), "Adam betas (adamw, adam).")
+    eps: float = opt(1e-8, "Adam epsilon (adamw, adam).")
+    momentum: float = opt(0.0, "SGD momentum (sgd).")
+    kwargs: dict[str, Any] = opt(
+        {}, "More keyword arguments for the optimizer class, e.g. {alpha: 0.9, momentum: 0.5}."
+    )
 
     def validate(self) -> None:
+        check_class_name(self.name, OPTIMIZERS, "optimizer", "torch.optim")
+        _keyword_arguments(self.kwargs, "optimizer")
         if not 0 <= self.lr < float("inf"):  # 0 is allowed: a run that measures, not learns
             raise ValueError(f"optimizer.lr must be a finite number >= 0, got {self.lr!r}")
         if self.weight_decay < 0:
@@ -74,16 +89,86 @@ class OptimizerConfig:
 
 @dataclass
 class SchedulerConfig:
-    name: Literal["constant", "cosine", "linear"] = opt("constant", "Learning-rate schedule.")
-    warmup_steps: int = opt(0, "Linear warm-up steps from 0 to the peak rate.")
+    name: str = opt(
+        "constant",
+        "Learning-rate schedule: constant | cosine | linear, a torch.optim.lr_scheduler "
+        "class name (StepLR, ...) or an import path package.module:Class.",
+    )
+    warmup_steps: int = opt(
+        0, "Linear warm-up steps from 0 to the peak rate (constant, cosine, linear)."
+    )
     min_lr_ratio: float = opt(0.1, "Final rate as a fraction of the peak (cosine, linear).")
+    kwargs: dict[str, Any] = opt(
+        {}, "Keyword arguments for a scheduler class, e.g. {step_size: 100, gamma: 0.5}."
+    )
 
     def validate(self) -> None:
+        check_class_name(self.name, SCHEDULES, "scheduler", "torch.optim.lr_scheduler")
+        _keyword_arguments(self.kwargs, "scheduler")
         _non_negative(self, "warmup_steps", "scheduler")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(
                 f"scheduler.min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio!r}"
             )
+        if self.name not in SCHEDULES and self.warmup_steps:
+            raise ValueError(
+                f"scheduler.warmup_steps applies to {' | '.join(SCHEDULES)}, not to "
+                f"{self.name}: set it to 0 (a class brings its own warm-up, e.g. "
+                "SequentialLR over LinearLR)"
+            )
+        if self.name in SCHEDULES and self.kwargs:
+            raise ValueError(
+                f"scheduler.kwargs applies to a scheduler class, not to {self.name!r} "
+                f"(its keys are scheduler.warmup_steps and scheduler.min_lr_ratio)"
+            )
+
+
+def check_class_name(name: Any, short: tuple[str, ...], key: str, module: str) -> None:
+    """``name`` is one of the ``short`` names, a class of ``module`` or ``pkg.mod:Class``
+    (imported when the run is built); otherwise a one-line error naming the forms."""
+    import importlib
+
+    if isinstance(name, str) and name in short:
+        return
+    classes = class_names(importlib.import_module(module), module)
+    if isinstance(name, str) and (name in classes or _is_import_path(name)):
+        return
+    by_lower = {c.lower(): c for c in [*short, *classes]}
+    close = difflib.get_close_matches(str(name).lower(), list(by_lower), n=1, cutoff=0.6)
+    hint = f" Did you mean {by_lower[close[0]]!r}?" if close else ""
+    example = "RMSprop" if key == "optimizer" else "StepLR"
+    raise ValueError(
+        f"{key}.name must be {' | '.join(short)}, a {module} class name (e.g. {example}) "
+        f"or an import path package.module:Class, got {name!r}.{hint}"
+    )
+
+
+def class_names(module: Any, prefix: str) -> list[str]:
+    """The public classes ``module`` defines under ``prefix`` (its optimizers or schedulers;
+    their base classes left out)."""
+    bases = {"Optimizer", "LRScheduler", "_LRScheduler"}
+    return sorted(
+        name
+        for name, obj in vars(module).items()
+        if isinstance(obj, type)
+        and not name.startswith("_")
+        and name not in bases
+        and obj.__module__.startswith(prefix)
+    )
+
+
+def _is_import_path(name: str) -> bool:
+    module, _, attr = name.partition(":")
+    parts = [*module.split("."), *attr.split(".")]
+    return bool(module and attr) and all(part.isidentifier() for part in parts)
+
+
+def _keyword_arguments(kwargs: Any, key: str) -> None:
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError(
+            f"{key}.kwargs must be a mapping of argument names to values, e.g. "
+            f"{key}.kwargs={{name: value}}, got {kwargs!r}"
+        )
 
 
 @dataclass

@@ -1,20 +1,27 @@
-"""Data order that can be reproduced and resumed.
+"""Data order that can be reproduced and resumed, and what the loop takes as a batch.
 
-A map-style dataset handed to the Trainer is wrapped in a DataLoader over an
-:class:`EpochSampler`: the shuffle order is a pure function of (seed, epoch),
-every rank takes its own equal-sized share, and a resumed run starts the epoch
-at the exact sample where the checkpoint left off, without replaying compute.
+The rule: **a sized indexable is a dataset of rows, any other iterable yields batches.**
+A dataset (a torch map-style ``Dataset``, a Hugging Face ``datasets.Dataset``, or any
+object with ``__getitem__`` and ``__len__`` that is not a list or tuple) is wrapped in a
+DataLoader over an :class:`EpochSampler`: batched by ``data.batch_size``, its rows put
+together by :func:`collate_rows`, shuffled as a pure function of (seed, epoch), every
+rank taking its own equal-sized share, and a resumed run starting the epoch at the exact
+sample where the checkpoint left off, without replaying compute. A DataLoader, a list or
+tuple, a generator or any other iterable is taken as batches as they come; one whose
+first item looks like a single row (:func:`looks_like_a_row`) is refused.
 """
 
 from __future__ import annotations
 
 import itertools
+import numbers
 import warnings
-from collections.abc import Iterable, Iterator, Sized
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from typing import Any
 
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
 
 
 class EpochSampler(Sampler[int]):
@@ -64,13 +71,18 @@ class EpochSampler(Sampler[int]):
         return iter(self.order()[self.start :])
 
 
+#: Sized indexables taken as batches (or refused), never as datasets of rows.
+_NOT_DATASETS = (list, tuple, str, bytes, Mapping, torch.Tensor, np.ndarray, DataLoader)
+
+
 def is_map_style(data: Any) -> bool:
-    """A dataset with ``__len__`` and ``__getitem__`` (and not already a loader)."""
-    return (
-        isinstance(data, Dataset)
-        and not isinstance(data, IterableDataset)
-        and isinstance(data, Sized)
-    )
+    """A dataset of rows: ``__getitem__`` and ``__len__``, and not a list or tuple of
+    batches, a loader, a mapping, a tensor or an array (see the module doc)."""
+    if isinstance(data, (IterableDataset, *_NOT_DATASETS)):
+        return False
+    if isinstance(data, Dataset):
+        return isinstance(data, Sized)
+    return callable(getattr(data, "__getitem__", None)) and callable(getattr(data, "__len__", None))
 
 
 def make_loader(
@@ -83,6 +95,7 @@ def make_loader(
     world_size: int,
     num_workers: int,
     drop_last: bool,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
 ) -> DataLoader:
     sampler = EpochSampler(
         len(dataset), shuffle=shuffle, seed=seed, rank=rank, world_size=world_size
@@ -93,10 +106,117 @@ def make_loader(
         sampler=sampler,
         num_workers=num_workers,
         drop_last=drop_last,
+        collate_fn=collate_fn or collate_rows,
         # Its own generator: creating an iterator must not draw from the global torch
         # RNG, or a resumed run's dropout masks would differ from an uninterrupted one.
         generator=torch.Generator().manual_seed(seed),
     )
+
+
+# -- putting rows together ---------------------------------------------------------------
+
+
+def collate_rows(rows: list[Any]) -> Any:
+    """One batch from a list of rows, the way torch's ``default_collate`` does, except
+    that a field holding a list of numbers (a ``datasets.Dataset`` row's ``input_ids``)
+    becomes one tensor ``[batch, length]`` instead of ``length`` tensors.
+
+    A row is a mapping (batched key by key), a tuple (batched position by position), or
+    a value: a tensor or array (stacked), a number (a tensor of them), a list of numbers
+    (a tensor; every row's list must have the same length), a string (a list of them).
+
+    >>> collate_rows([{"ids": [1, 2], "y": 0}, {"ids": [3, 4], "y": 1}])
+    {'ids': tensor([[1, 2],
+            [3, 4]]), 'y': tensor([0, 1])}
+    """
+    return _collate(rows, "")
+
+
+def _collate(values: list[Any], where: str) -> Any:
+    first = values[0]
+    if isinstance(first, Mapping):
+        return {key: _collate([v[key] for v in values], _name(where, key)) for key in first}
+    if isinstance(first, tuple):
+        fields = [
+            _collate(list(col), _name(where, i)) for i, col in enumerate(zip(*values, strict=True))
+        ]
+        return type(first)(*fields) if hasattr(first, "_fields") else tuple(fields)
+    if isinstance(first, list):
+        if _all_numbers(first):
+            return _number_lists(values, where)
+        fields = [
+            _collate(list(col), _name(where, i)) for i, col in enumerate(zip(*values, strict=True))
+        ]
+        return fields
+    if isinstance(first, (torch.Tensor, np.ndarray)):
+        shapes = {tuple(v.shape) for v in values}
+        if len(shapes) > 1:
+            raise ValueError(_unequal(where, sorted(shapes)[:2]))
+    return default_collate(values)
+
+
+def _number_lists(values: list[list[Any]], where: str) -> torch.Tensor:
+    lengths = sorted({len(v) for v in values})
+    if len(lengths) > 1:
+        raise ValueError(_unequal(where, lengths[:2]))
+    return torch.tensor(values)
+
+
+def _all_numbers(items: list[Any]) -> bool:
+    return all(isinstance(x, numbers.Number) and not isinstance(x, bool) for x in items) or all(
+        isinstance(x, list) and _all_numbers(x) for x in items
+    )
+
+
+def _name(where: str, key: Any) -> str:
+    return f"{where}[{key!r}]" if where else repr(key)
+
+
+def _unequal(where: str, sizes: list[Any]) -> str:
+    field = f"field {where}" if where else "the rows"
+    return (
+        f"cannot batch the data: {field} differs in size between rows of one batch "
+        f"({sizes[0]} and {sizes[1]}); pad them to one length (e.g. with the tokenizer's "
+        "padding='max_length') or pass collate_fn=... to the Trainer"
+    )
+
+
+def looks_like_a_row(item: Any) -> bool:
+    """Whether an item an iterable yielded is a single row rather than a batch: a number,
+    a string or a 0-dim tensor; a mapping of such values or of lists (a
+    ``datasets.Dataset`` row); a tuple holding a number or a 0-dim tensor (a torch
+    dataset's ``(features, label)``). A batch's tensors all have a batch dimension."""
+    if _is_scalar(item):
+        return True
+    if isinstance(item, Mapping):
+        return bool(item) and all(_is_scalar(v) or isinstance(v, list) for v in item.values())
+    if isinstance(item, tuple):
+        return any(_is_scalar(v) for v in item)
+    return False
+
+
+def _is_scalar(value: Any) -> bool:
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return value.ndim == 0
+    return isinstance(value, (numbers.Number, str))
+
+
+def check_batches(batches: Iterator[Any], what: str) -> Iterator[Any]:
+    """``batches``, refusing them when the first is a single row (see the module doc)."""
+    first = next(batches, _END)
+    if first is _END:
+        return iter(())
+    if looks_like_a_row(first):
+        raise TypeError(
+            f"the {what} data yields single rows (its first item is a "
+            f"{type(first).__name__} of values without a batch dimension), not batches: "
+            "pass the dataset itself (an object with __getitem__ and __len__; hookloop "
+            "batches it by data.batch_size) or a DataLoader(dataset, batch_size=...)"
+        )
+    return itertools.chain((first,), batches)
+
+
+_END = object()
 
 
 class DataPosition:
@@ -112,9 +232,10 @@ class DataPosition:
       with a warning, which is exact only if the data comes in the same order.
     """
 
-    def __init__(self, loader: Iterable[Any], grad_accum: int) -> None:
+    def __init__(self, loader: Iterable[Any], grad_accum: int, *, check_rows: bool = False) -> None:
         self.loader = loader
         self.grad_accum = grad_accum
+        self.check_rows = check_rows  # refuse an iterable that yields rows (the native loop)
         self._positioned = False  # the loader's own state was restored
 
     def state_dict(self) -> dict[str, Any]:
@@ -140,12 +261,15 @@ class DataPosition:
         batches = _opened(loader, keep_rng=epoch_step > 0)
         if isinstance(sampler, EpochSampler):
             return batches
+        if self.check_rows:
+            batches = check_batches(batches, "train")
         if consumed and not positioned:
             warnings.warn(
                 f"hookloop resume: the train data ({type(loader).__name__}) cannot be positioned "
                 f"mid-epoch, so {consumed} already-trained batches are read and dropped; the "
                 "resume is exact only if the data comes in the same order every run. Pass a "
-                "map-style Dataset (hookloop shuffles it reproducibly) or a loader with "
+                "dataset (an object with __getitem__ and __len__: hookloop batches and shuffles it "
+                "reproducibly) or a loader with "
                 "state_dict()/load_state_dict() (e.g. torchdata's StatefulDataLoader).",
                 stacklevel=3,
             )

@@ -57,6 +57,8 @@ def build_trainer(
         manager.add(parts.callbacks)
     return Trainer(
         parts.model,
+        parts.optimizer,
+        scheduler=parts.scheduler,
         train_data=parts.train_data,
         eval_data=parts.eval_data,
         test_data=parts.test_data,

@@ -16,7 +16,11 @@ ProgressLog                 100  logging.progress_log (progress.txt: writes only
 TBLogger                    100  logging.tensorboard
 WandbLoggingCallback         80  logging.wandb
 ProgressBar                 110  logging.progress
+ResumeNotice                110  (always)
 =====================  ========  ==================================
+
+The Python :class:`hookloop.Trainer` given an ``out_dir`` adds the same set beside
+the user's callbacks (:mod:`hookloop.trainer`).
 
 Two more pieces are not in this list: ``hookloop train`` adds the HTTP control
 server (``hookloop.control.ControlServer``, key ``control.enabled``) itself, and
@@ -27,11 +31,13 @@ directory and the ``checkpoint.*`` keys set the policy.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from hookloop.callback import Callback
 from hookloop.config import Config
 from hookloop.rundir import RunDir
+from hookloop.state import CallbackContext
 
 #: Fixed prompts for sampling from the default recipe's model.
 TEXT_PROMPTS = ("def ", "import ", "class Parser:\n    ")
@@ -102,7 +108,23 @@ def default_callbacks(cfg: Config, run_dir: str | Path | None) -> list[Callback]
         callbacks.append(WandbLoggingCallback(project=log.wandb_project, dir=wandb_dir))
     if log.progress:
         callbacks.append(ProgressBar(min_interval=log.progress_interval))
+    callbacks.append(ResumeNotice())
     return callbacks
+
+
+class ResumeNotice(Callback):
+    """One line on stderr where a resume starts: the step and the checkpoint's path
+    (a rewind says its own)."""
+
+    priority = 110
+
+    def on_checkpoint_load(self, ctx: CallbackContext) -> None:
+        if ctx.rewind is None and ctx.state.is_rank_zero:
+            print(
+                f"hookloop: resumed at step {ctx.state.step} from {ctx.checkpoint_path}",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def _diloco_wanted(setting: bool | None) -> bool:

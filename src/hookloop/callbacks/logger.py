@@ -58,7 +58,8 @@ class Record:
     """What one event leaves in a log; handed to :meth:`Logger.write`, never changed after.
 
     ``kind`` is one of :data:`KINDS`; ``time`` is Unix seconds at the event; ``step``
-    and ``epoch`` are the run's counters then. ``values``: for ``train`` the log's
+    and ``epoch`` are the run's counters then (the epoch with its fraction done,
+    :func:`epoch_of`). ``values``: for ``train`` the log's
     values (``loss``, ``lr``, ... and whatever producer callbacks added), for
     ``eval``/``test`` the metrics (``eval_loss``, ...); ``start``: ``pid``, ``host``,
     ``resumed``, ``max_steps``; ``rewind``: the :class:`~hookloop.state.Rewind`'s
@@ -74,7 +75,7 @@ class Record:
         self,
         kind: str,
         step: int,
-        epoch: int,
+        epoch: float,
         time: float,
         values: dict[str, Any],
         state: TrainState | None = None,
@@ -256,7 +257,7 @@ class Logger(Callback, ABC):
         if st.is_rank_zero:
             logs = ctx.logs or {}
             values = dict(logs) if plain_values(logs) else self.prepare(logs)
-            record = Record("train", st.step, st.epoch, _now(), values)
+            record = Record("train", st.step, epoch_of(st), _now(), values)
             self._last_task = self._background.submit(self.write, record)
 
     def on_settings_change(self, ctx: CallbackContext) -> None:
@@ -304,8 +305,16 @@ class Logger(Callback, ABC):
     def _hand_over(
         self, kind: str, st: TrainState, values: dict[str, Any], state: TrainState | None = None
     ) -> None:
-        record = Record(kind, st.step, st.epoch, _now(), values, state)
+        record = Record(kind, st.step, epoch_of(st), _now(), values, state)
         self._last_task = self._background.submit(self.write, record)
+
+
+def epoch_of(st: TrainState) -> float | int:
+    """The epoch as a train log shows it: completed epochs plus the share of this one
+    done (an evaluation or the end is then dated as the log beside it)."""
+    if not st.steps_per_epoch or not st.epoch_step:
+        return st.epoch
+    return st.epoch + st.epoch_step / st.steps_per_epoch
 
 
 def run_status(stop_reason: str | None) -> str:

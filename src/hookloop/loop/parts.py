@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,6 +63,7 @@ class Inputs:
     out_dir: str | None
     resume: str | None
     non_loss_data_func: Any
+    collate_fn: Callable[[list[Any]], Any] | None = None
 
 
 @dataclass
@@ -133,13 +134,16 @@ class Parts:
 
 def build_parts(given: Inputs, dialect: Dialect | None = None) -> Parts:
     """Place the model, open the data, plan the budget and build every part, once."""
+    native = dialect is None
     dialect = dialect or Dialect()
     config, callbacks = given.config, given.callbacks
     progress = Progress()
     progress.rank, progress.local_rank, progress.world_size = rank_info()
     device = resolve_device(config.train.device, progress.local_rank)
     model, train_model, optimizer = place_model(given.model, given.optimizer, config, device)
-    open_loader = functools.partial(_open_loader, config=config, progress=progress)
+    open_loader = functools.partial(
+        _open_loader, config=config, progress=progress, collate_fn=given.collate_fn
+    )
     p = Parts(
         config=config,
         callbacks=callbacks,
@@ -162,12 +166,11 @@ def build_parts(given: Inputs, dialect: Dialect | None = None) -> Parts:
     )
     (dialect.plan_budget or plan_budget)(p)
     k = config.train.grad_accum
-    p.position = DataPosition(p.loaders.train if p.loaders.train is not None else (), k)
-    p.scheduler = (
-        given.scheduler
-        if given.scheduler is not None
-        else build_scheduler(config.scheduler, optimizer, progress.max_steps)
+    # A dialect's data comes as its original's does; the native loop refuses rows.
+    p.position = DataPosition(
+        p.loaders.train if p.loaders.train is not None else (), k, check_rows=native
     )
+    p.scheduler = make_scheduler(given.scheduler, config, optimizer, progress.max_steps)
     loss_fn = compile_loss(given.loss_fn) if config.train.compile else given.loss_fn
     p.forward = bind_forward_step(given.forward_step or default_forward_step(loss_fn, device))
     p.precision = Precision(config.train.precision, device)
@@ -196,8 +199,9 @@ def place_model(
     """``(model, what the step runs, optimizer)``: the model on its device as users and
     callbacks see it (never wrapped, but sharded in place under fsdp, its parameters
     then DTensors); DDP-wrapped, FSDP2-sharded or compiled for the step. Sharding
-    replaces the parameters, so an optimizer from the config is built afterwards. A
-    model given compiled is unwrapped (:mod:`hookloop.compile`)."""
+    replaces the parameters, so an optimizer from the config, or from a function of the
+    model given as ``optimizer``, is built afterwards. A model given compiled is
+    unwrapped (:mod:`hookloop.compile`)."""
     cfg = config.train
     model, compiled = unwrap_compiled(model)
     model = model.to(device)
@@ -207,16 +211,56 @@ def place_model(
             check_can_compile(device)
         single = train_model is model and compiled is not None
         train_model = compiled if single else compile_module(train_model)
-    return model, train_model, optimizer or build_optimizer(config.optimizer, model)
+    if optimizer is None:
+        optimizer = build_optimizer(config.optimizer, model)
+    elif not isinstance(optimizer, torch.optim.Optimizer):  # a factory, given the model
+        optimizer = _made(optimizer(model), torch.optim.Optimizer, "optimizer")
+    return model, train_model, optimizer
+
+
+def _made(made: Any, cls: type, what: str) -> Any:
+    if not isinstance(made, cls):
+        raise TypeError(
+            f"the {what} function must return a {cls.__module__}.{cls.__name__}, got "
+            f"{type(made).__name__}"
+        )
+    return made
+
+
+def make_scheduler(scheduler: Any, config: Config, optimizer: Any, total_steps: Any) -> Any:
+    """The given scheduler; one a function makes from the optimizer (a value with no
+    ``step`` method is such a function); or the config's (None: a constant rate)."""
+    if scheduler is None:
+        return build_scheduler(config.scheduler, optimizer, total_steps)
+    if callable(scheduler) and not hasattr(scheduler, "step"):
+        made = scheduler(optimizer)
+        if not callable(getattr(made, "step", None)):
+            raise TypeError(
+                f"the scheduler function must return a scheduler (with step()), got "
+                f"{type(made).__name__}"
+            )
+        return made
+    return scheduler
 
 
 def _open_loader(
-    data: Iterable[Any] | None, train: bool, *, config: Config, progress: Progress
+    data: Iterable[Any] | None,
+    train: bool,
+    *,
+    config: Config,
+    progress: Progress,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
 ) -> Iterable[Any] | None:
-    """A map-style dataset wrapped in a resumable, seeded loader; loaders and other
-    iterables of batches as they are."""
+    """A dataset (any sized indexable but a list or tuple, :mod:`hookloop.data`) wrapped
+    in a resumable, seeded loader; loaders and other iterables of batches as they are."""
     if data is None:
         return None
+    if isinstance(data, (Mapping, torch.Tensor)) or not isinstance(data, Iterable | Sized):
+        raise TypeError(
+            f"{'train' if train else 'eval/test'} data must be a dataset (an object with "
+            "__getitem__ and __len__, e.g. a torch Dataset or a datasets.Dataset), a "
+            f"DataLoader or an iterable of batches, got {type(data).__name__}"
+        )
     if is_map_style(data):
         dc = config.data
         return make_loader(
@@ -228,11 +272,13 @@ def _open_loader(
             world_size=progress.world_size,
             num_workers=dc.num_workers,
             drop_last=train,
+            collate_fn=collate_fn,
         )
-    if not isinstance(data, Iterable):
-        raise TypeError(
-            f"{'train' if train else 'eval/test'} data must be a map-style Dataset, a "
-            f"DataLoader or an iterable of batches, got {type(data).__name__}"
+    if collate_fn is not None:
+        raise ValueError(
+            f"collate_fn applies to a dataset hookloop batches, but the "
+            f"{'train' if train else 'eval/test'} data is a {type(data).__name__} of "
+            "batches: give the collate_fn to its DataLoader instead"
         )
     return data
 
@@ -504,9 +550,12 @@ def check_inputs(
 ) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+    if optimizer is not None and not (
+        isinstance(optimizer, torch.optim.Optimizer) or callable(optimizer)
+    ):
         raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
+            "optimizer must be a torch.optim.Optimizer, a function of the model that makes "
+            f"one, or None, got {type(optimizer).__name__}"
         )
     if forward_step is not None and loss_fn is not None:
         raise ValueError("give forward_step or loss_fn, not both (loss_fn is for the default step)")

@@ -55,14 +55,20 @@ class Trainer:
     """Runs training, evaluation and testing for a model, firing events as it goes.
 
     ``config`` may be a full :class:`~hookloop.config.Config` or just its
-    :class:`~hookloop.config.TrainConfig`. ``train_data`` may be a map-style
-    dataset (wrapped in a resumable, seeded loader), a DataLoader, or any
-    iterable of batches. Give ``forward_step(state, data_iterator, model)`` for
-    full control, or ``loss_fn(outputs, targets)`` for ``(inputs, targets)``
-    batches, or neither when the model returns its own loss. ``out_dir`` is the
-    run directory (checkpoints and the loggers' files); ``resume`` is ``"auto"``
-    or a checkpoint path. ``dialect`` replaces parts of the loop (see
-    :class:`~hookloop.loop.parts.Dialect`).
+    :class:`~hookloop.config.TrainConfig`. ``train_data`` may be a dataset (any object
+    with ``__getitem__`` and ``__len__`` but a list or tuple: a torch ``Dataset``, a
+    ``datasets.Dataset``), batched by ``data.batch_size`` in a resumable, seeded loader
+    with ``collate_fn`` (default: :func:`hookloop.data.collate_rows`); or a DataLoader,
+    a list or any iterable of batches (one that yields single rows is refused). Give
+    ``forward_step(state, data_iterator, model)`` for full control, or
+    ``loss_fn(outputs, targets)`` for ``(inputs, targets)`` batches, or neither when the
+    model returns its own loss. ``optimizer`` may be a function of the model that makes
+    one (called once the model is placed; None: ``config.optimizer``), ``scheduler`` a
+    function of the optimizer (None: ``config.scheduler``). ``out_dir`` is the run
+    directory (checkpoints and the loggers' files); ``resume`` is ``"auto"`` or a
+    checkpoint path. ``dialect`` replaces parts of the loop (see
+    :class:`~hookloop.loop.parts.Dialect`). The bare loop adds no callbacks:
+    :class:`hookloop.trainer.Trainer` adds the run's defaults.
 
     Public attributes: ``model`` (never wrapped), ``optimizer``, ``scheduler``,
     ``config``, ``callbacks`` (the manager), ``state`` (read-only counters; the loop
@@ -77,7 +83,7 @@ class Trainer:
     def __init__(
         self,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | Callable[[torch.nn.Module], Any] | None = None,
         *,
         train_data: Iterable[Any] | None = None,
         eval_data: Iterable[Any] | None = None,
@@ -92,6 +98,7 @@ class Trainer:
         flops_per_sample: float | None = None,
         non_loss_data_func: Any = None,
         dialect: Dialect | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
     ) -> None:
         check_inputs(model, optimizer, forward_step, loss_fn, non_loss_data_func)
         config = as_config(config).validate()
@@ -111,6 +118,7 @@ class Trainer:
             out_dir=None if out_dir is None else str(out_dir),
             resume=resume,
             non_loss_data_func=non_loss_data_func,
+            collate_fn=collate_fn,
         )
         self.parts = p = build_parts(given, dialect)
         self.config, self.callbacks, self.ctx = config, manager, p.ctx

@@ -33,7 +33,8 @@ from hookloop.config import Config, apply_overrides, load_yaml
 
 @dataclass
 class RecipeParts:
-    """What a recipe builds; the entry point adds optimizer, scheduler and Trainer."""
+    """What a recipe builds; the entry point adds the Trainer, and the optimizer and
+    scheduler from the config unless the recipe brings its own."""
 
     model: torch.nn.Module
     train_data: Iterable[Any]
@@ -44,6 +45,12 @@ class RecipeParts:
     callbacks: list[Callback] = field(default_factory=list)
     #: Training FLOPs per sample (forward + backward), when the recipe can estimate it.
     flops_per_sample: float | None = None
+    #: The recipe's own optimizer, or a function of the model that makes one (called once
+    #: the model is on its device, and sharded); None: ``config.optimizer``.
+    optimizer: torch.optim.Optimizer | Callable[[torch.nn.Module], Any] | None = None
+    #: The recipe's own LR scheduler, or a function of the optimizer that makes one;
+    #: None: ``config.scheduler``.
+    scheduler: Any = None
 
 
 @dataclass

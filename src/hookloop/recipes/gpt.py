@@ -13,7 +13,9 @@ Public pieces, usable on their own:
 - :func:`encode` / :func:`decode`: the byte-level codec;
 - :func:`load_corpus`, :class:`ByteWindows`, :func:`split_corpus`: the data;
 - :class:`GPT`, :func:`generate`, :func:`flops_per_token`, :func:`flops_per_sample`: the model;
-- :func:`forward_step`: hookloop's per-micro-batch protocol (``(output, loss_func)``);
+- :func:`lm_step`: hookloop's per-micro-batch protocol (``(output, loss_func)``), logging
+  the loss once, as ``loss``; :func:`forward_step`: the same in Megatron's shape, its loss
+  also named ``lm loss`` (the Megatron-Bridge dialect's);
 - :func:`build`, :func:`default_config`: what the recipe registry calls.
 """
 
@@ -397,26 +399,44 @@ def flops_per_sample(cfg: GPTConfig, n_params: int) -> float:
 
 
 def _lm_loss(
-    logits: torch.Tensor, targets: torch.Tensor
+    logits: torch.Tensor, targets: torch.Tensor, name: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """``(loss_sum, num_tokens, {name: mean})``; no entry without a ``name``."""
     loss_sum = F.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
     )
     # A fill kernel, not torch.tensor(n, device=...): that copies from host memory and
     # synchronises the device on every micro-batch.
     num_tokens = torch.full((), targets.numel(), dtype=torch.int64, device=targets.device)
-    return loss_sum, num_tokens, {"lm loss": loss_sum.detach() / num_tokens}
+    if name is None:
+        return loss_sum, num_tokens, {}
+    return loss_sum, num_tokens, {name: loss_sum.detach() / num_tokens}
+
+
+def lm_step(
+    state: Any, data_iterator: Iterator[Any], model: nn.Module
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict]]]:
+    """The recipe's step: run one micro-batch; return ``(logits, loss_func)``.
+
+    ``loss_func(logits)`` gives ``(loss_sum, num_tokens, {})``: the *summed* cross
+    entropy, so the trainer can divide by the token count of the whole step (all
+    micro-batches) and get an exact per-token mean, logged once, as ``loss``.
+    """
+    return _step(data_iterator, model, None)
 
 
 def forward_step(
     state: Any, data_iterator: Iterator[Any], model: nn.Module
 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict]]]:
-    """Run one micro-batch; return ``(logits, loss_func)`` for the trainer.
+    """:func:`lm_step` in Megatron's shape: ``loss_func(logits)`` gives
+    ``(loss_sum, num_tokens, {"lm loss": mean})``, the name Megatron-Bridge logs (its
+    dialect runs this step)."""
+    return _step(data_iterator, model, "lm loss")
 
-    ``loss_func(logits)`` gives ``(loss_sum, num_tokens, {"lm loss": mean})`` with
-    the *summed* cross entropy, so the trainer can divide by the token count of
-    the whole step (all micro-batches) and get an exact per-token mean.
-    """
+
+def _step(
+    data_iterator: Iterator[Any], model: nn.Module, name: str | None
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict]]]:
     x, y = next(data_iterator)
     device = next(model.parameters()).device
     x = x.to(device, non_blocking=True)
@@ -424,7 +444,7 @@ def forward_step(
     logits = model(x)
 
     def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        return _lm_loss(output, y)
+        return _lm_loss(output, y, name)
 
     return logits, loss_func
 
@@ -504,7 +524,7 @@ def build(config: Config) -> RecipeParts:
         model=model,
         train_data=train_data,
         eval_data=eval_data,
-        forward_step=forward_step,
+        forward_step=lm_step,
         flops_per_sample=flops_per_sample(mcfg, model.num_params()),
     )
 
