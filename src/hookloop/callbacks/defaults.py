@@ -31,6 +31,7 @@ from pathlib import Path
 
 from hookloop.callback import Callback
 from hookloop.config import Config
+from hookloop.errors import ConfigError
 from hookloop.rundir import RunDir
 
 #: Fixed prompts for sampling from the default recipe's model.
@@ -109,7 +110,7 @@ def _diloco_wanted(setting: bool | None) -> bool:
     """``callbacks.diloco``: null follows DILOCO_SERVER; true without it is an error."""
     server = os.environ.get("DILOCO_SERVER", "").strip()
     if setting and not server:
-        raise ValueError(
+        raise ConfigError(
             "callbacks.diloco=true needs DILOCO_SERVER=host:port, the address of a "
             "`hookloop diloco serve` (or leave callbacks.diloco null: on when it is set)"
         )
