@@ -144,8 +144,8 @@ def test_train_writes_metrics_with_a_finite_loss(first_run):
     assert [r["step"] for r in train] == [20]  # the recipe logs every 20 steps
     assert all(isinstance(r["loss"], float) and math.isfinite(r["loss"]) for r in train)
     # progress on stderr, the result alone on stdout (`hookloop train > log.txt`)
-    assert out == f"hookloop: finished at step 30 (exit 0), run directory {run_dir}\n"
-    assert "finished at step 30" not in err
+    assert out == f"hookloop: max_steps at step 30 (exit 0), run directory {run_dir}\n"
+    assert "at step 30 (exit" not in err
 
 
 def test_second_train_into_the_same_directory_is_refused_and_touches_nothing(first_run):
@@ -215,7 +215,7 @@ def test_a_sigterm_after_the_last_step_keeps_exit_143_and_the_closing_line_says_
     assert (result.stop_reason, result.step, result.exit_code) == ("max_steps", 2, 143)
     line = closing_line(result, "runs/x")
     assert line == (
-        "hookloop: finished at step 2 (exit 143), SIGTERM came after the last step, "
+        "hookloop: max_steps at step 2 (exit 143), SIGTERM came after the last step, "
         "run directory runs/x"
     )
 
@@ -368,8 +368,8 @@ def test_the_nan_stop_names_its_step_once_and_the_result_line_is_on_stdout(tmp_p
     (line,) = out.splitlines()
     step = int(line.split(" at step ")[1].split()[0])
     assert line == (
-        f"hookloop: failed at step {step} (exit 4), NaNDetection: non-finite loss (nan) "
-        f"(the step's update was skipped), run directory {run}"
+        "hookloop: NaNDetection: non-finite loss (nan) (the step's update was skipped) "
+        f"at step {step} (exit 4), run directory {run}"
     )
     assert line.count(f"step {step}") == 1
 
@@ -401,6 +401,16 @@ def test_resuming_a_finished_run_with_a_raised_budget_trains_on(tmp_path):
     evals = [r["eval_loss"] for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "eval"]
     assert evals
     assert out == (
-        f"hookloop: finished at step 4 (exit 0), best eval_loss {min(evals):.4g}, "
+        f"hookloop: max_steps at step 4 (exit 0), best eval_loss {min(evals):.4g}, "
         f"run directory {run}\n"
     )
+
+
+def test_the_result_line_reads_with_the_pattern_docs_cli_md_gives(first_run):
+    import re
+
+    run_dir, code, _, out = first_run
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
+    (pattern,) = re.findall(r"`(\^hookloop: .*?\$)`", docs)
+    reason, step, exit_code, _, where = re.match(pattern, out.strip()).groups()
+    assert (reason, step, exit_code, where) == ("max_steps", "30", str(code), str(run_dir))

@@ -729,7 +729,7 @@ def test_resume_auto_passes_over_a_checkpoint_whose_trainer_state_does_not_load(
         code, out, err = _run(argv)
     assert code == 0, err
     assert "trainer_state.pt cannot be loaded" in str(said[0].message)
-    assert "hookloop: finished at step 6 (exit 0)" in out  # the result line, on stdout
+    assert "max_steps at step 6" in out  # the result line, on stdout
     starts = [r for r in read_jsonl(copy / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in starts][-4:] == [3, 4, 5, 6]  # trained on from step 2
 

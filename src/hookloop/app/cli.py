@@ -40,7 +40,7 @@ from hookloop import __version__
 from hookloop.app.failures import error_line, is_refusal, one_line
 from hookloop.callback import Callback
 from hookloop.errors import ConfigError
-from hookloop.result import ExitCode, TrainResult, reason_without_step, run_status
+from hookloop.result import ExitCode, TrainResult, reason_without_step
 from hookloop.rundir import RunDir, enclosing_run, is_checkpoint, is_checkpoints_folder
 
 if TYPE_CHECKING:
@@ -499,20 +499,16 @@ def _callbacks(cfg: Config, run_dir: Path, changes: dict[str, Any]) -> list[Call
 def closing_line(result: TrainResult, run_dir: Any, *, best_eval_loss: float | None = None) -> str:
     """The run's result, one line on stdout (progress goes to stderr)::
 
-        hookloop: STATUS at step N (exit CODE)[, WHY][, best eval_loss X], run directory DIR
+        hookloop: REASON at step N (exit CODE)[, LATE SIGNAL][, best eval_loss X], run directory DIR
 
-    STATUS is ``finished``, ``stopped``, ``aborted`` or ``failed`` (as ``hookloop runs``
-    says); WHY is the stop reason when the run did not simply finish. A signal that came
-    once the last step was done (during the final save or the shutdown) did not stop the
-    run, but it still sets the exit code (128 + N): WHY says so, so that the code does not
-    contradict the status.
+    REASON is why the run ended (``max_steps``, ``signal SIGTERM``, a detector's reason, which
+    then names its step once, here). A signal that came once the last step was done (during
+    the final save or the shutdown) did not stop the run, but it still sets the exit code
+    (128 + N): the line says so, so that the code does not contradict the reason.
     """
-    reason = result.stop_reason
-    status = "failed" if result.failed else run_status(reason)
-    fields = [f"hookloop: {status} at step {result.step} (exit {int(result.exit_code)})"]
-    if status != "finished":
-        fields.append(reason_without_step(reason, result.step))
-    if result.signal is not None and not reason.startswith("signal"):
+    reason = reason_without_step(result.stop_reason, result.step)
+    fields = [f"hookloop: {reason} at step {result.step} (exit {int(result.exit_code)})"]
+    if result.signal is not None and not result.stop_reason.startswith("signal"):
         name = signal.Signals(result.signal).name
         fields.append(f"{name} came after the last step")
     if best_eval_loss is not None:
