@@ -80,7 +80,7 @@ def uninterrupted(tmp_path_factory) -> Path:
 def test_resume_in_a_new_process_is_bitwise_identical(uninterrupted, tmp_path, stop_at):
     run = tmp_path / "run"
     first = hookloop(run, f"train.exit_interval={stop_at}")
-    assert f"exit_interval at step {stop_at}" in first.stderr or stop_at == 14
+    assert f"exit_interval at step {stop_at}" in first.stdout or stop_at == 14
     hookloop(run, "--resume", "auto", "train.exit_interval=null")  # the run's config keeps it
     assert_same_checkpoint(final_checkpoint(uninterrupted), final_checkpoint(run))
     assert train_losses(run) == train_losses(uninterrupted)
@@ -168,7 +168,7 @@ def test_sigkill_at_random_times_then_auto_resume_matches_uninterrupted(uninterr
     assert len({start for start, _ in landed}) >= 3, landed
     final = zygote.run(cmd, capture_output=True, timeout=300)
     assert final.returncode == 0, final.stderr.decode()[-2000:]
-    assert b"max_steps at step 14" in final.stderr
+    assert b"max_steps at step 14" in final.stdout  # the result line
     assert kills >= 10
     assert_same_checkpoint(final_checkpoint(uninterrupted), final_checkpoint(run))
     assert train_losses(run) == train_losses(uninterrupted)
@@ -205,7 +205,7 @@ def test_sigterm_saves_at_the_current_step_exits_143_and_resume_is_exact(tmp_pat
     run = tmp_path / "run"
     held = Path(__file__).with_name("_held_train.py")
     cmd = [sys.executable, str(held), "2", "train", "--out", str(run), *RUN_ARGS, *args]
-    proc = zygote.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = zygote.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while not (logged := [r for r in own_records(run, proc.pid) if r["kind"] == "train"]):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -213,9 +213,9 @@ def test_sigterm_saves_at_the_current_step_exits_143_and_resume_is_exact(tmp_pat
             pytest.fail(f"no train record before the SIGTERM: {proc.communicate()[1][-2000:]}")
         time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)  # right after the first logged step
-    _, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err.decode()[-2000:]
-    assert b"signal SIGTERM" in err
+    assert b"signal SIGTERM" in out  # the result line
     saved = final_checkpoint(run)
     step = json.loads((saved / "manifest.json").read_text())["step"]
     assert 0 < logged[-1]["step"] <= step <= 3  # the step signalled in, or the one after

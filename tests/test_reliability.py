@@ -537,9 +537,9 @@ def test_a_run_that_skipped_most_of_its_steps_failed(make_trainer, tmp_path):
 def test_a_nan_stop_exits_4_and_shows_as_failed_in_hookloop_runs(tmp_path):
     run = tmp_path / "run"
     argv = ["train", *MLP, "--out", run, "train.max_steps=20", "optimizer.lr=1e30", *QUIET]
-    code, _, err = _run(argv)  # the loss overflows to NaN within a few steps
+    code, out, err = _run(argv)  # the loss overflows to NaN within a few steps
     assert code == ExitCode.FAILED == 4, err
-    assert "NaNDetection: non-finite loss" in err
+    assert "NaNDetection: non-finite loss" in out  # the result line, on stdout
     (summary,) = list_runs(run)
     assert summary.status == "failed"
     assert summary.step < 20
@@ -726,10 +726,10 @@ def test_resume_auto_passes_over_a_checkpoint_whose_trainer_state_does_not_load(
     replace_trainer_state(ckpt, {"train_state": {"step": 4}, "x": Opaque()})
     argv = ["train", "--resume", "auto", "--out", copy, "train.max_steps=6", *QUIET]
     with pytest.warns(UserWarning, match="skipping damaged checkpoint step-00000004") as said:
-        code, _, err = _run(argv)
+        code, out, err = _run(argv)
     assert code == 0, err
     assert "trainer_state.pt cannot be loaded" in str(said[0].message)
-    assert "max_steps at step 6" in err
+    assert "max_steps at step 6" in out  # the result line, on stdout
     starts = [r for r in read_jsonl(copy / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in starts][-4:] == [3, 4, 5, 6]  # trained on from step 2
 

@@ -60,7 +60,7 @@ def test_signal_stops_training_gracefully_with_128_plus_signal(tmp_path, signum,
         *SERVICES_OFF,
     ]
     with stderr_path.open("w") as stderr:
-        proc = zygote.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
+        proc = zygote.Popen(command, stdout=stderr, stderr=stderr)  # the result line too
         try:
             observed = _wait_for_train_records(proc, run_dir / "metrics.jsonl", count=3)
             proc.send_signal(signum)

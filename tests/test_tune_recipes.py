@@ -77,7 +77,7 @@ def test_a_recipe_by_import_path_trains_resumes_configures_and_tunes_in_workers(
     # --resume auto reads the recipe back from config.yaml
     resume = ["train", "--out", str(out), "--resume", "auto", "train.max_steps=12"]
     assert main([*resume, *QUIET]) == 0
-    assert "max_steps at step 12" in capsys.readouterr().err
+    assert "max_steps at step 12" in capsys.readouterr().out  # the result line
     assert summarize_run(out).step == 12
 
     space = user_dir / "space.yaml"

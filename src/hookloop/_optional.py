@@ -13,9 +13,12 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from hookloop.errors import MissingExtraError
+
 
 def require(module: str, *, extra: str, feature: str | None = None) -> ModuleType:
-    """Import ``module`` or raise ImportError naming ``pip install hookloop[extra]``.
+    """Import ``module`` or raise :class:`~hookloop.errors.MissingExtraError` (an ImportError)
+    naming ``pip install hookloop[extra]``.
 
     ``feature`` names what needed it (e.g. ``"TBLogger"``) in the message.
     """
@@ -24,7 +27,7 @@ def require(module: str, *, extra: str, feature: str | None = None) -> ModuleTyp
     except ImportError as err:
         top = module.split(".", 1)[0]
         who = f"{feature} needs" if feature else "this feature needs"
-        raise ImportError(
+        raise MissingExtraError(
             f"{who} the optional package {top!r}, which could not be imported ({err}). "
             f"Install it with: pip install 'hookloop[{extra}]'"
         ) from err

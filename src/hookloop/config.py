@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 import yaml
 
+from hookloop.errors import ConfigError
+
 
 def opt(default: Any, doc: str) -> Any:
     """A dataclass field with a default and a one-line doc."""
@@ -78,13 +80,13 @@ class OptimizerConfig:
         check_class_name(self.name, OPTIMIZERS, "optimizer", "torch.optim")
         _keyword_arguments(self.kwargs, "optimizer")
         if not 0 <= self.lr < float("inf"):  # 0 is allowed: a run that measures, not learns
-            raise ValueError(f"optimizer.lr must be a finite number >= 0, got {self.lr!r}")
+            raise ConfigError(f"optimizer.lr must be a finite number >= 0, got {self.lr!r}")
         if self.weight_decay < 0:
-            raise ValueError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay!r}")
+            raise ConfigError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay!r}")
         if not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"optimizer.betas must each lie in [0, 1), got {self.betas!r}")
+            raise ConfigError(f"optimizer.betas must each lie in [0, 1), got {self.betas!r}")
         if not 0 <= self.momentum < 1:
-            raise ValueError(f"optimizer.momentum must lie in [0, 1), got {self.momentum!r}")
+            raise ConfigError(f"optimizer.momentum must lie in [0, 1), got {self.momentum!r}")
 
 
 @dataclass
@@ -107,7 +109,7 @@ class SchedulerConfig:
         _keyword_arguments(self.kwargs, "scheduler")
         _non_negative(self, "warmup_steps", "scheduler")
         if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(
+            raise ConfigError(
                 f"scheduler.min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio!r}"
             )
         if self.name not in SCHEDULES and self.warmup_steps:
@@ -228,51 +230,51 @@ class TrainConfig:
         _positive(self, "grad_accum", "train")
         _non_negative(self, "log_every", "train")
         if self.max_skipped_fraction is not None and not 0 <= self.max_skipped_fraction < 1:
-            raise ValueError(
+            raise ConfigError(
                 "train.max_skipped_fraction must lie in [0, 1) or be null, got "
                 f"{self.max_skipped_fraction!r}"
             )
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
-            raise ValueError(
+            raise ConfigError(
                 f"train.clip_grad_norm must be > 0 or null, got {self.clip_grad_norm!r}"
             )
         if self.exit_duration_minutes is not None and not self.exit_duration_minutes > 0:
-            raise ValueError(
+            raise ConfigError(
                 "train.exit_duration_minutes must be > 0 or null, "
                 f"got {self.exit_duration_minutes!r}"
             )
         if any(s < 1 for s in self.iterations_to_skip):
-            raise ValueError(
+            raise ConfigError(
                 f"train.iterations_to_skip holds step numbers >= 1, got {self.iterations_to_skip}"
             )
         if self.gc_every is not None:
             _positive(self, "gc_every", "train")
         if not isinstance(self.gc_eval, bool):
-            raise ValueError(f"train.gc_eval must be true or false, got {self.gc_eval!r}")
+            raise ConfigError(f"train.gc_eval must be true or false, got {self.gc_eval!r}")
         if self.flops_per_sample is not None and not (
             isinstance(self.flops_per_sample, (int, float))
             and not isinstance(self.flops_per_sample, bool)
             and 0 < self.flops_per_sample < float("inf")
         ):
-            raise ValueError(
+            raise ConfigError(
                 "train.flops_per_sample must be a finite number > 0 or null, "
                 f"got {self.flops_per_sample!r}"
             )
         if self.timers not in ("off", "on", "sync"):
-            raise ValueError(f"train.timers must be 'off', 'on' or 'sync', got {self.timers!r}")
+            raise ConfigError(f"train.timers must be 'off', 'on' or 'sync', got {self.timers!r}")
         if self.log_timers and self.timers == "off":
-            raise ValueError(
+            raise ConfigError(
                 "train.log_timers needs the timers: set train.timers to 'on' or 'sync'"
             )
         parallel_modes = typing.get_args(_type_hints(TrainConfig)["parallel"])
         if self.parallel not in parallel_modes:
-            raise ValueError(
+            raise ConfigError(
                 f"train.parallel must be one of {', '.join(map(repr, parallel_modes))}, "
                 f"got {self.parallel!r}"
             )
         dev = self.device
         if dev not in ("auto", "cpu", "cuda", "mps") and not dev.startswith("cuda:"):
-            raise ValueError(
+            raise ConfigError(
                 f"train.device must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps', got {dev!r}"
             )
 
@@ -309,7 +311,7 @@ class CheckpointConfig:
             _positive(self, "keep_last", "checkpoint")
         _positive(self, "keep_best", "checkpoint")
         if not isinstance(self.async_save, bool):
-            raise ValueError(
+            raise ConfigError(
                 f"checkpoint.async_save must be true or false, got {self.async_save!r}"
             )
         if self.local_every is not None:
@@ -317,11 +319,11 @@ class CheckpointConfig:
         if self.local_dir is not None and (
             not isinstance(self.local_dir, str) or not self.local_dir
         ):
-            raise ValueError(
+            raise ConfigError(
                 f"checkpoint.local_dir must be a directory path or null, got {self.local_dir!r}"
             )
         if self.local_dir is not None and self.local_every is None:
-            raise ValueError(
+            raise ConfigError(
                 "checkpoint.local_dir is set but checkpoint.local_every is null, so no local "
                 "checkpoint would be written; set checkpoint.local_every=N (steps) as well"
             )
@@ -343,10 +345,10 @@ class LoggingConfig:
 
     def validate(self) -> None:
         if not self.wandb_project:
-            raise ValueError("logging.wandb_project must be a non-empty string")
+            raise ConfigError("logging.wandb_project must be a non-empty string")
         pi = self.progress_interval
         if isinstance(pi, bool) or not isinstance(pi, (int, float)) or not 0 <= pi < float("inf"):
-            raise ValueError(
+            raise ConfigError(
                 f"logging.progress_interval must be a number of seconds >= 0, got {pi!r}"
             )
 
@@ -388,7 +390,7 @@ class CallbacksConfig:
 
     def validate(self) -> None:
         if self.peak_flops is not None and not self.peak_flops > 0:
-            raise ValueError(f"callbacks.peak_flops must be > 0 or null, got {self.peak_flops!r}")
+            raise ConfigError(f"callbacks.peak_flops must be > 0 or null, got {self.peak_flops!r}")
         if self.early_stopping_patience is not None:
             _positive(self, "early_stopping_patience", "callbacks")
         self._validate_rewind()
@@ -396,13 +398,13 @@ class CallbacksConfig:
             _positive(self, "straggler_every", "callbacks")
         st = self.straggler_threshold
         if isinstance(st, bool) or not isinstance(st, (int, float)) or not st > 1:
-            raise ValueError(f"callbacks.straggler_threshold must be a number > 1, got {st!r}")
+            raise ConfigError(f"callbacks.straggler_threshold must be a number > 1, got {st!r}")
         if self.diloco is not None and not isinstance(self.diloco, bool):
-            raise ValueError(f"callbacks.diloco must be true, false or null, got {self.diloco!r}")
+            raise ConfigError(f"callbacks.diloco must be true, false or null, got {self.diloco!r}")
 
     def _validate_rewind(self) -> None:
         if self.divergence_action not in ("stop", "abort", "rewind"):
-            raise ValueError(
+            raise ConfigError(
                 "callbacks.divergence_action must be 'stop', 'abort' or 'rewind', "
                 f"got {self.divergence_action!r}"
             )
@@ -410,9 +412,9 @@ class CallbacksConfig:
             _non_negative(self, "rewind_skip_batches", "callbacks")
         factor = self.rewind_lr_factor
         if isinstance(factor, bool) or not isinstance(factor, (int, float)):
-            raise ValueError(f"callbacks.rewind_lr_factor must be a number > 0, got {factor!r}")
+            raise ConfigError(f"callbacks.rewind_lr_factor must be a number > 0, got {factor!r}")
         if not 0 < factor < float("inf"):
-            raise ValueError(f"callbacks.rewind_lr_factor must be a number > 0, got {factor!r}")
+            raise ConfigError(f"callbacks.rewind_lr_factor must be a number > 0, got {factor!r}")
         _non_negative(self, "rewind_lr_steps", "callbacks")
         _non_negative(self, "max_rewinds", "callbacks")
 
@@ -437,14 +439,14 @@ class ControlConfig:
 
     def validate(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int):
-            raise ValueError(f"control.port must be an int, got {self.port!r}")
+            raise ConfigError(f"control.port must be an int, got {self.port!r}")
         if not 0 <= self.port <= 65535:
-            raise ValueError(f"control.port must lie in [0, 65535] (0: any), got {self.port}")
+            raise ConfigError(f"control.port must lie in [0, 65535] (0: any), got {self.port}")
         if not self.host:
-            raise ValueError("control.host must be a non-empty address")
+            raise ConfigError("control.host must be a non-empty address")
         for name in ("disable_auth", "allow_remote_without_auth"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(
+                raise ConfigError(
                     f"control.{name} must be true or false, got {getattr(self, name)!r}"
                 )
         if self.disable_auth and not self.allow_remote_without_auth:
@@ -455,7 +457,7 @@ class ControlConfig:
             except ValueError:
                 loopback = False
             if not loopback:
-                raise ValueError(
+                raise ConfigError(
                     f"control.disable_auth=true on control.host={self.host} would let anyone who "
                     "reaches it stop the job: use 127.0.0.1, keep authentication, or also set "
                     "control.allow_remote_without_auth=true"
@@ -487,7 +489,7 @@ class Config:
         """Check every section; raise ``ValueError`` naming the bad key and what is allowed."""
         seed = self.seed
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
-            raise ValueError(f"seed must be an int >= 0 and <= 2**47, got {seed!r}")
+            raise ConfigError(f"seed must be an int >= 0 and <= 2**47, got {seed!r}")
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
             if dataclasses.is_dataclass(section) and hasattr(section, "validate"):
@@ -498,7 +500,7 @@ class Config:
             and on.divergence_action == "rewind"
             and not (ckpt.every or ckpt.local_every)
         ):
-            raise ValueError(
+            raise ConfigError(
                 "callbacks.divergence_action=rewind rolls back to a checkpoint, but none is "
                 "saved during training: set checkpoint.every or checkpoint.local_every"
             )
@@ -528,12 +530,12 @@ def read_yaml_file(path: str | Path, what: str) -> Any:
     try:
         return yaml.safe_load(path.read_text())
     except FileNotFoundError:
-        raise ValueError(f"{what} file not found: {path}") from None
+        raise ConfigError(f"{what} file not found: {path}") from None
     except UnicodeDecodeError as err:
-        raise ValueError(f"{what} file {path} is not UTF-8 text (byte {err.start})") from None
+        raise ConfigError(f"{what} file {path} is not UTF-8 text (byte {err.start})") from None
     except yaml.YAMLError as err:  # its text names "<unicode string>": name the file instead
         where = str(err).replace('"<unicode string>"', str(path))
-        raise ValueError(f"{what} file {path} is not valid YAML: {where}") from None
+        raise ConfigError(f"{what} file {path} is not valid YAML: {where}") from None
 
 
 def load_yaml(path: str | Path, base: Config) -> Config:
@@ -543,7 +545,7 @@ def load_yaml(path: str | Path, base: Config) -> Config:
     if data is None:
         return base
     if not isinstance(data, dict):
-        raise ValueError(f"config file {path} must hold a mapping of sections, got {type(data)}")
+        raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data)}")
     update_from_dict(base, data)
     return base
 
@@ -556,7 +558,7 @@ def update_from_dict(obj: Any, data: dict[str, Any], prefix: str = "") -> None:
         current = getattr(obj, current_field.name)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
-                raise ValueError(f"{dotted} is a section; give it a mapping, got {value!r}")
+                raise ConfigError(f"{dotted} is a section; give it a mapping, got {value!r}")
             update_from_dict(current, value, prefix=dotted + ".")
         else:
             hint = _type_hints(type(obj))[current_field.name]
@@ -567,7 +569,7 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
     """Apply ``section.key=value`` strings; values are parsed as YAML scalars."""
     for item in overrides:
         if "=" not in item:
-            raise ValueError(f"override {item!r} must look like section.key=value")
+            raise ConfigError(f"override {item!r} must look like section.key=value")
         dotted, raw = item.split("=", 1)
         parts = dotted.strip().split(".")
         target: Any = cfg
@@ -575,10 +577,10 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
             f = _field(target, part, ".".join(parts[: i + 1]))
             target = getattr(target, f.name)
             if not dataclasses.is_dataclass(target):
-                raise ValueError(f"{'.'.join(parts[: i + 1])} is a value, not a section")
+                raise ConfigError(f"{'.'.join(parts[: i + 1])} is a value, not a section")
         f = _field(target, parts[-1], dotted)
         if dataclasses.is_dataclass(getattr(target, f.name)):
-            raise ValueError(f"{dotted} is a section; set one of its keys, e.g. {dotted}.<key>=…")
+            raise ConfigError(f"{dotted} is a section; set one of its keys, e.g. {dotted}.<key>=…")
         try:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:
@@ -611,7 +613,7 @@ def _field(obj: Any, key: str, dotted: str) -> dataclasses.Field:
     section = dotted.rsplit(".", 1)[0] if "." in dotted else "the top level"
     close = difflib.get_close_matches(key, list(fields), n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise ValueError(
+    raise ConfigError(
         f"unknown config key {dotted!r}.{hint} Valid keys in {section}: {', '.join(fields)}"
     )
 
@@ -642,7 +644,7 @@ def _type_name(hint: Any) -> str:
 def coerce(value: Any, hint: Any, key: str) -> Any:
     """Convert ``value`` to the type ``hint`` or raise naming ``key`` and the type."""
     origin = typing.get_origin(hint)
-    bad = ValueError(f"{key} expects {_type_name(hint)}, got {value!r}")
+    bad = ConfigError(f"{key} expects {_type_name(hint)}, got {value!r}")
     if hint is Any:
         return value
     if origin in (typing.Union, types.UnionType):
@@ -726,10 +728,10 @@ def _plain(obj: Any) -> Any:
 def _positive(section: Any, name: str, where: str) -> None:
     value = getattr(section, name)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{where}.{name} must be an int >= 1, got {value!r}")
+        raise ConfigError(f"{where}.{name} must be an int >= 1, got {value!r}")
 
 
 def _non_negative(section: Any, name: str, where: str) -> None:
     value = getattr(section, name)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{where}.{name} must be an int >= 0, got {value!r}")
+        raise ConfigError(f"{where}.{name} must be an int >= 0, got {value!r}")

@@ -23,6 +23,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from hookloop.errors import ConfigError
+
 
 def _dtensor_class() -> type | None:
     """``DTensor`` if torch's DTensor module is loaded, else None (then no tensor is one).
@@ -203,7 +205,7 @@ def parallelize(
         return shard_fully(model, optimizer)
     if parallel == "local":
         return model
-    raise ValueError(f"train.parallel must be 'ddp', 'fsdp' or 'local', got {parallel!r}")
+    raise ConfigError(f"train.parallel must be 'ddp', 'fsdp' or 'local', got {parallel!r}")
 
 
 def shard_fully(

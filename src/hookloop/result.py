@@ -23,6 +23,30 @@ class ExitCode(enum.IntEnum):
     SIGTERM = 143  # 128 + SIGTERM: terminated (e.g. preempted), checkpoint saved
 
 
+def run_status(stop_reason: str | None) -> str:
+    """``finished`` (the step or epoch budget was reached), ``aborted``, or ``stopped``.
+
+    ``stopped`` covers every other orderly end: a stop request, a signal,
+    ``exit_interval`` or ``exit_duration`` (these save a checkpoint and can be resumed).
+    """
+    reason = stop_reason or ""
+    if reason in ("max_steps", "max_epochs", "finished", ""):
+        return "finished"
+    if reason.startswith("abort"):
+        return "aborted"
+    return "stopped"
+
+
+def reason_without_step(stop_reason: str, step: int) -> str:
+    """``stop_reason`` for a line that already says "at step N": a reason that names the
+    same step (``NaNDetection: non-finite loss (nan) at step 3 (...)``) says it once.
+
+    >>> reason_without_step("NaNDetection: non-finite loss (nan) at step 3 (skipped)", 3)
+    'NaNDetection: non-finite loss (nan) (skipped)'
+    """
+    return stop_reason.replace(f" at step {step}", "", 1)
+
+
 def is_abort(stop_reason: str | None) -> bool:
     """Whether ``stop_reason`` records an abort (which saves nothing)."""
     return bool(stop_reason) and stop_reason.startswith("abort")  # type: ignore[union-attr]

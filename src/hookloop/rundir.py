@@ -27,9 +27,11 @@ a path lies inside (symlinks and ``..`` resolved), so that a new run's ``--out``
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -165,3 +167,17 @@ def enclosing_run(path: str | Path) -> tuple[Path, str] | None:
         if is_run_dir(parent):
             return parent, "the run directory"
     return None
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a JSON Lines file (metrics.jsonl), skipping a line torn by a killed
+    writer."""
+    records = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records

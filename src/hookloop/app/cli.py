@@ -8,12 +8,24 @@ hookloop plot RUN_DIR... [--out FILE] [--log-scale]
 hookloop runs [DIR] [--json]
 hookloop jobs [--json]
 hookloop ctl JOB {status,stop,save,save-and-stop,abort,eval,token,url}
+hookloop --version
+
+Each command's module is imported when that command runs, so ``jobs``, ``ctl``, ``runs``,
+``--help`` and ``--version`` start without importing torch.
+
+Failures are told apart by type. hookloop refusing what it was asked (a
+:class:`~hookloop.errors.ConfigError`, a missing optional package, a run directory another
+process holds, argparse's own refusals) is one line on stderr and exit code 2. Anything else
+is the user's code failing (the model, the loss, the data, a callback, a recipe) or a bug:
+its traceback, exit code 1. What the machine could not do (a full disk, out of memory) is
+one line and exit code 1. ``HOOKLOOP_DEBUG=1`` shows the traceback of a one-line error too.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import os
 import shutil
 import signal
@@ -22,40 +34,73 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import yaml
-
-from hookloop.app.resume_config import OptimizerOverrides, resume_config, saved_config
+from hookloop import __version__
+from hookloop.app.failures import error_line, is_refusal, one_line
 from hookloop.callback import Callback
-from hookloop.config import Config, describe, dump_yaml
-from hookloop.recipes import get_recipe, recipe_names, recipe_slug, resolve_config
-from hookloop.result import ExitCode, TrainResult
+from hookloop.errors import ConfigError
+from hookloop.result import ExitCode, TrainResult, reason_without_step
 from hookloop.rundir import RunDir, enclosing_run, is_checkpoint, is_checkpoints_folder
-from hookloop.runlock import RunDirLocked
-from hookloop.state import CallbackContext
 
+if TYPE_CHECKING:
+    from hookloop.config import Config
+    from hookloop.state import CallbackContext
 
-class UsageError(Exception):
-    """A bad command line or config: reported in one line, exit code 2."""
+#: Set to 1 for the full traceback of an error otherwise reported in one line.
+DEBUG_ENV = "HOOKLOOP_DEBUG"
 
-
-#: Errors in what the user asked for: one line on stderr, exit code 2.
-USER_ERRORS: tuple[type[BaseException], ...] = (
-    UsageError,
-    ValueError,  # bad config values, checkpoints that do not fit or are damaged
-    ImportError,  # an integration whose extra is not installed
-    RunDirLocked,
-    FileNotFoundError,
-    NotADirectoryError,
-    IsADirectoryError,
-    PermissionError,
-    yaml.YAMLError,
-)
+#: Each command: its one-line help, and the module and function that add its parser.
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "train": ("train a recipe (default: gpt-stdlib)", __name__, "add_train_command"),
+    "recipes": ("list the available recipes", __name__, "add_recipes_command"),
+    "config": ("print every config key with its value and doc", __name__, "add_config_command"),
+    "plot": ("draw training curves of runs as a PNG", "hookloop.app.plot", "add_plot_command"),
+    "runs": (
+        "list runs with their status, steps, best eval loss and wall time",
+        "hookloop.app.runs",
+        "add_runs_command",
+    ),
+    "tune": (
+        "search hyper-parameters of a recipe with Optuna (restartable)",
+        "hookloop.tune.cli",
+        "add_tune_command",
+    ),
+    "diloco": (
+        "DiLoCo across machines: the server workers sync with (Forgather's protocol)",
+        "hookloop.diloco.cli",
+        "add_diloco_command",
+    ),
+    "jobs": (
+        "list the training jobs running on this machine",
+        "hookloop.control.cli",
+        "add_jobs_command",
+    ),
+    "ctl": (
+        "show a running job's status or send it a command",
+        "hookloop.control.cli",
+        "add_ctl_command",
+    ),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
+    """Run one ``hookloop`` command; returns its exit code.
+
+    A reader that closes the pipe early (``hookloop runs --json | head -1``) ends the
+    command quietly with exit code 141 (128 + SIGPIPE), as git and coreutils do.
+    """
+    try:
+        code = _main(sys.argv[1:] if argv is None else list(argv))
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's shutdown
+        return code
+    except BrokenPipeError:
+        _discard_stdout()
+        return 128 + signal.SIGPIPE
+
+
+def _main(argv: list[str]) -> int:
+    parser = build_parser([_command_of(argv)])
     args, extra = parser.parse_known_args(argv)
     if extra:  # KEY=VALUE overrides may come after options too: `train a=1 --out x b=2`
         if not hasattr(args, "overrides") or any(e.startswith("-") or "=" not in e for e in extra):
@@ -66,65 +111,46 @@ def main(argv: list[str] | None = None) -> int:
         return ExitCode.USAGE
     try:
         return args.run(args)
-    except USER_ERRORS as err:
-        if os.environ.get(DEBUG_ENV) == "1":
-            raise
-        print(f"hookloop {args.command}: error: {_one_line(err)}", file=sys.stderr)
-        return ExitCode.USAGE
-    except OSError as err:  # the machine, not the command: a full disk, a lost mount
-        if os.environ.get(DEBUG_ENV) == "1":
-            raise
-        print(f"hookloop {args.command}: error: {_one_line(err)}", file=sys.stderr)
-        return ExitCode.ERROR
-    except (RuntimeError, MemoryError) as err:
-        line = _machine_error(err)
+    except Exception as err:
+        line, code = error_line(err)
         if line is None or os.environ.get(DEBUG_ENV) == "1":
             raise
         print(f"hookloop {args.command}: error: {line}", file=sys.stderr)
-        return ExitCode.ERROR
+        return code
 
 
-#: Set to 1 for the full traceback of an error otherwise reported in one line.
-DEBUG_ENV = "HOOKLOOP_DEBUG"
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's last flush finds no closed pipe."""
+    with contextlib.suppress(OSError, ValueError):  # ValueError: a stdout with no descriptor
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
 
 
-def _one_line(err: BaseException) -> str:
-    text = " ".join(str(err).split()) or type(err).__name__
-    if isinstance(err, OSError) and err.filename is not None and str(err.filename) not in text:
-        text = f"{text}: {err.filename}"
-    return text
+def _command_of(argv: list[str]) -> str | None:
+    """The command named on the command line (its first word that is no option), if any."""
+    return next((word for word in argv if not word.startswith("-")), None)
 
 
-def _machine_error(err: BaseException) -> str | None:
-    """One line for what the machine could not do (exit 1), or None for a bug (a traceback).
-
-    A log write that failed for an OSError (a full disk) reaches the loop as a
-    ``LogWriterError``; a model or batch too large for memory as a ``MemoryError`` or
-    torch's allocation error.
-    """
-    from hookloop.callbacks._writer import LogWriterError
-
-    if isinstance(err, LogWriterError) and isinstance(err.__cause__, OSError):
-        return (
-            f"could not write the run's logs ({_one_line(err.__cause__)}); the checkpoints "
-            "already saved are intact: free space, then continue with --resume auto"
-        )
-    text = _one_line(err)
-    if isinstance(err, MemoryError) or "out of memory" in text or "can't allocate" in text:
-        return (
-            f"out of memory ({text[:300]}); choose a smaller model (model.*), batch "
-            "(data.batch_size) or precision (train.precision)"
-        )
-    return None
-
-
-def _parser() -> argparse.ArgumentParser:
+def build_parser(commands: list[str | None] | None = None) -> argparse.ArgumentParser:
+    """The ``hookloop`` parser. Only the sub-parsers of ``commands`` (None: all) are built
+    by their modules; the others are placeholders that carry their help line, so that
+    building the parser imports nothing a command does not need."""
     parser = argparse.ArgumentParser(
         prog="hookloop", description="Train PyTorch models with a readable, hookable loop."
     )
+    parser.add_argument("--version", action="version", version=f"hookloop {__version__}")
     sub = parser.add_subparsers(dest="command")
+    for name, (help_line, module, adder) in COMMANDS.items():
+        if commands is None or name in commands:
+            getattr(importlib.import_module(module), adder)(sub)
+        else:
+            sub.add_parser(name, help=help_line, add_help=False)
+    return parser
 
-    train = sub.add_parser("train", help="train a recipe (default: gpt-stdlib)")
+
+def add_train_command(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``hookloop train``; the parser's ``run`` default runs it."""
+    train = subparsers.add_parser("train", help=COMMANDS["train"][0])
     train.add_argument(
         "--recipe", help="recipe name (see `hookloop recipes`) or package.module:object"
     )
@@ -144,40 +170,31 @@ def _parser() -> argparse.ArgumentParser:
     )
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. train.max_steps=50")
     train.set_defaults(run=_train)
+    return train
 
-    recipes = sub.add_parser("recipes", help="list the available recipes")
+
+def add_recipes_command(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``hookloop recipes``."""
+    recipes = subparsers.add_parser("recipes", help=COMMANDS["recipes"][0])
     recipes.set_defaults(run=_recipes)
+    return recipes
 
-    config = sub.add_parser("config", help="print every config key with its value and doc")
+
+def add_config_command(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``hookloop config [--recipe NAME] [KEY=VALUE ...]``."""
+    config = subparsers.add_parser("config", help=COMMANDS["config"][0])
     config.add_argument("--recipe", help="recipe whose defaults to show")
     config.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     config.set_defaults(run=_config)
-
-    from hookloop.app.plot import add_plot_command
-    from hookloop.app.runs import add_runs_command
-
-    add_plot_command(sub)  # hookloop plot RUN_DIR... [--out FILE] [--log-scale]
-    add_runs_command(sub)  # hookloop runs [DIR] [--json]
-
-    from hookloop.tune.cli import add_tune_command
-
-    add_tune_command(sub)  # hookloop tune --recipe R --space FILE --trials N [--workers K] ...
-
-    from hookloop.diloco.cli import add_diloco_command
-
-    add_diloco_command(sub)  # hookloop diloco serve --port P [--checkpoint-dir D] [--token T] ...
-
-    from hookloop.control.cli import add_ctl_command, add_jobs_command
-
-    add_jobs_command(sub)  # hookloop jobs [--json]
-    add_ctl_command(sub)  # hookloop ctl JOB {status,stop,save,save-and-stop,abort,eval,token,url}
-    return parser
+    return config
 
 
 def _run_dir(out: str | None, recipe: str, resume: str | None) -> Path:
+    from hookloop.recipes import recipe_slug
+
     if out is None:
         if resume == "auto":
-            raise UsageError("--resume auto needs --out DIR (the run directory to resume)")
+            raise ConfigError("--resume auto needs --out DIR (the run directory to resume)")
         stamp = time.strftime("%Y%m%d-%H%M%S")
         path = Path("runs") / f"{recipe_slug(recipe)}-{stamp}"
         suffix = 1
@@ -187,10 +204,10 @@ def _run_dir(out: str | None, recipe: str, resume: str | None) -> Path:
         return path
     path = Path(out)
     if path.exists() and not path.is_dir():
-        raise UsageError(f"--out {path} is a file; give a directory for the run")
+        raise ConfigError(f"--out {path} is a file; give a directory for the run")
     _refuse_anothers(path)
     if resume is None and _holds_run(path):
-        raise UsageError(
+        raise ConfigError(
             f"{path} already holds a run; continue it with `--resume auto`, "
             "or choose another --out directory (nothing there is overwritten)"
         )
@@ -203,12 +220,12 @@ def _refuse_anothers(path: Path) -> None:
     inside = enclosing_run(path)
     if inside is not None:
         owner, kind = inside
-        raise UsageError(
+        raise ConfigError(
             f"--out {path} lies inside {kind} {owner}, another run's; a run there would write "
             "into its files: choose a directory outside it"
         )
     if is_checkpoint(path) or is_checkpoints_folder(path):
-        raise UsageError(
+        raise ConfigError(
             f"--out {path} is a checkpoint or a checkpoints folder, not a run directory; "
             "resume from it with --resume and give --out a directory of its own"
         )
@@ -225,10 +242,17 @@ def _holds_run(path: Path) -> bool:
 
 def _prepare(args: argparse.Namespace) -> tuple[Path, Config, dict[str, Any], bool]:
     """Rank 0's part: the run directory, the config it runs with, what a resume changed, and
-    whether this command created the directory."""
+    whether this command created the directory. Raises :class:`NothingToDo` for a resume of
+    a run that already reached its budget."""
+    from hookloop.app.resume_config import resume_config, saved_config
+    from hookloop.recipes import resolve_config
+
     changes: dict[str, Any] = {}
     if args.replay is not None:
         _check_replay(args)
+    if args.config is not None and not Path(args.config).is_file():
+        what = "is a directory" if Path(args.config).is_dir() else "does not exist"
+        raise ConfigError(f"--config {args.config} {what}; give a YAML file")
     saved = saved_config(Path(args.out)) if args.resume and args.out else None
     if saved is not None:
         cfg, changes = resume_config(
@@ -239,11 +263,63 @@ def _prepare(args: argparse.Namespace) -> tuple[Path, Config, dict[str, Any], bo
     run_dir = _run_dir(args.out, cfg.recipe, args.resume)
     if args.resume == "auto" and not _holds_run(run_dir):
         print(f"hookloop: no run in {run_dir} yet; starting a new run in it", file=sys.stderr)
+    elif args.resume == "auto":
+        _refuse_finished(run_dir, cfg)
     for key, (old, new) in changes.items():
         print(f"hookloop: resume: {key} changed: {old!r} -> {new!r}", file=sys.stderr)
     created = not run_dir.exists()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"--out {run_dir}: cannot create it: {one_line(err)}") from None
     return run_dir, cfg, changes, created
+
+
+class NothingToDo(Exception):
+    """``--resume auto`` of a run that already reached its step or epoch budget."""
+
+
+def _refuse_finished(run_dir: Path, cfg: Config) -> None:
+    """Raise :class:`NothingToDo` when the run's log ends with it reaching the budget that
+    ``cfg`` still sets (its ``end`` record: ``max_steps`` or ``max_epochs``) and its latest
+    checkpoint, intact, is that step's."""
+    from hookloop.rundir import read_jsonl
+
+    metrics = RunDir(run_dir).metrics
+    try:
+        records = read_jsonl(metrics) if metrics.is_file() else []
+    except (OSError, UnicodeDecodeError):
+        return  # resuming reports a damaged log its own way
+    end = records[-1] if records and records[-1].get("kind") == "end" else {}
+    step, epoch, reason = end.get("step"), end.get("epoch"), end.get("stop_reason")
+    budget: tuple[str, int, str, int] | None = None
+    max_steps, max_epochs = cfg.train.max_steps, cfg.train.max_epochs
+    if reason == "max_steps" and isinstance(step, int) and max_steps and step >= max_steps:
+        budget = ("step", step, "max_steps", max_steps)
+    elif reason == "max_epochs" and not max_steps and max_epochs and isinstance(epoch, int):
+        budget = ("epoch", epoch, "max_epochs", max_epochs) if epoch >= max_epochs else None
+    if budget is not None and _latest_intact_step(run_dir) == step:
+        unit, reached, key, value = budget
+        raise NothingToDo(
+            f"{run_dir} already finished at {unit} {reached} (train.{key}={value}); to train "
+            f"on, raise it: hookloop train --out {run_dir} --resume auto train.{key}={2 * value}"
+        )
+
+
+def _latest_intact_step(run_dir: Path) -> int | None:
+    """The step of the checkpoint ``latest`` names if it is intact (what a resume loads),
+    else None (a resume passes over it, or restarts with --allow-restart)."""
+    from hookloop.checkpoint.storage import CheckpointError, CheckpointStorage, step_of
+
+    storage = CheckpointStorage(RunDir(run_dir).checkpoints)
+    name = storage.latest_name()
+    if name is None:
+        return None
+    try:
+        storage.verify(storage.root / name)
+    except CheckpointError:
+        return None
+    return step_of(storage.root / name)
 
 
 def _check_replay(args: argparse.Namespace) -> None:
@@ -252,16 +328,18 @@ def _check_replay(args: argparse.Namespace) -> None:
     from hookloop.loop.live import read_changes
 
     if args.resume is not None:
-        raise UsageError("--replay trains from scratch; it cannot be combined with --resume")
+        raise ConfigError("--replay trains from scratch; it cannot be combined with --resume")
     source = RunDir(args.replay)
     if not source.config.is_file():
-        raise UsageError(f"--replay {args.replay}: no {source.config.name} there (a run directory)")
+        raise ConfigError(
+            f"--replay {args.replay}: no {source.config.name} there (a run directory)"
+        )
     if args.out is not None and Path(args.out).resolve() == source.root.resolve():
-        raise UsageError("--replay writes a new run: give --out a directory other than RUN")
+        raise ConfigError("--replay writes a new run: give --out a directory other than RUN")
     try:
         records = read_changes(source.changes)
     except (ValueError, OSError) as err:
-        raise UsageError(f"--replay {args.replay}: {err}") from None
+        raise ConfigError(f"--replay {args.replay}: {err}") from None
     if args.config is None:
         args.config = str(source.config)
     print(
@@ -284,6 +362,8 @@ class _RecordConfig(Callback):
         if not ctx.state.is_rank_zero or (self.path.exists() and not self.replace):
             return
         staging = self.path.with_name(f".{self.path.name}.tmp")
+        from hookloop.config import dump_yaml
+
         staging.write_text(dump_yaml(self.cfg.to_dict()))
         os.replace(staging, self.path)
 
@@ -334,17 +414,27 @@ def _train(args: argparse.Namespace) -> int:
     joined = not is_distributed() and init_from_env()  # under torchrun: gloo on CPU, nccl on GPU
     # Rank 0 decides the run directory and config (and refuses a used one); every rank
     # gets its answer.
-    decision: tuple[Any, str | None] = (None, None)
+    decision: tuple[Any, str | None, str | None] = (None, None, None)
     if rank_info()[0] == 0:
         try:
-            decision = (_prepare(args), None)
-        except USER_ERRORS as err:
-            decision = (None, _one_line(err))
-    prepared, error = broadcast_object(decision)
+            decision = (_prepare(args), None, None)
+        except NothingToDo as done:
+            decision = (None, None, str(done))
+        except Exception as err:
+            if not is_refusal(err):
+                raise
+            decision = (None, one_line(err), None)
+    prepared, error, done = broadcast_object(decision)
     if error is not None:
-        raise UsageError(error)
-    run_dir, cfg, changes, created = prepared
+        raise ConfigError(error)
     rank = rank_info()[0]
+    if done is not None:
+        if joined:
+            leave_process_group()
+        if rank == 0:
+            print(f"hookloop: nothing to do: {done}")
+        return ExitCode.OK
+    run_dir, cfg, changes, created = prepared
     if rank == 0:
         print(f"hookloop: recipe {cfg.recipe}, run directory {run_dir}", file=sys.stderr)
     try:
@@ -377,13 +467,14 @@ def _train(args: argparse.Namespace) -> int:
     if profile is not None and rank == 0:
         print(profile.table(), file=sys.stderr)
     if rank == 0:
-        print(closing_line(result, run_dir), file=sys.stderr)
+        print(closing_line(result, run_dir, best_eval_loss=_best_eval_loss(run_dir)))
     return result.exit_code
 
 
 def _callbacks(cfg: Config, run_dir: Path, changes: dict[str, Any]) -> list[Callback]:
     """The command's callbacks: the config's defaults, recording config.yaml, the resumed
     run's optimizer overrides, the control server."""
+    from hookloop.app.resume_config import OptimizerOverrides
     from hookloop.callbacks.defaults import default_callbacks
 
     callbacks = default_callbacks(cfg, run_dir)
@@ -405,32 +496,49 @@ def _callbacks(cfg: Config, run_dir: Path, changes: dict[str, Any]) -> list[Call
     return callbacks
 
 
-def closing_line(result: TrainResult, run_dir: Any) -> str:
-    """The run's last line on stderr: why it ended, its metrics, where its files are.
+def closing_line(result: TrainResult, run_dir: Any, *, best_eval_loss: float | None = None) -> str:
+    """The run's result, one line on stdout (progress goes to stderr)::
 
-    A signal that came once the last step was done (during the final save or the
-    shutdown) did not stop the run, but it still sets the exit code (128 + N): the
-    line says so, so that the code does not contradict the reason.
+        hookloop: REASON at step N (exit CODE)[, LATE SIGNAL][, best eval_loss X], run directory DIR
+
+    REASON is why the run ended (``max_steps``, ``signal SIGTERM``, a detector's reason, which
+    then names its step once, here). A signal that came once the last step was done (during
+    the final save or the shutdown) did not stop the run, but it still sets the exit code
+    (128 + N): the line says so, so that the code does not contradict the reason.
     """
-    summary = ", ".join(f"{k} {v:.4f}" for k, v in result.metrics.items())
-    late_signal = ""
+    reason = reason_without_step(result.stop_reason, result.step)
+    fields = [f"hookloop: {reason} at step {result.step} (exit {int(result.exit_code)})"]
     if result.signal is not None and not result.stop_reason.startswith("signal"):
         name = signal.Signals(result.signal).name
-        late_signal = f" ({name} came after the last step: exit code {result.exit_code})"
-    return (
-        f"hookloop: {result.stop_reason} at step {result.step}{late_signal}"
-        + (f"; {summary}" if summary else "")
-        + f"; outputs in {run_dir}"
-    )
+        fields.append(f"{name} came after the last step")
+    if best_eval_loss is not None:
+        fields.append(f"best eval_loss {best_eval_loss:.4g}")
+    fields.append(f"run directory {run_dir}")
+    return ", ".join(fields)
+
+
+def _best_eval_loss(run_dir: Path) -> float | None:
+    """The lowest ``eval_loss`` in the run's metrics.jsonl (every session), if any."""
+    from hookloop.app.runs import summarize_run
+
+    try:
+        return summarize_run(run_dir).best_eval_loss
+    except (OSError, ValueError):  # the result line goes out without it
+        return None
 
 
 def _recipes(args: argparse.Namespace) -> int:
+    from hookloop.recipes import get_recipe, recipe_names
+
     for name in recipe_names():
         print(f"{name:<18} {get_recipe(name).description}")
     return ExitCode.OK
 
 
 def _config(args: argparse.Namespace) -> int:
+    from hookloop.config import describe
+    from hookloop.recipes import resolve_config
+
     cfg = resolve_config(args.recipe, None, args.overrides)
     for key, value, doc in describe(cfg):
         print(f"{key:<32} {value!s:<14} {doc}")

@@ -37,6 +37,7 @@ from typing import Any
 
 from hookloop._optional import require
 from hookloop.callbacks.jsonlog import numeric_metrics, read_jsonl
+from hookloop.errors import ConfigError
 from hookloop.rundir import METRICS_FILE, RunDir
 
 #: Key families drawn as parameter-by-step heatmaps.
@@ -77,13 +78,13 @@ def load_run(path: str | Path) -> RunData:
     path = Path(path)
     metrics = path if path.is_file() else RunDir(path).metrics
     if not metrics.is_file():
-        raise ValueError(f"{path} has no {METRICS_FILE}: is it a hookloop run directory?")
+        raise ConfigError(f"{path} has no {METRICS_FILE}: is it a hookloop run directory?")
     run = RunData(name=(metrics.parent if path.is_file() else path).resolve().name, path=path)
     by_kind: dict[str, dict[int, dict[str, Any]]] = {"train": {}, "eval": {}}
     try:
         records = read_jsonl(metrics)
     except UnicodeDecodeError as err:
-        raise ValueError(
+        raise ConfigError(
             f"{metrics} is not UTF-8 text (byte {err.start}: {err.reason}); a hookloop metrics "
             "log is JSON Lines in UTF-8"
         ) from None
@@ -294,7 +295,7 @@ def _draw_heatmap(fig: Any, ax: Any, run: RunData, family: str, keys: list[str])
 def make_figure(run_dirs: list[str | Path], *, log_scale: bool = False) -> Any:
     """The matplotlib ``Figure`` for ``run_dirs`` (not saved; see :func:`plot_runs`)."""
     if not run_dirs:
-        raise ValueError("give at least one run directory")
+        raise ConfigError("give at least one run directory")
     require("matplotlib", extra="plot", feature="hookloop plot")
     from matplotlib.figure import Figure
 
@@ -302,7 +303,7 @@ def make_figure(run_dirs: list[str | Path], *, log_scale: bool = False) -> Any:
     panels = _panels(runs, log_scale)
     heatmaps = _heatmaps(runs)
     if not panels and not heatmaps:
-        raise ValueError(
+        raise ConfigError(
             "nothing to plot: no train or eval records with numbers in "
             + ", ".join(str(p) for p in run_dirs)
         )
@@ -335,8 +336,11 @@ def plot_runs(
     target = Path(out) if out is not None else RunDir(run_dirs[0]).plots / "metrics.png"
     if target.is_dir():
         target = target / "metrics.png"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(target, dpi=110, format="png")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(target, dpi=110, format="png")
+    except (PermissionError, FileNotFoundError, NotADirectoryError, IsADirectoryError) as err:
+        raise ConfigError(f"cannot write {target}: {err.strerror}; choose another --out") from None
     return target
 
 
@@ -371,6 +375,6 @@ def main_plot(args: argparse.Namespace) -> int:
     try:
         path = plot_runs(args.runs, args.out, log_scale=args.log_scale)
     except ImportError as err:  # matplotlib missing: a one-line error naming the extra
-        raise ValueError(str(err)) from err
+        raise ConfigError(str(err)) from err
     print(path)
     return 0

@@ -18,6 +18,7 @@ import torch
 
 from hookloop.callback import Callback
 from hookloop.config import Config, apply_overrides, load_yaml, read_yaml_file
+from hookloop.errors import ConfigError
 from hookloop.recipes import default_config
 from hookloop.rundir import CONFIG_FILE, RunDir
 from hookloop.rundir import LATEST_FILE as LATEST
@@ -82,7 +83,7 @@ def resume_config(
     for key, (old, new) in changes.items():
         why = next((r for k, r in FROZEN_ON_RESUME.items() if key == k or key.startswith(k)), None)
         if why is not None:
-            raise ValueError(
+            raise ConfigError(
                 f"{key} cannot change on resume ({old!r} in {saved_file}, {new!r} now): {why}; "
                 "start a new run in another --out directory instead"
             )

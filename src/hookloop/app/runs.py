@@ -34,8 +34,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hookloop.callbacks.jsonlog import read_jsonl, run_status
+from hookloop.errors import ConfigError
 from hookloop.processes import process_alive
+from hookloop.result import run_status
 from hookloop.rundir import (  # noqa: F401  (re-exported: the layout's names)
     CHECKPOINTS_DIR,
     CONFIG_FILE,
@@ -47,6 +48,7 @@ from hookloop.rundir import (  # noqa: F401  (re-exported: the layout's names)
     TB_DIR,
     WANDB_DIR,
     RunDir,
+    read_jsonl,
 )
 
 
@@ -80,7 +82,7 @@ def summarize_run(run_dir: str | Path) -> RunSummary:
     try:
         records = read_jsonl(metrics) if metrics.is_file() else []
     except UnicodeDecodeError as err:
-        raise ValueError(f"{metrics} is not UTF-8 text (byte {err.start}): unreadable") from None
+        raise ConfigError(f"{metrics} is not UTF-8 text (byte {err.start}): unreadable") from None
     segments = _segments(records)
     last = segments[-1] if segments else []
     start = last[0] if last and last[0].get("kind") == "start" else None
@@ -163,7 +165,7 @@ def list_runs(root: str | Path = "runs") -> list[RunSummary]:
     """Summaries of ``root`` itself if it is a run directory, else of the runs inside it."""
     root = Path(root)
     if not root.is_dir():
-        raise ValueError(f"{root} is not a directory")
+        raise ConfigError(f"{root} is not a directory")
     if is_run_dir(root):
         return [summarize_run(root)]
     runs = []

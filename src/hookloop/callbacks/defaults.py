@@ -36,6 +36,7 @@ from pathlib import Path
 
 from hookloop.callback import Callback
 from hookloop.config import Config
+from hookloop.errors import ConfigError
 from hookloop.rundir import RunDir
 from hookloop.state import CallbackContext
 
@@ -131,7 +132,7 @@ def _diloco_wanted(setting: bool | None) -> bool:
     """``callbacks.diloco``: null follows DILOCO_SERVER; true without it is an error."""
     server = os.environ.get("DILOCO_SERVER", "").strip()
     if setting and not server:
-        raise ValueError(
+        raise ConfigError(
             "callbacks.diloco=true needs DILOCO_SERVER=host:port, the address of a "
             "`hookloop diloco serve` (or leave callbacks.diloco null: on when it is set)"
         )

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from hookloop.callbacks.logger import Logger, Record, plain_values, run_status
+from hookloop.rundir import read_jsonl
 
 __all__ = [
     "JsonLogger",
@@ -133,19 +134,6 @@ class JsonLogger(Logger):
 def _step_of(record: dict[str, Any]) -> int:
     step = record.get("step")
     return step if isinstance(step, int) else 0
-
-
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Read records back, ignoring a torn last line from a killed writer."""
-    records = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records
 
 
 def numeric_metrics(values: dict[str, Any] | None) -> dict[str, float]:

@@ -48,6 +48,7 @@ from typing import Any
 
 from hookloop.callback import Callback
 from hookloop.callbacks._writer import log_writer
+from hookloop.result import run_status
 from hookloop.state import CallbackContext, TrainState
 
 #: Record kinds, in the order a run writes them.
@@ -315,20 +316,6 @@ def epoch_of(st: TrainState) -> float | int:
     if not st.steps_per_epoch or not st.epoch_step:
         return st.epoch
     return st.epoch + st.epoch_step / st.steps_per_epoch
-
-
-def run_status(stop_reason: str | None) -> str:
-    """``finished`` (the step or epoch budget was reached), ``aborted``, or ``stopped``.
-
-    ``stopped`` covers every other orderly end: a stop request, a signal,
-    ``exit_interval`` or ``exit_duration`` (these save a checkpoint and can be resumed).
-    """
-    reason = stop_reason or ""
-    if reason in ("max_steps", "max_epochs", "finished", ""):
-        return "finished"
-    if reason.startswith("abort"):
-        return "aborted"
-    return "stopped"
 
 
 _SCALARS = {int, float, str, bool, type(None)}

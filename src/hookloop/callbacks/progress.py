@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
 from hookloop.callback import Callback
+from hookloop.result import reason_without_step
 from hookloop.state import CallbackContext
 
 
@@ -352,7 +353,8 @@ class ProgressBar(Callback):
     def on_train_end(self, ctx: CallbackContext) -> None:
         self._close_bars()
         if ctx.state.is_rank_zero:
-            self._write(f"training ended at step {ctx.state.step}: {ctx.state.stop_reason}")
+            step, reason = ctx.state.step, ctx.state.stop_reason or "finished"
+            self._write(f"training ended at step {step}: {reason_without_step(reason, step)}")
 
     def on_exception(self, ctx: CallbackContext) -> None:
         self._close_bars()

@@ -26,6 +26,7 @@ from typing import Any
 from hookloop.callback import Stateful
 from hookloop.checkpoint.manager import CheckpointManager, SavePolicy
 from hookloop.checkpoint.storage import CheckpointError, step_of
+from hookloop.errors import ConfigError
 from hookloop.rundir import LOCAL_CHECKPOINTS_DIR, RunDir, enclosing_run, is_checkpoint, is_run_dir
 
 
@@ -40,7 +41,7 @@ def local_manager(config: Any, run: RunDir, *, resuming: bool) -> CheckpointMana
         return None
     root = Path(config.local_dir) if config.local_dir else run.local_checkpoints
     if root.resolve() == run.checkpoints.resolve():
-        raise ValueError(
+        raise ConfigError(
             f"checkpoint.local_dir={config.local_dir!r} is the run's persistent checkpoints "
             "folder; local checkpoints need a folder of their own (null: "
             f"{LOCAL_CHECKPOINTS_DIR}/ in the run directory)"
@@ -52,7 +53,7 @@ def local_manager(config: Any, run: RunDir, *, resuming: bool) -> CheckpointMana
         root, policy, strict=config.strict_resume, allow_restart=config.allow_restart
     )
     if not resuming and manager.storage.complete():
-        raise ValueError(
+        raise ConfigError(
             f"{root} (checkpoint.local_dir) already holds local checkpoints of a run; continue "
             "it with resume='auto' (CLI: --resume auto) or choose another local_dir"
         )
@@ -67,14 +68,14 @@ def _refuse_anothers(root: Path, run: RunDir) -> None:
     inside = enclosing_run(root)
     if inside is not None and inside[0] != own:
         owner, kind = inside
-        raise ValueError(
+        raise ConfigError(
             f"checkpoint.local_dir={str(root)!r} lies inside {kind} {owner}, not this run's "
             f"directory {run.root}; give it a folder of its own (null: {LOCAL_CHECKPOINTS_DIR}/ "
             "in the run directory)"
         )
     resolved = Path(os.path.realpath(root))
     if resolved != own and (is_checkpoint(resolved) or is_run_dir(resolved)):
-        raise ValueError(
+        raise ConfigError(
             f"checkpoint.local_dir={str(root)!r} is another run's directory or a checkpoint; "
             f"give it a folder of its own (null: {LOCAL_CHECKPOINTS_DIR}/ in the run directory)"
         )

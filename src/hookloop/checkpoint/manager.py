@@ -31,6 +31,7 @@ from hookloop.checkpoint.storage import (
 )
 from hookloop.config import dump_yaml
 from hookloop.distributed import barrier, broadcast_object, is_sharded, rank_info
+from hookloop.errors import ConfigError
 from hookloop.result import is_abort
 
 log = logging.getLogger("hookloop.checkpoint")
@@ -128,7 +129,7 @@ class CheckpointManager:
         )
         manager = cls(root, policy, strict=config.strict_resume, allow_restart=config.allow_restart)
         if not resuming and manager.storage.complete():
-            raise ValueError(
+            raise ConfigError(
                 f"{manager.storage.root} already holds checkpoints of a run; continue it with "
                 "resume='auto' (CLI: --resume auto) or choose another output directory"
             )

@@ -31,6 +31,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from hookloop.errors import ConfigError
 from hookloop.rundir import CHECKPOINTS_DIR
 
 MANIFEST = "manifest.json"
@@ -55,8 +56,9 @@ MODEL, OPTIMIZER = "model", "optimizer"
 STATE_FILE = "trainer_state.pt"
 
 
-class CheckpointError(RuntimeError, ValueError):
-    """A checkpoint that cannot be used: missing, truncated, corrupted, or not this model's."""
+class CheckpointError(RuntimeError, ConfigError):
+    """A checkpoint that cannot be used: missing, truncated, corrupted, or not this model's
+    (a :class:`~hookloop.errors.ConfigError`: the command line names a checkpoint to refuse)."""
 
 
 class CheckpointStorage:

@@ -33,6 +33,7 @@ from hookloop.control.registry import (
     registries,
 )
 from hookloop.control.server import COMMANDS
+from hookloop.errors import ConfigError
 from hookloop.processes import process_alive
 
 ACTIONS = ("status", *ALIASES, "token", "url")
@@ -242,14 +243,14 @@ def _parse_values(pairs: list[str]) -> dict[str, Any]:
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not _KEY.fullmatch(key):
-            raise ValueError(
+            raise ConfigError(
                 f"values are KEY=VALUE with KEY a name (lr, lr@1, EarlyStopping.patience), "
                 f"got {pair!r}"
             )
         try:
             values[key] = _scalar(raw)
         except yaml.YAMLError:
-            raise ValueError(f"the value of {key} is not a YAML scalar: {raw!r}") from None
+            raise ConfigError(f"the value of {key} is not a YAML scalar: {raw!r}") from None
     return values
 
 

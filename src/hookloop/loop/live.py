@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from hookloop.distributed import broadcast_object, rank_info
+from hookloop.errors import ConfigError
 from hookloop.requests import register_kind
 from hookloop.rundir import RunDir
 
@@ -567,7 +568,7 @@ def read_changes(path: Path) -> list[dict[str, Any]]:
         except ValueError:
             if number == len(lines):
                 break  # the line being written when the process was killed
-            raise ValueError(
+            raise ConfigError(
                 f"{path}:{number} is not a change record (a JSON object with id, step, values)"
             ) from None
         records.append(record)

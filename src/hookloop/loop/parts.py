@@ -32,6 +32,7 @@ from hookloop.compile import check_can_compile, compile_loss, compile_module, un
 from hookloop.config import Config, TrainConfig
 from hookloop.data import DataPosition, is_map_style, make_loader
 from hookloop.distributed import parallelize, rank_info
+from hookloop.errors import ConfigError
 from hookloop.gcpolicy import GCPolicy
 from hookloop.loop.evaluation import Evaluation
 from hookloop.loop.live import LiveSettings
@@ -290,7 +291,7 @@ def plan_budget(p: Parts) -> None:
     batches = batch_count(p.loaders.train, None)
     st.steps_per_epoch = batches // cfg.grad_accum if batches is not None else None
     if st.steps_per_epoch == 0:
-        raise ValueError(
+        raise ConfigError(
             f"train data has {batches} batches per epoch, fewer than "
             f"train.grad_accum={cfg.grad_accum}: no optimizer step fits in an epoch"
         )
@@ -603,5 +604,5 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
         name = f"cuda:{local_rank}"  # one GPU per process under torchrun
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"train.device={name!r} but CUDA is not available; use 'cpu' or 'auto'")
+        raise ConfigError(f"train.device={name!r} but CUDA is not available; use 'cpu' or 'auto'")
     return device

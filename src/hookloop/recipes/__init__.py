@@ -29,6 +29,7 @@ import yaml
 
 from hookloop.callback import Callback
 from hookloop.config import Config, apply_overrides, load_yaml
+from hookloop.errors import ConfigError
 
 
 @dataclass
@@ -97,26 +98,26 @@ def import_recipe(path: str) -> Recipe:
     """
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
-        raise ValueError(
+        raise ConfigError(
             f"--recipe {path!r}: an import path is package.module:object, e.g. mypkg.recipes:RECIPE"
         )
     try:
         module = _import(module_name)
     except ImportError as err:
-        raise ValueError(
+        raise ConfigError(
             f"--recipe {path!r}: cannot import {module_name!r} ({err}); install the package "
             "or run from the directory that holds it"
         ) from None
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"--recipe {path!r}: {module_name} has no attribute {attr!r}")
+            raise ConfigError(f"--recipe {path!r}: {module_name} has no attribute {attr!r}")
         obj = getattr(obj, part)
     if isinstance(obj, Recipe):
         return Recipe(path, obj.description, obj.default_config, obj.build)
     missing = [n for n in ("default_config", "build") if not callable(getattr(obj, n, None))]
     if missing:
-        raise ValueError(
+        raise ConfigError(
             f"--recipe {path!r}: {attr} is not a recipe (no callable {' or '.join(missing)}); "
             "give a hookloop.recipes.Recipe or an object with default_config() and "
             "build(config)"
@@ -143,7 +144,7 @@ def get_recipe(name: str) -> Recipe:
     if name not in _RECIPES:
         close = difflib.get_close_matches(name, list(_RECIPES), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ValueError(
+        raise ConfigError(
             f"unknown recipe {name!r}.{hint} Available recipes: {', '.join(sorted(_RECIPES))}"
         )
     return _RECIPES[name]
@@ -153,7 +154,7 @@ def default_config(name: str) -> Config:
     """A fresh copy of recipe ``name``'s default configuration."""
     cfg = get_recipe(name).default_config()
     if not isinstance(cfg, Config):
-        raise ValueError(
+        raise ConfigError(
             f"recipe {name!r}: default_config() must return a hookloop Config, "
             f"got {type(cfg).__name__}"
         )

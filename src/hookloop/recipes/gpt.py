@@ -44,6 +44,7 @@ from hookloop.config import (
     TrainConfig,
     opt,
 )
+from hookloop.errors import ConfigError
 from hookloop.recipes import Recipe, RecipeParts, register_recipe
 
 #: Byte-level vocabulary: every byte value is a token, so any text can be encoded.
@@ -79,14 +80,14 @@ class GPTConfig(ModelConfig):
         for name in ("n_layer", "n_head", "n_embd", "block_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"model.{name} must be an int >= 1, got {value!r}")
+                raise ConfigError(f"model.{name} must be an int >= 1, got {value!r}")
         if self.n_embd % self.n_head:
-            raise ValueError(
+            raise ConfigError(
                 f"model.n_embd must be divisible by model.n_head, "
                 f"got n_embd={self.n_embd} and n_head={self.n_head}"
             )
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"model.dropout must lie in [0, 1), got {self.dropout!r}")
+            raise ConfigError(f"model.dropout must lie in [0, 1), got {self.dropout!r}")
 
 
 @dataclass
@@ -102,21 +103,21 @@ class TextDataConfig(DataConfig):
     def validate(self) -> None:
         super().validate()
         if not isinstance(self.source, str) or not self.source.strip():
-            raise ValueError(
+            raise ConfigError(
                 "data.source must be 'stdlib' or a path to a directory or file, "
                 f"got {self.source!r}"
             )
         if self.source != "stdlib" and not Path(self.source).expanduser().exists():
-            raise ValueError(
+            raise ConfigError(
                 f"data.source {self.source!r} does not exist; give 'stdlib', a directory of .py "
                 "files or a text file"
             )
         mb = self.max_bytes
         if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
-            raise ValueError(f"data.max_bytes must be an int >= 1, got {mb!r}")
+            raise ConfigError(f"data.max_bytes must be an int >= 1, got {mb!r}")
         ef = self.eval_fraction
         if isinstance(ef, bool) or not isinstance(ef, (int, float)) or not 0.0 < ef <= 0.5:
-            raise ValueError(f"data.eval_fraction must lie in (0, 0.5], got {ef!r}")
+            raise ConfigError(f"data.eval_fraction must lie in (0, 0.5], got {ef!r}")
 
 
 # -- byte-level codec -----------------------------------------------------------
@@ -187,7 +188,7 @@ def load_corpus(source: str, max_bytes: int) -> bytes:
     so a given tree always yields the same bytes and the same train/eval split.
     """
     if max_bytes < 1:
-        raise ValueError(f"data.max_bytes must be >= 1, got {max_bytes!r}")
+        raise ConfigError(f"data.max_bytes must be >= 1, got {max_bytes!r}")
     if source == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
         corpus = _read_tree(root, max_bytes, _STDLIB_SKIP_DIRS)
@@ -259,7 +260,7 @@ def split_corpus(
     held_out = ByteWindows(data[cut:].clone(), block_size)
     for name, ds in (("train", train), ("eval", held_out)):
         if len(ds) == 0:
-            raise ValueError(
+            raise ConfigError(
                 f"the {name} split of a {len(corpus):,}-byte corpus is shorter than one window "
                 f"of model.block_size={block_size}; raise data.max_bytes, data.eval_fraction or "
                 "use a larger data.source"

@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from hookloop.config import Config, DataConfig, ModelConfig, opt
+from hookloop.errors import ConfigError
 from hookloop.recipes import Recipe, RecipeParts, register_recipe
 
 
@@ -27,9 +28,9 @@ class MLPConfig(ModelConfig):
         for name in ("inputs", "hidden", "outputs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"model.{name} must be an int >= 1, got {value!r}")
+                raise ConfigError(f"model.{name} must be an int >= 1, got {value!r}")
         if not 0 <= self.dropout < 1:
-            raise ValueError(f"model.dropout must lie in [0, 1), got {self.dropout!r}")
+            raise ConfigError(f"model.dropout must lie in [0, 1), got {self.dropout!r}")
 
 
 @dataclass
@@ -43,9 +44,9 @@ class RegressionDataConfig(DataConfig):
         for name in ("train_samples", "eval_samples"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"data.{name} must be an int >= 1, got {value!r}")
+                raise ConfigError(f"data.{name} must be an int >= 1, got {value!r}")
         if self.noise < 0:
-            raise ValueError(f"data.noise must be >= 0, got {self.noise!r}")
+            raise ConfigError(f"data.noise must be >= 0, got {self.noise!r}")
 
 
 def make_mlp(cfg: MLPConfig) -> torch.nn.Module:
