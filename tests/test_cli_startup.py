@@ -140,7 +140,7 @@ PUBLIC = [
 def test_the_public_names_are_pinned_and_each_is_its_modules_object():
     assert hookloop.__all__ == PUBLIC
     homes = {
-        "Trainer": "hookloop.loop", "finetune": "hookloop.entry", "pretrain": "hookloop.entry",
+        "Trainer": "hookloop.trainer", "finetune": "hookloop.entry", "pretrain": "hookloop.entry",
         "seed_everything": "hookloop.entry", "Event": "hookloop.events",
         "CallbackManager": "hookloop.manager", "RunDir": "hookloop.rundir",
     }  # fmt: skip

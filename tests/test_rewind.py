@@ -344,10 +344,11 @@ DIVERGING = [
 
 
 def hookloop_train(out: Path, *overrides: str) -> tuple[int, str]:
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+    """The exit code, and stderr then stdout (where the result line goes)."""
+    err, stdout = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(stdout):
         code = main([*DIVERGING, "--out", str(out), *overrides])
-    return int(code), err.getvalue()
+    return int(code), err.getvalue() + stdout.getvalue()
 
 
 def test_hookloop_train_rewinds_with_a_lower_learning_rate_and_recovers(tmp_path):

@@ -24,11 +24,11 @@ if TYPE_CHECKING:
     )
     from hookloop.entry import finetune, pretrain, seed_everything
     from hookloop.events import Event
-    from hookloop.trainer import Trainer
     from hookloop.manager import CallbackManager
     from hookloop.result import ExitCode, TrainResult
     from hookloop.rundir import RunDir
     from hookloop.state import CallbackContext, Control, RunInfo, TrainState
+    from hookloop.trainer import Trainer
 
 __version__ = "0.1.0"
 

@@ -113,13 +113,13 @@ class SchedulerConfig:
                 f"scheduler.min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio!r}"
             )
         if self.name not in SCHEDULES and self.warmup_steps:
-            raise ValueError(
+            raise ConfigError(
                 f"scheduler.warmup_steps applies to {' | '.join(SCHEDULES)}, not to "
                 f"{self.name}: set it to 0 (a class brings its own warm-up, e.g. "
                 "SequentialLR over LinearLR)"
             )
         if self.name in SCHEDULES and self.kwargs:
-            raise ValueError(
+            raise ConfigError(
                 f"scheduler.kwargs applies to a scheduler class, not to {self.name!r} "
                 f"(its keys are scheduler.warmup_steps and scheduler.min_lr_ratio)"
             )
@@ -139,7 +139,7 @@ def check_class_name(name: Any, short: tuple[str, ...], key: str, module: str) -
     close = difflib.get_close_matches(str(name).lower(), list(by_lower), n=1, cutoff=0.6)
     hint = f" Did you mean {by_lower[close[0]]!r}?" if close else ""
     example = "RMSprop" if key == "optimizer" else "StepLR"
-    raise ValueError(
+    raise ConfigError(
         f"{key}.name must be {' | '.join(short)}, a {module} class name (e.g. {example}) "
         f"or an import path package.module:Class, got {name!r}.{hint}"
     )
@@ -167,7 +167,7 @@ def _is_import_path(name: str) -> bool:
 
 def _keyword_arguments(kwargs: Any, key: str) -> None:
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-        raise ValueError(
+        raise ConfigError(
             f"{key}.kwargs must be a mapping of argument names to values, e.g. "
             f"{key}.kwargs={{name: value}}, got {kwargs!r}"
         )

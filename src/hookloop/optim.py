@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from hookloop.config import SCHEDULES, OptimizerConfig, SchedulerConfig
+from hookloop.errors import ConfigError
 
 
 def build_optimizer(cfg: OptimizerConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -27,7 +28,7 @@ def build_optimizer(cfg: OptimizerConfig, model: torch.nn.Module) -> torch.optim
     cfg.validate()
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
-        raise ValueError("the model has no trainable parameters (requires_grad=True)")
+        raise ConfigError("the model has no trainable parameters (requires_grad=True)")
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [
@@ -45,7 +46,7 @@ def build_optimizer(cfg: OptimizerConfig, model: torch.nn.Module) -> torch.optim
     cls = resolve_class(cfg.name, torch.optim, "optimizer", torch.optim.Optimizer)
     if "weight_decay" not in inspect.signature(cls).parameters:
         if cfg.weight_decay:
-            raise ValueError(
+            raise ConfigError(
                 f"optimizer {cfg.name} takes no weight_decay: set optimizer.weight_decay=0"
             )
         groups = [{"params": params}]
@@ -67,7 +68,7 @@ def build_scheduler(
     if cfg.name == "constant" and cfg.warmup_steps == 0:
         return None
     if cfg.name != "constant" and not total_steps:
-        raise ValueError(
+        raise ConfigError(
             f"scheduler.name={cfg.name!r} decays over the run, so it needs train.max_steps "
             "(or a sized dataset with train.max_epochs)"
         )
@@ -89,22 +90,22 @@ def build_scheduler(
 
 def resolve_class(name: str, module: Any, key: str, base: type) -> type:
     """The class ``name`` names: an attribute of ``module`` or ``package.module:Class``
-    (imported); a one-line ``ValueError`` naming ``key`` when it is not there."""
+    (imported); a one-line ``ConfigError`` naming ``key`` when it is not there."""
     if ":" not in name:
         found = getattr(module, name, None)
         if not isinstance(found, type):
-            raise ValueError(f"{key}.name={name!r}: {module.__name__} has no class {name!r}")
+            raise ConfigError(f"{key}.name={name!r}: {module.__name__} has no class {name!r}")
         return found
     module_name, _, attr = name.partition(":")
     try:
         found = importlib.import_module(module_name)
     except ImportError as err:
-        raise ValueError(f"{key}.name={name!r}: cannot import {module_name!r} ({err})") from None
+        raise ConfigError(f"{key}.name={name!r}: cannot import {module_name!r} ({err})") from None
     for part in attr.split("."):
         found = getattr(found, part, None)
     if not isinstance(found, type) or not issubclass(found, base):
         what = f"a {base.__module__}.{base.__name__} class" if base is not object else "a class"
-        raise ValueError(f"{key}.name={name!r} does not name {what} (got {found!r})")
+        raise ConfigError(f"{key}.name={name!r} does not name {what} (got {found!r})")
     return found
 
 
@@ -114,11 +115,11 @@ def _construct(cls: type, first: Any, kwargs: dict[str, Any], key: str) -> Any:
     try:
         inspect.signature(cls).bind(first, **kwargs)
     except TypeError as err:
-        raise ValueError(
+        raise ConfigError(
             f"{key} {cls.__name__} refuses its arguments ({err}); set {key}.kwargs to what "
             f"{cls.__name__}() takes"
         ) from None
     try:
         return cls(first, **kwargs)
     except (TypeError, ValueError) as err:
-        raise ValueError(f"{key} {cls.__name__}({', '.join(kwargs)}): {err}") from None
+        raise ConfigError(f"{key} {cls.__name__}({', '.join(kwargs)}): {err}") from None

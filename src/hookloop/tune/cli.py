@@ -443,6 +443,7 @@ def run_workers(
     """
     spec = TuneSpec.load(study_dir)
     logs = worker_log(study_dir, 0).parent
+    logs.mkdir(exist_ok=True)
     gpus = _gpu_count()
     procs = []
     for index in range(workers):

@@ -14,6 +14,7 @@ it as the caller set it (``optuna.logging.set_verbosity``).
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import sys
 from collections.abc import Iterator
@@ -29,9 +30,7 @@ WORKER_LOGS = "workers"
 
 def worker_log(study_dir: Path, index: int) -> Path:
     """Where worker ``index`` writes everything it prints (its trials' output too)."""
-    logs = Path(study_dir) / WORKER_LOGS
-    logs.mkdir(exist_ok=True)
-    return logs / f"worker-{index}.log"
+    return Path(study_dir) / WORKER_LOGS / f"worker-{index}.log"
 
 
 def trial_line(trial: Any) -> str | None:
@@ -98,10 +97,39 @@ def trial_output_to_log(path: Path, *, keep: bool = False) -> Iterator[TextIO]:
     if keep:
         yield terminal
         return
-    with open(path, "a", encoding="utf-8", buffering=1) as log:
-        out, err = sys.stdout, sys.stderr
-        sys.stdout = sys.stderr = log
-        try:
-            yield terminal
-        finally:
-            sys.stdout, sys.stderr = out, err
+    log = _LogOnFirstWrite(path)
+    out, err = sys.stdout, sys.stderr
+    sys.stdout = sys.stderr = log  # type: ignore[assignment]
+    try:
+        yield terminal
+    finally:
+        sys.stdout, sys.stderr = out, err
+        log.close()
+
+
+class _LogOnFirstWrite(io.TextIOBase):
+    """A line-buffered append to ``path``, opened when something is first written: a
+    study that stops before any trial (a damaged storage) leaves no empty log behind."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file: TextIO | None = None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if self._file is None:
+            self.path.parent.mkdir(exist_ok=True)
+            self._file = open(self.path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+        return self._file.write(text)
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        super().close()
