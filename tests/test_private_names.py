@@ -28,9 +28,9 @@ THIRD_PARTY = {
         "torch documents the memory snapshot API under this name",
     ("callbacks/memory.py", "torch.cuda.memory._dump_snapshot"):
         "torch documents the memory snapshot API under this name",
-    ("compat/forgather/callbacks.py", "torch.cuda.memory._record_memory_history"):
+    ("compat/forgather/callbacks/memory.py", "torch.cuda.memory._record_memory_history"):
         "torch documents the memory snapshot API under this name",
-    ("compat/forgather/callbacks.py", "torch.cuda.memory._dump_snapshot"):
+    ("compat/forgather/callbacks/memory.py", "torch.cuda.memory._dump_snapshot"):
         "torch documents the memory snapshot API under this name",
     ("callbacks/tensorboard.py", "event_file_writer._global_uid"):
         "TensorBoard's own event-file name counter, so files are named as TensorBoard names them",
