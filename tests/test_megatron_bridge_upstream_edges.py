@@ -5,11 +5,20 @@ and the forward-step helpers of ``training.utils.train_utils``."""
 from __future__ import annotations
 
 import functools
+import logging
+import re
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
 
+import hookloop.recipes.gpt as native_gpt
+from hookloop.compat.megatron_bridge.recipes import tiny_gpt_pretrain_config
+from hookloop.compat.megatron_bridge.training import train as mb_train
+from hookloop.compat.megatron_bridge.training.callbacks import CallbackManager
 from hookloop.compat.megatron_bridge.training.config import ConfigContainer
+from hookloop.compat.megatron_bridge.training.gpt_step import forward_step
 from hookloop.compat.megatron_bridge.training.state import GlobalState, TrainState
 from hookloop.compat.megatron_bridge.training.utils.train_utils import (
     param_is_not_shared,
@@ -90,3 +99,43 @@ def test_param_is_not_shared_reads_megatrons_shared_mark():
     assert param_is_not_shared(tied) is True
     tied.shared = True
     assert param_is_not_shared(tied) is False
+
+
+def byte_batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(3)
+    while True:
+        x = torch.randint(0, 256, (4, 32), generator=gen)
+        yield x, torch.roll(x, -1, dims=1)
+
+
+def test_the_console_line_shows_each_loss_averaged_over_the_log_interval(caplog):
+    cfg = tiny_gpt_pretrain_config(train_iters=4)
+    cfg.logger.log_interval = 2
+    cfg.train.eval_interval = None
+    state = GlobalState(cfg)
+    losses: list[float] = []
+    manager = CallbackManager()
+    manager.register(
+        "on_train_step_end", lambda ctx: losses.append(float(ctx.loss_dict["lm loss"]))
+    )
+    torch.manual_seed(0)
+    model = native_gpt.GPT(cfg.gpt_config())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr)
+    with caplog.at_level(logging.INFO, logger="megatron.bridge.training.train"):
+        mb_train.train(
+            forward_step,
+            [model],
+            optimizer,
+            None,
+            byte_batches(),
+            None,
+            state,
+            {},
+            callback_manager=manager,
+        )
+    lines = [r.getMessage() for r in caplog.records if "consumed samples" in r.getMessage()]
+    shown = [float(re.search(r"lm loss: (\S+)", line).group(1)) for line in lines]
+    assert len(losses) == 4 and losses[0] != losses[1]  # the mean differs from either step
+    assert shown == pytest.approx(
+        [(losses[0] + losses[1]) / 2, (losses[2] + losses[3]) / 2], rel=1e-5
+    )
