@@ -36,6 +36,9 @@ THIRD_PARTY = {
         "TensorBoard's own event-file name counter, so files are named as TensorBoard names them",
     ("checkpoint/storage.py", "os._exit"): "documented in the standard library (crash tests)",
     ("tune/worker.py", "os._exit"): "documented in the standard library",
+    ("compat/megatron_bridge/training/megatron_core.py",
+     "inner._copy_main_params_to_param_buffer"):
+        "Megatron-Core's DistributedOptimizer refreshes its mxfp8 buffer only under this name",
     ("compile.py", "torch._dynamo"): "torch.compile's capability probe has no public name",
     ("compile.py", "torch._inductor"): "the C++ compiler probe of torch.compile's backend",
     ("compile.py", "torch.utils._triton"): "torch.compile's Triton probe has no public name",
