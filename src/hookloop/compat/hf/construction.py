@@ -144,11 +144,14 @@ def build(
     loaders: hf_data.Loaders,
     overridden: frozenset[str],
     listener: Callable[[str, Any], None],
+    kept_callbacks: list[Any] | None = None,
 ) -> Built:
     """Build HF's objects and the loop from ``trainer.given`` onto ``trainer`` (its
     transformers attributes, ``hf``, ``callback_handler`` and ``loop``), in the order
     transformers' Trainer builds its own (``model`` None: ``model_init``'s). The
-    trainer's override points run meanwhile, seeing what is built so far."""
+    trainer's override points run meanwhile, seeing what is built so far.
+    ``kept_callbacks``: a rebuild keeps the callback list as it stands (transformers'
+    handler outlives ``train()``: callbacks added or removed since construction stay so)."""
     given, args = trainer.given, trainer.given["args"]
     native = {k: v for k, v in given.items() if k not in NAMED}
     arguments.apply_log_level(args)
@@ -179,7 +182,9 @@ def build(
         )
     if args is not None and native.get("out_dir") is None:
         native["out_dir"] = getattr(args, "output_dir", None)
-    trainer.loop = view.loop = _loop_with_callbacks(trainer, model, run, native, listener)
+    trainer.loop = view.loop = _loop_with_callbacks(
+        trainer, model, run, native, listener, kept_callbacks
+    )
     memory.stop_and_update("init")
     session.before_summary = functools.partial(memory.stop_and_update, "train")
     connect_hooks(
@@ -231,10 +236,17 @@ def _loop_with_callbacks(
     run: Run,
     native: dict[str, Any],
     listener: Callable[[str, Any], None],
+    kept_callbacks: list[Any] | None,
 ) -> Loop:
     """HF's callback list (``trainer.callback_handler``), and the loop that runs it."""
     session, args = trainer.hf, trainer.given["args"]
-    members, jit = callback_list(args, trainer.given["callbacks"], drives_loop=session.drives_loop)
+    if kept_callbacks is None:
+        members, jit = callback_list(
+            args, trainer.given["callbacks"], drives_loop=session.drives_loop
+        )
+    else:
+        members = kept_callbacks
+        jit = next((c for c in members if type(c).__name__ == "JITCheckpointCallback"), None)
     trainer.callback_handler = handler = CallbackHandler(members)
     session.trainer = trainer  # what HF callbacks get as ``trainer=``
     loop = build_loop(model, run, session, handler, native)

@@ -172,7 +172,8 @@ def hyperparameter_search(
         run = hp_name(trial) if hp_name is not None else f"run-{trial.number}"
         args.output_dir = os.path.join(trainer.args.output_dir, run)  # transformers' run dir
         given = {**trainer.given, "args": args, "optimizers": (None, None)}
-        return type(trainer)(None, **given)
+        preprocess = trainer.preprocess_logits_for_metrics
+        return type(trainer)(None, **given, preprocess_logits_for_metrics=preprocess)
 
     best, last = run_optuna(
         build,

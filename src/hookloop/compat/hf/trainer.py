@@ -112,7 +112,12 @@ class Trainer:
         self._build(model, preprocess_logits_for_metrics)
 
     # -- building -------------------------------------------------------------------------
-    def _build(self, model: torch.nn.Module | None, preprocess_logits_for_metrics: Any) -> None:
+    def _build(
+        self,
+        model: torch.nn.Module | None,
+        preprocess_logits_for_metrics: Any,
+        kept_callbacks: list[Any] | None = None,
+    ) -> None:
         """Build HF's objects and the loop from ``self.given`` (``model`` None:
         ``model_init``'s): at construction, and again when ``train()`` finds the
         arguments changed (:func:`hookloop.compat.hf.construction.build`)."""
@@ -120,6 +125,7 @@ class Trainer:
         built = construction.build(
             self, model, preprocess_logits_for_metrics, view=self._view, loaders=self._loaders,
             overridden=self._overridden, listener=self._mirror,  # handler edits reach the loop
+            kept_callbacks=kept_callbacks,
         )  # fmt: skip
         self._memory, self._hf_loss = built.memory, built.hf_loss
         self._accelerator_settings = built.accelerator_settings
@@ -127,12 +133,14 @@ class Trainer:
     def _rebuild(self, changed: list[str]) -> None:
         """transformers builds the optimizer, schedule and loaders at each train() from
         the arguments as they are then; the loop here was built from them once, so it
-        is built again (same model and callbacks, a fresh optimizer unless one was
-        given, a fresh TrainerState as transformers' train() starts with)."""
+        is built again (same model, the callback list as it now stands, the same
+        ``preprocess_logits_for_metrics``, a fresh optimizer unless one was given, a
+        fresh TrainerState as transformers' train() starts with)."""
         log.info("TrainingArguments changed since the Trainer was built (%s)", changed)
         model = None if self.model_init is not None else self.model
+        kept = list(self.callback_handler.callbacks)
         with arguments.batch_size_as_built(self.args, self.args_built):
-            self._build(model, None)
+            self._build(model, self.preprocess_logits_for_metrics, kept)
         self.args_built = arguments.snapshot(self.args)
 
     # -- HF's objects ---------------------------------------------------------------
