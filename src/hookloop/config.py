@@ -244,73 +244,74 @@ def coerce(value: Any, hint: Any, key: str) -> Any:
     if hint is Any:
         return value
     if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(hint)
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
-            if type(None) in args:
-                return None
-            raise bad
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return coerce(value, arg, key)
-            except ValueError:
-                continue
-        raise bad
+        return _coerce_union(value, typing.get_args(hint), key, bad)
     if origin is Literal:
         if value in typing.get_args(hint):
             return value
         raise bad
     if origin in (list, tuple):
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v.strip()]
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = [value]  # `key=2` means a one-element list
-        if not isinstance(value, (list, tuple)):
+        return _coerce_sequence(value, origin, typing.get_args(hint), key, bad)
+    if hint in (bool, int, float, str):
+        return _coerce_scalar(value, hint, bad)
+    return value
+
+
+def _coerce_union(value: Any, args: tuple[Any, ...], key: str, bad: ConfigError) -> Any:
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+        if type(None) in args:
+            return None
+        raise bad
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return coerce(value, arg, key)
+        except ValueError:
+            continue
+    raise bad
+
+
+def _coerce_sequence(
+    value: Any, origin: type, args: tuple[Any, ...], key: str, bad: ConfigError
+) -> Any:
+    if isinstance(value, str):
+        value = [v for v in value.split(",") if v.strip()]
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = [value]  # `key=2` means a one-element list
+    if not isinstance(value, (list, tuple)):
+        raise bad
+    if origin is tuple and args and args[-1] is not Ellipsis:
+        if len(value) != len(args):
             raise bad
-        args = typing.get_args(hint)
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(value) != len(args):
-                raise bad
-            return tuple(coerce(v, a, key) for v, a in zip(value, args, strict=True))
-        inner = args[0] if args else Any
-        items = [coerce(v, inner, key) for v in value]
-        return tuple(items) if origin is tuple else items
+        return tuple(coerce(v, a, key) for v, a in zip(value, args, strict=True))
+    inner = args[0] if args else Any
+    items = [coerce(v, inner, key) for v in value]
+    return tuple(items) if origin is tuple else items
+
+
+def _coerce_scalar(value: Any, hint: type, bad: ConfigError) -> Any:
+    """``bool``, ``int``, ``float`` or ``str`` from YAML or a ``KEY=VALUE`` string; a bool
+    is never taken for a number, nor a number for a bool."""
     if hint is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
             return value.lower() in ("true", "yes", "1")
         raise bad
-    if hint is int:
-        if isinstance(value, bool):
-            raise bad
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                raise bad from None
-        raise bad
-    if hint is float:
-        if isinstance(value, bool):
-            raise bad
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                raise bad from None
+    if isinstance(value, bool):
         raise bad
     if hint is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        if isinstance(value, (str, int, float)):
             return str(value)
         raise bad
-    return value
+    if hint is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, (int, float, str)) and not (hint is int and isinstance(value, float)):
+        try:
+            return hint(value)
+        except ValueError:
+            raise bad from None
+    raise bad
 
 
 def _plain(obj: Any) -> Any:

@@ -238,6 +238,10 @@ class TrainConfig:
             raise ConfigError(
                 f"train.iterations_to_skip holds step numbers >= 1, got {self.iterations_to_skip}"
             )
+        self._validate_runtime()
+
+    def _validate_runtime(self) -> None:
+        """The keys of how the loop runs: collection, timers, parallelism, device."""
         if self.gc_every is not None:
             _positive(self, "gc_every", "train")
         if not isinstance(self.gc_eval, bool):
