@@ -217,7 +217,7 @@ class ProgressBar(Callback):
             return sys.stdout
         if self.stream is None or self.stream == "stderr":
             return sys.stderr
-        return self.stream  # type: ignore[return-value]
+        return self.stream  # type: ignore[return-value]  # any other value is a stream
 
     def _tty(self) -> bool:
         if self.use_tqdm is not None:

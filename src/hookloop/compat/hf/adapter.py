@@ -567,7 +567,7 @@ def _add_computed_metrics(session: HFSession, metrics: dict[str, Any]) -> None:
 
     predictions = joined(session._predictions)
     labels = joined(session._labels) if all(x is not None for x in session._labels) else None
-    computed = session.compute_metrics(  # type: ignore[misc]
+    computed = session.compute_metrics(  # type: ignore[misc]  # called only when set
         EvalPrediction(predictions.numpy(), None if labels is None else labels.numpy())
     )
     for key, value in computed.items():

@@ -215,7 +215,7 @@ def make_loader(
 def _with_total(loader: DataLoader, batch_size: int) -> DataLoader:
     """``total_batch_size``: the samples of one batch over every rank, as accelerate's
     prepared loaders say it."""
-    loader.total_batch_size = batch_size * rank_info()[2]  # type: ignore[attr-defined]
+    loader.total_batch_size = batch_size * rank_info()[2]
     return loader
 
 

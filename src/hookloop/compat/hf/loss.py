@@ -79,7 +79,7 @@ class HFLoss:
             return None
         # HF divides the count by its parallel sizes (1 here): the model gets a float
         # tensor, and dividing by it rounds the gradients as HF's run does.
-        return count / 1  # type: ignore[operator]
+        return count / 1
 
     def __call__(
         self, model: Any, batch: Mapping[str, Any], num_items: torch.Tensor | None

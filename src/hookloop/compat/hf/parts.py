@@ -139,7 +139,7 @@ def samples_of(args: Any, loader: Any, plan: Plan, groups: int) -> float:
         return plan.max_steps * per_device * groups
     dataset = getattr(loader, "dataset", None)
     try:
-        examples = len(dataset)  # type: ignore[arg-type]
+        examples = len(dataset)  # type: ignore[arg-type]  # no length: TypeError below
     except TypeError:
         examples = len(loader) * per_device
     return examples * hf_optim.arg(args, "num_train_epochs", 3.0)

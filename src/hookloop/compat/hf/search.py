@@ -44,7 +44,7 @@ def default_compute_objective(metrics: dict[str, float]) -> float:
     metrics.pop("epoch", None)
     for key in [k for k in metrics if k.endswith(("_runtime", "_per_second"))]:
         metrics.pop(key)
-    return loss if not metrics else sum(metrics.values())  # type: ignore[return-value]
+    return loss if not metrics else sum(metrics.values())  # type: ignore[return-value]  # as transformers: None without eval_loss
 
 
 def default_hp_space_optuna(trial: Any) -> dict[str, Any]:
