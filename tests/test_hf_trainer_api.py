@@ -1396,8 +1396,11 @@ def test_a_rebuild_for_changed_arguments_keeps_added_callbacks_and_the_logits_ho
         counts = seen.setdefault(kind, {"train_begin": 0, "preprocess": 0})
 
         class Added(transformers.TrainerCallback):
+            def __init__(self, counts: dict[str, int]) -> None:
+                self.counts = counts
+
             def on_train_begin(self, args, state, control, **kwargs):
-                counts["train_begin"] += 1
+                self.counts["train_begin"] += 1
 
         def preprocess(logits: Any, labels: Any, counts: dict[str, int] = counts) -> Any:
             counts["preprocess"] += 1
@@ -1410,7 +1413,7 @@ def test_a_rebuild_for_changed_arguments_keeps_added_callbacks_and_the_logits_ho
                 preprocess_logits_for_metrics=preprocess, compute_metrics=lambda p: {"m": 0.0},
             )
         )  # fmt: skip
-        trainer.add_callback(Added())
+        trainer.add_callback(Added(counts))
         trainer.args.learning_rate = 0.07  # changed after construction: the loop is rebuilt
         _quiet(trainer.train)
         _quiet(trainer.evaluate)

@@ -135,6 +135,24 @@ class Built:
     accelerator_settings: dict[str, Any]  # accelerator_config's, for trainer.accelerator
 
 
+class BuiltAttributes:
+    """The transformers attributes :func:`build` sets on the Trainer (at construction and
+    at each rebuild), declared for readers and the type checker."""
+
+    hf: HFSession  # what HF callbacks receive: args, state, control, the session's hooks
+    loop: Loop  # the native loop this Trainer runs
+    callback_handler: CallbackHandler
+    model_init: Callable[..., torch.nn.Module] | None
+    train_dataset: Any
+    eval_dataset: Any
+    data_collator: Any
+    processing_class: Any
+    compute_loss_func: Callable[..., Any] | None
+    optimizer_cls_and_kwargs: tuple[type, dict[str, Any]] | None
+    preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None
+    args_built: Any  # the arguments the loop was built from (arguments.snapshot)
+
+
 def build(
     trainer: Any,
     model: torch.nn.Module | None,
@@ -252,8 +270,9 @@ def _loop_with_callbacks(
     loop = build_loop(model, run, session, handler, native)
     handler.processing_class = trainer.processing_class
     handler.listener = listener  # each edit of the list after construction reaches the loop
-    if session.drives_loop and getattr(loop.model, "config", None) is not None:
-        loop.model.config.use_cache = hf_optim.arg(args, "use_cache", False)  # as HF's init
+    model_config = getattr(loop.model, "config", None)
+    if session.drives_loop and model_config is not None:
+        model_config.use_cache = hf_optim.arg(args, "use_cache", False)  # as HF's init
     if jit is not None:  # transformers' own callback: SIGTERM, then a save and a stop
         jit.set_trainer(trainer)
     return loop

@@ -51,7 +51,7 @@ def _from_loop(name: str, doc: str | None = None) -> Any:
     return property(lambda self: getattr(self.loop, name), doc=doc)
 
 
-class Trainer:
+class Trainer(construction.BuiltAttributes):
     """``Trainer(model, args, train_dataset=..., eval_dataset=..., callbacks=[...])``.
 
     ``args`` (HF names) decides the run unless a hookloop ``config`` is given, in
@@ -333,7 +333,7 @@ class Trainer:
         if self.optimizer is None:
             if self._view.staged is None:  # after construction: the loop's, built this way
                 self._view.shown.add("optimizer")
-                return self.optimizer
+                return self.optimizer  # type: ignore[return-value]  # now shows the loop's
             self.optimizer = hf_optim.create_optimizer(
                 self.model if model is None else model,
                 self.args,
@@ -414,7 +414,8 @@ class Trainer:
         model = self.model
         main = getattr(model, "main_input_name", "input_ids")
         if main in inputs and hasattr(model, "num_parameters"):
-            return 6 * inputs[main].numel() * model.num_parameters(exclude_embeddings=True)
+            count: Any = model.num_parameters  # PreTrainedModel's method
+            return 6 * inputs[main].numel() * count(exclude_embeddings=True)
         return 0
 
     @property

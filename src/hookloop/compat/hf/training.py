@@ -64,13 +64,15 @@ def resume(resume_from_checkpoint: Any, *, args: Any, loop: Any) -> Path | None:
     """The loop resumed as ``resume_from_checkpoint`` says: a checkpoint path, or True
     for the newest in ``output_dir``. A folder transformers' own Trainer wrote is
     returned instead, to be read after any rebuild, as transformers reads it."""
-    if resume_from_checkpoint is None or resume_from_checkpoint is False:
+    if resume_from_checkpoint is None:
         return None
     if not isinstance(resume_from_checkpoint, (str, os.PathLike, bool)):
         raise TypeError(
             "resume_from_checkpoint must be a checkpoint path, True (the newest in "
             f"output_dir) or None; got {type(resume_from_checkpoint).__name__}"
         )
+    if resume_from_checkpoint is False:
+        return None
     if resume_from_checkpoint is True:
         output_dir = results.output_dir(args, None)
         last = layout.last_checkpoint(output_dir)  # as transformers finds it

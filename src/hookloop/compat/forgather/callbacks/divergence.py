@@ -41,7 +41,7 @@ class DivergenceDetector(_divergence.DivergenceDetector):
             warmup=warmup,
             metric_key=metric_key,
             use_eval_loss=use_eval_loss,
-            action=action,  # type: ignore[arg-type]
+            action=action,  # type: ignore[arg-type]  # Forgather takes any str; the base checks it
         )
 
     def hf_on_log(

@@ -76,6 +76,7 @@ class PeakMemory(TrainerCallback):
         param = next(model.parameters(), None) if model is not None else None
         if param is None or param.device.type != "cuda":
             self.enabled = False
+            return
         if not self.enabled:
             return
         self.device = param.device

@@ -23,5 +23,5 @@ class DefaultMetrics(_metrics.DefaultMetrics):
     def on_before_log(self, ctx: CallbackContext) -> None:
         super().on_before_log(ctx)
         peak = ctx.logs.get("peak_mem_allocated") if ctx.logs is not None else None
-        if peak is not None:
+        if peak is not None and ctx.logs is not None:
             ctx.logs["peak_mem"] = peak

@@ -50,13 +50,13 @@ class ResumableSummaryWriter(_tensorboard.ResumableSummaryWriter):
                 self.log_dir,
             )
 
-    def add_scalar(  # type: ignore[override]
+    def add_scalar(  # type: ignore[override]  # Forgather's narrower signature
         self, tag: str, scalar_value: Any, global_step: int | None = None, **kwargs: Any
     ) -> None:
         if self.enabled:
             self.writer.add_scalar(tag, scalar_value, global_step=global_step, **kwargs)
 
-    def add_text(  # type: ignore[override]
+    def add_text(  # type: ignore[override]  # Forgather's narrower signature
         self, tag: str, text_string: str, global_step: int | None = None, **kwargs: Any
     ) -> None:
         if self.enabled:
