@@ -310,9 +310,10 @@ def _attribute_uses(tree: ast.Module) -> list[tuple[int, ast.AST, str]]:
 
 def _accesses(rel: str, tree: ast.Module) -> list[tuple[str, int, str, str]]:
     """``(file, line, expression, kind)`` for each private name the file reaches that is not
-    its own. ``kind``: ``"third"`` (reached through another package), ``"hookloop"`` (not
-    defined here: another module's), ``"shared"`` (defined here, used on another object,
-    and a name torch, transformers, TensorBoard or Optuna also has)."""
+    its own. ``kind``: ``"third"`` (reached through another package), ``"foreign"`` (not
+    defined here: another module's, or a library object's held under a plain name),
+    ``"shared"`` (defined here, used on another object, and a name torch, transformers,
+    TensorBoard or Optuna also has)."""
     names = FileNames(tree)
     found = []
     for line, obj, attr in _attribute_uses(tree):
@@ -320,13 +321,13 @@ def _accesses(rel: str, tree: ast.Module) -> list[tuple[str, int, str, str]]:
         if names.third(_origin(obj)):
             found.append((rel, line, expr, "third"))
         elif attr not in names.attributes:
-            found.append((rel, line, expr, "hookloop"))
+            found.append((rel, line, expr, "foreign"))
         elif not (isinstance(obj, ast.Name) and obj.id in ("self", "cls")):
             found.append((rel, line, expr, "shared?"))
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and _ours(node.module) and node.level == 0:
             found += [
-                (rel, node.lineno, f"{node.module}.{a.name}", "hookloop")
+                (rel, node.lineno, f"{node.module}.{a.name}", "foreign")
                 for a in node.names
                 if _private(a.name)
             ]
@@ -429,7 +430,7 @@ def test_the_scan_sees_private_access_of_each_kind():
         "        self._mine = 1\n        return other._theirs, torch._foreach_norm, self._mine\n"
     )
     assert accesses == {
-        ("torch._dynamo", "third"), ("other._theirs", "hookloop"),
+        ("torch._dynamo", "third"), ("other._theirs", "foreign"),
         ("torch._foreach_norm", "third"),
     }  # fmt: skip
     assert patches == set()
@@ -451,7 +452,7 @@ def test_the_scan_sees_through_local_aliases_and_refuses_patches():
         "nn.Module.forward",
         "sys.modules['transformers'].Trainer",
         "vars(torch)['load']",
-    }  # fmt: skip  (t.grad: an attribute of a tensor, not of torch)
+    }  # t.grad is an attribute of a tensor, not of torch: not a patch
     # A private name reached through a local name, a string, or an object made by a library.
     accesses, _ = _scan(
         "import optuna\ndef _storage():\n    pass\n"  # a local function of the same name
@@ -459,15 +460,18 @@ def test_the_scan_sees_through_local_aliases_and_refuses_patches():
         "s = optuna.load_study(study_name='a', storage='sqlite://')\nrows = s._storage\n"
     )
     assert accesses == {
-        ("x._storage", "hookloop"),
-        ("study._storage", "hookloop"),
+        ("x._storage", "foreign"),
+        ("study._storage", "foreign"),
         ("s._storage", "third"),
     }
     # An attribute this file's class also has, on another object: Optuna spells it too.
+    # A function's own ``s`` (a Box) is not the module's ``s`` (a study).
     accesses, _ = _scan(
+        "import optuna\ns = optuna.load_study(study_name='a', storage='sqlite://')\n"
         "class Box:\n    def __init__(self):\n        self._storage = {}\n"
         "    def _hookloop_only_name(self):\n        pass\n"
         "def f(study, box):\n    return study._storage, box._hookloop_only_name\n"
+        "def g():\n    s = Box()\n    return s._hookloop_only_name\n"
     )
     assert accesses == {("study._storage", "shared")}
 
@@ -476,9 +480,9 @@ def test_no_module_reaches_into_a_private_name_it_does_not_define():
     problems = [
         f"src/hookloop/{rel}:{line} uses {expr}"
         for rel, line, expr, kind in _tree_accesses()
-        if kind == "hookloop" and (rel, expr) not in THIRD_PARTY
+        if kind == "foreign" and (rel, expr) not in THIRD_PARTY
     ]
-    assert not problems, "private names used across modules:\n" + "\n".join(problems)
+    assert not problems, "private names this file does not define:\n" + "\n".join(problems)
 
 
 def test_no_module_patches_torch_transformers_tensorboard_or_optuna():
