@@ -7,6 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/ruff check src tests bench gpu_tests
 .venv/bin/ruff format --check src tests bench gpu_tests
+.venv/bin/mypy  # [tool.mypy] in pyproject.toml; cache in .mypy_cache
 # Megatron-Bridge's callback module is the oracle of tests/test_megatron_bridge_oracle.py.
 # --no-deps: only its standard-library callbacks.py is used; its dependencies (Megatron-Core,
 # Transformer Engine, CUDA builds) are gigabytes the tests never import.

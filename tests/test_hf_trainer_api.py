@@ -1386,6 +1386,38 @@ def test_arguments_changed_after_construction_are_the_ones_train_uses(tmp_path: 
     assert len(rates[0]) == len(rates[1]) == 4  # batch size: transformers keeps the built one
 
 
+def test_a_rebuild_for_changed_arguments_keeps_added_callbacks_and_the_logits_hook(
+    tmp_path: Path,
+):
+    """transformers' callback handler and ``preprocess_logits_for_metrics`` outlive a
+    ``train()`` that sees changed arguments; so must the dialect's (rebuilt) loop."""
+    seen: dict[str, dict[str, int]] = {}
+    for kind in FACTORIES:
+        counts = seen.setdefault(kind, {"train_begin": 0, "preprocess": 0})
+
+        class Added(transformers.TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):
+                counts["train_begin"] += 1
+
+        def preprocess(logits: Any, labels: Any, counts: dict[str, int] = counts) -> Any:
+            counts["preprocess"] += 1
+            return logits
+
+        trainer = _quiet(
+            lambda f=FACTORIES[kind], k=kind: f(
+                RegressionModel(), _args(tmp_path / k, max_steps=2, eval_strategy="no"),
+                train_dataset=RegressionDataset(16), eval_dataset=RegressionDataset(8, seed=7),
+                preprocess_logits_for_metrics=preprocess, compute_metrics=lambda p: {"m": 0.0},
+            )
+        )  # fmt: skip
+        trainer.add_callback(Added())
+        trainer.args.learning_rate = 0.07  # changed after construction: the loop is rebuilt
+        _quiet(trainer.train)
+        _quiet(trainer.evaluate)
+    assert seen["hookloop"] == seen["hf"]
+    assert seen["hf"]["train_begin"] == 1 and seen["hf"]["preprocess"] >= 1
+
+
 def _history(trainer: Any) -> list[dict[str, Any]]:
     timing = ("runtime", "per_second")
     return [

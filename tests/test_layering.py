@@ -25,7 +25,7 @@ PACKAGE = "hookloop"
 ENGINE = tuple(
     f"{PACKAGE}.{name}"
     for name in ("events", "manager", "state", "requests", "callback", "step", "data",
-                 "config", "distributed", "loop", "loop.trainer", "loop.parts", "loop.stepper",
+                 "config", "config_sections", "distributed", "loop", "loop.trainer", "loop.parts", "loop.stepper",
                  "loop.schedule", "loop.logbook", "loop.evaluation", "loop.actions",
                  "checkpoint", "checkpoint.storage", "checkpoint.state", "checkpoint.manager",
                  "checkpoint.weights", "checkpoint.background", "checkpoint.local",

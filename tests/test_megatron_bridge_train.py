@@ -6,8 +6,9 @@ from __future__ import annotations
 import gc
 import inspect
 import re
+import sys
 from collections.abc import Iterator
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -375,15 +376,45 @@ def test_forward_pre_hooks_are_switched_where_a_chunk_has_them_and_skipped_elsew
         mb_train.enable_forward_pre_hook([object()])
 
 
-def test_the_mxfp8_buffer_copy_reaches_chained_distributed_optimizers_only():
+def test_the_mxfp8_buffer_copy_reaches_chained_distributed_optimizers_only(monkeypatch):
+    """Only Megatron-Core's DistributedOptimizer is refreshed, as in Megatron-Bridge: another
+    optimizer with a method of the same name is left alone."""
     copied: list[str] = []
-    inner = SimpleNamespace(_copy_main_params_to_param_buffer=lambda: copied.append("copy"))
-    chained = SimpleNamespace(chained_optimizers=[inner, SimpleNamespace()])
-    mb_train._handle_mxfp8_param_buffer_copy(chained, True, False)
+
+    class DistributedOptimizer:  # stands in for Megatron-Core's class, in its module
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def _copy_main_params_to_param_buffer(self) -> None:
+            copied.append(self.name)
+
+    class LookAlike:  # the same method, but not a DistributedOptimizer
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def _copy_main_params_to_param_buffer(self) -> None:
+            copied.append(self.name)
+
+    chained = SimpleNamespace(
+        chained_optimizers=[
+            DistributedOptimizer("first"),
+            LookAlike("other"),
+            DistributedOptimizer("second"),
+        ]
+    )
     mb_train._handle_mxfp8_param_buffer_copy(chained, True, True)
+    assert copied == []  # Megatron-Core not loaded: no distributed optimizer can exist
+    module = ModuleType("megatron.core.optimizer.distrib_optimizer")
+    module.DistributedOptimizer = DistributedOptimizer
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    mb_train._handle_mxfp8_param_buffer_copy(chained, True, False)
+    mb_train._handle_mxfp8_param_buffer_copy(chained, False, True)
+    assert copied == []  # both flags are needed
+    mb_train._handle_mxfp8_param_buffer_copy(chained, True, True)
+    assert copied == ["first", "second"]
     torch_optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     mb_train._handle_mxfp8_param_buffer_copy(torch_optimizer, True, True)  # nothing to copy
-    assert copied == ["copy"]
+    assert copied == ["first", "second"]
 
 
 def test_post_step_work_runs_the_profiler_and_garbage_collection_when_due(monkeypatch):

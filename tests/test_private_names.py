@@ -43,12 +43,15 @@ THIRD_PARTY = {
         "torch documents the memory snapshot API under this name",
     ("callbacks/memory.py", "torch.cuda.memory._dump_snapshot"):
         "torch documents the memory snapshot API under this name",
-    ("compat/forgather/callbacks.py", "torch.cuda.memory._record_memory_history"):
+    ("compat/forgather/callbacks/memory.py", "torch.cuda.memory._record_memory_history"):
         "torch documents the memory snapshot API under this name",
-    ("compat/forgather/callbacks.py", "torch.cuda.memory._dump_snapshot"):
+    ("compat/forgather/callbacks/memory.py", "torch.cuda.memory._dump_snapshot"):
         "torch documents the memory snapshot API under this name",
     ("checkpoint/storage.py", "os._exit"): "documented in the standard library (crash tests)",
     ("tune/worker.py", "os._exit"): "documented in the standard library",
+    ("compat/megatron_bridge/training/megatron_core.py",
+     "inner._copy_main_params_to_param_buffer"):
+        "Megatron-Core's DistributedOptimizer refreshes its mxfp8 buffer only under this name",
     ("compile.py", "torch._dynamo"): "torch.compile's capability probe has no public name",
     ("compile.py", "torch._inductor"): "the C++ compiler probe of torch.compile's backend",
     ("compile.py", "torch.utils._triton"): "torch.compile's Triton probe has no public name",

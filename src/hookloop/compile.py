@@ -74,7 +74,7 @@ def unwrap_compiled(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.M
 
 def compile_module(module: torch.nn.Module) -> torch.nn.Module:
     """The module the training step runs, compiled (parameters shared with ``module``)."""
-    return torch.compile(module)  # type: ignore[return-value]
+    return torch.compile(module)  # type: ignore[return-value]  # an OptimizedModule, typed as a callable
 
 
 def compile_loss(loss_fn: Any) -> Any:

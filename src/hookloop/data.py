@@ -240,7 +240,7 @@ class DataPosition:
 
     def state_dict(self) -> dict[str, Any]:
         if callable(getattr(self.loader, "state_dict", None)):
-            return {"loader": self.loader.state_dict()}  # type: ignore[attr-defined]
+            return {"loader": self.loader.state_dict()}  # type: ignore[attr-defined]  # checked above
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -255,9 +255,9 @@ class DataPosition:
         consumed = epoch_step * self.grad_accum
         positioned, self._positioned = self._positioned, False
         if isinstance(sampler, EpochSampler):
-            sampler.set_epoch(epoch, start=consumed * (loader.batch_size or 1))  # type: ignore[attr-defined]
+            sampler.set_epoch(epoch, start=consumed * (loader.batch_size or 1))  # type: ignore[attr-defined]  # a DataLoader: its sampler
         elif hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)  # type: ignore[union-attr]
+            sampler.set_epoch(epoch)  # type: ignore[union-attr]  # hasattr checked above
         batches = _opened(loader, keep_rng=epoch_step > 0)
         if isinstance(sampler, EpochSampler):
             return batches

@@ -58,7 +58,7 @@ def rank_zero_only(fn: Callable[..., T]) -> Callable[..., T | None]:
             return fn(*args, **kwargs)
         return None
 
-    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+    wrapper.__wrapped__ = fn
     return wrapper
 
 

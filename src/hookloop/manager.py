@@ -16,9 +16,9 @@ from __future__ import annotations
 import itertools
 import sys
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, overload
 
-from hookloop.callback import Callback
+from hookloop.callback import Callback, Stateful
 from hookloop.events import (
     EPOCH_EVENTS,
     EVENT_NAMES,
@@ -146,6 +146,30 @@ class CallbackManager:
         self._callbacks.append(cb)
         self._rebuild()
 
+    @overload
+    def register(
+        self,
+        event: str,
+        fn: None = None,
+        *,
+        every: int | None = None,
+        once: bool | int | None = None,
+        when: Callable[[CallbackContext], bool] | None = None,
+        priority: int = 50,
+    ) -> Callable[[Handler], Handler]: ...
+
+    @overload
+    def register(
+        self,
+        event: str,
+        fn: Handler,
+        *,
+        every: int | None = None,
+        once: bool | int | None = None,
+        when: Callable[[CallbackContext], bool] | None = None,
+        priority: int = 50,
+    ) -> Handler: ...
+
     def register(
         self,
         event: str,
@@ -155,7 +179,7 @@ class CallbackManager:
         once: bool | int | None = None,
         when: Callable[[CallbackContext], bool] | None = None,
         priority: int = 50,
-    ) -> Handler:
+    ) -> Handler | Callable[[Handler], Handler]:
         """Register a function ``fn(ctx)`` for one event and return it.
 
         Without ``fn`` it returns a decorator: ``@manager.register("on_log")``.
@@ -246,9 +270,11 @@ class CallbackManager:
         regs = [r for r in self._registrations if r.event == event]
         return sorted(regs, key=lambda r: (r.priority, r.seq))
 
-    def stateful_callbacks(self) -> dict[str, Callback]:
+    def stateful_callbacks(self) -> dict[str, Stateful]:
         """Callbacks with ``state_dict``/``load_state_dict``, keyed by name."""
-        return {cb.name: cb for cb in self._callbacks if _is_stateful(cb)}
+        return {
+            cb.name: cb for cb in self._callbacks if isinstance(cb, Stateful) and _is_stateful(cb)
+        }
 
     def check_requirements(self) -> None:
         """Raise if a callback's ``requires`` names a callback that is not registered."""
@@ -289,8 +315,9 @@ class CallbackManager:
             raise ValueError(unknown_event_message(event)) from None
         if not handlers:
             return
-        handler = None
-        current, i, called = handlers, 0, None
+        handler: Handler | None = None
+        current, i = handlers, 0
+        called: set[int] | None = None
         try:
             while i < len(current):
                 handler = current[i]
@@ -308,13 +335,15 @@ class CallbackManager:
             self._handler_failed(event, handler, ctx, exc)
             raise
 
-    def _handler_failed(self, event: str, handler: object, ctx: CallbackContext, exc: Exception):
+    def _handler_failed(
+        self, event: str, handler: object, ctx: CallbackContext, exc: Exception
+    ) -> None:
         """Attach who failed and where, then give ``on_exception`` its one chance to run."""
         if getattr(exc, "_hookloop_attributed", False):
             return  # raised by a nested fire (e.g. an evaluation inside a step)
         label = self._label_of(handler)
         add_note(exc, f"hookloop: raised by callback {label!r} during event {event!r}")
-        exc._hookloop_attributed = True  # type: ignore[attr-defined]
+        exc._hookloop_attributed = True  # type: ignore[attr-defined]  # a mark on the exception
         if event != "on_exception":
             self.fire_exception(ctx, exc)
 
@@ -330,7 +359,7 @@ class CallbackManager:
         """Fire ``on_exception`` once per exception; a failing handler is noted, not raised."""
         if getattr(exc, "_hookloop_on_exception_fired", False):
             return
-        exc._hookloop_on_exception_fired = True  # type: ignore[attr-defined]
+        exc._hookloop_on_exception_fired = True  # type: ignore[attr-defined]  # a mark on the exception
         ctx.exception = exc
         try:
             for handler in self._index["on_exception"]:
@@ -355,7 +384,7 @@ def add_note(exc: BaseException, note: str) -> None:
     if hasattr(exc, "add_note"):
         exc.add_note(note)
     else:  # Python 3.10: keep the note where 3.11+ would put it
-        exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]
+        exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]  # 3.11+ field
 
 
 def _is_stateful(cb: object) -> bool:
@@ -419,11 +448,11 @@ def _filtered(
     if event in STEP_EVENTS:
 
         def occurrence(ctx: CallbackContext) -> int:
-            return ctx.state.step
+            return int(ctx.state.step)
     elif event in EPOCH_EVENTS:
 
         def occurrence(ctx: CallbackContext) -> int:
-            return ctx.state.epoch + 1
+            return int(ctx.state.epoch) + 1
     else:
         fired = itertools.count(1)
 

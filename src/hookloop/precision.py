@@ -39,8 +39,8 @@ class Precision:
         self._counted: Any = None  # the optimizer whose step() calls _count_update counts
         self._updates = 0
         if self.scaler is None:  # the step's calls go straight to torch: no layer in between
-            self.backward = torch.Tensor.backward  # type: ignore[method-assign]
-            self.step = operator.methodcaller("step")  # type: ignore[method-assign]
+            self.backward = torch.Tensor.backward  # type: ignore[method-assign]  # per instance
+            self.step = operator.methodcaller("step")  # type: ignore[method-assign, assignment]  # same call, untyped
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The forward pass's context: autocast to the reduced dtype, or nothing."""

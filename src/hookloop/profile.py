@@ -77,7 +77,7 @@ class CallbackProfile:
                 cost.ns += clock() - start
                 cost.calls += 1
 
-        timed.__wrapped__ = call  # type: ignore[attr-defined]
+        timed.__wrapped__ = call  # type: ignore[attr-defined]  # as functools.wraps sets it
         timed.__qualname__ = getattr(call, "__qualname__", repr(call))
         return timed
 

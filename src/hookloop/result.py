@@ -49,7 +49,7 @@ def reason_without_step(stop_reason: str, step: int) -> str:
 
 def is_abort(stop_reason: str | None) -> bool:
     """Whether ``stop_reason`` records an abort (which saves nothing)."""
-    return bool(stop_reason) and stop_reason.startswith("abort")  # type: ignore[union-attr]
+    return stop_reason is not None and stop_reason.startswith("abort")
 
 
 @dataclass

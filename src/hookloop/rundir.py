@@ -27,11 +27,12 @@ a path lies inside (symlinks and ``..`` resolved), so that a new run's ``--out``
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from hookloop.journal import read_records
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -171,13 +172,5 @@ def enclosing_run(path: str | Path) -> tuple[Path, str] | None:
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """The records of a JSON Lines file (metrics.jsonl), skipping a line torn by a killed
-    writer."""
-    records = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records
+    writer (:func:`hookloop.journal.read_records`)."""
+    return read_records(path)

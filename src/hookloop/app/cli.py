@@ -400,33 +400,13 @@ def _remove_failed_start(run_dir: Path) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from hookloop.distributed import (
-        broadcast_object,
-        init_from_env,
-        is_distributed,
-        leave_process_group,
-        rank_info,
-    )
+    from hookloop.distributed import init_from_env, is_distributed, leave_process_group, rank_info
     from hookloop.entry import build_trainer
 
     if args.allow_restart:
         args.overrides = [*args.overrides, "checkpoint.allow_restart=true"]
     joined = not is_distributed() and init_from_env()  # under torchrun: gloo on CPU, nccl on GPU
-    # Rank 0 decides the run directory and config (and refuses a used one); every rank
-    # gets its answer.
-    decision: tuple[Any, str | None, str | None] = (None, None, None)
-    if rank_info()[0] == 0:
-        try:
-            decision = (_prepare(args), None, None)
-        except NothingToDo as done:
-            decision = (None, None, str(done))
-        except Exception as err:
-            if not is_refusal(err):
-                raise
-            decision = (None, one_line(err), None)
-    prepared, error, done = broadcast_object(decision)
-    if error is not None:
-        raise ConfigError(error)
+    prepared, done = _decide_on_rank_zero(args)
     rank = rank_info()[0]
     if done is not None:
         if joined:
@@ -469,6 +449,28 @@ def _train(args: argparse.Namespace) -> int:
     if rank == 0:
         print(closing_line(result, run_dir, best_eval_loss=_best_eval_loss(run_dir)))
     return result.exit_code
+
+
+def _decide_on_rank_zero(args: argparse.Namespace) -> tuple[Any, str | None]:
+    """Rank 0 decides the run directory and config (and refuses a used one); every rank
+    gets its answer: ``(prepared, None)``, or ``(None, why)`` when there is nothing to do.
+    A refusal is a :class:`ConfigError` on every rank; a bug shows its traceback."""
+    from hookloop.distributed import broadcast_object, rank_info
+
+    decision: tuple[Any, str | None, str | None] = (None, None, None)
+    if rank_info()[0] == 0:
+        try:
+            decision = (_prepare(args), None, None)
+        except NothingToDo as done:
+            decision = (None, None, str(done))
+        except Exception as err:
+            if not is_refusal(err):
+                raise
+            decision = (None, one_line(err), None)
+    prepared, error, done = broadcast_object(decision)
+    if error is not None:
+        raise ConfigError(error)
+    return prepared, done
 
 
 def _callbacks(cfg: Config, run_dir: Path, changes: dict[str, Any]) -> list[Callback]:

@@ -48,13 +48,11 @@ def default_callbacks(cfg: Config, run_dir: str | Path | None) -> list[Callback]
     """Build the default set for ``cfg`` writing under ``run_dir`` (None: no files)."""
     from hookloop.callbacks.divergence import DivergenceDetector
     from hookloop.callbacks.info import InfoCallback
-    from hookloop.callbacks.jsonlog import JsonLogger
     from hookloop.callbacks.metrics import DefaultMetrics
     from hookloop.callbacks.nan_detection import NaNDetection
-    from hookloop.callbacks.progress import ProgressBar
 
     run = RunDir(run_dir) if run_dir is not None else None
-    on, log = cfg.callbacks, cfg.logging
+    on = cfg.callbacks
     callbacks: list[Callback] = []
     if on.info:
         callbacks.append(InfoCallback())
@@ -91,6 +89,18 @@ def default_callbacks(cfg: Config, run_dir: str | Path | None) -> list[Callback]
         from hookloop.diloco.callback import DiLoCoCallback
 
         callbacks.append(DiLoCoCallback())  # server, sync period, ... from DILOCO_* variables
+    callbacks += _loggers(cfg, run)
+    callbacks.append(ResumeNotice())
+    return callbacks
+
+
+def _loggers(cfg: Config, run: RunDir | None) -> list[Callback]:
+    """The ``logging.*`` part of the set: files under ``run`` (None: none), W&B, progress."""
+    from hookloop.callbacks.jsonlog import JsonLogger
+    from hookloop.callbacks.progress import ProgressBar
+
+    log = cfg.logging
+    callbacks: list[Callback] = []
     if log.json and run is not None:
         callbacks.append(JsonLogger(run.metrics))
     if log.progress_log and run is not None:
@@ -109,7 +119,6 @@ def default_callbacks(cfg: Config, run_dir: str | Path | None) -> list[Callback]
         callbacks.append(WandbLoggingCallback(project=log.wandb_project, dir=wandb_dir))
     if log.progress:
         callbacks.append(ProgressBar(min_interval=log.progress_interval))
-    callbacks.append(ResumeNotice())
     return callbacks
 
 

@@ -201,7 +201,7 @@ class DivergenceDetector(Callback):
             raise ValueError(f"metric_key must be a metric name or None, got {metric_key!r}")
         self.action = action
         if action != "rewind":  # its per-step check is for rewinds alone
-            self.on_train_step_end = None  # type: ignore[assignment]
+            self.on_train_step_end = None  # type: ignore[method-assign, assignment]  # None: not dispatched
         self.use_eval_loss = use_eval_loss
         self.metric_key = metric_key
         self.key = metric_key or ("eval_loss" if use_eval_loss else "loss")

@@ -128,9 +128,9 @@ class InfoCallback(Callback):
             return
         self.info = run_info(ctx, verbose=self.verbose)
         ctx.user_state[self.key] = dict(self.info)
-        out = {"stdout": sys.stdout, "stderr": sys.stderr}.get(self.stream, self.stream)  # type: ignore[arg-type]
+        out = {"stdout": sys.stdout, "stderr": sys.stderr}.get(self.stream, self.stream)  # type: ignore[arg-type]  # else a stream
         if out is not None:
-            print("run info:\n" + format_info(self.info), file=out, flush=True)  # type: ignore[arg-type]
+            print("run info:\n" + format_info(self.info), file=out, flush=True)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -43,13 +43,12 @@ keeps only the records up to the step it restarts from.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from hookloop.callbacks.logger import Logger, Record, plain_values, run_status
+from hookloop.journal import Journal
 from hookloop.rundir import read_jsonl
 
 __all__ = [
@@ -74,7 +73,7 @@ class JsonLogger(Logger):
             raise ValueError(f"path must be a file path, got {path!r}")
         super().__init__()
         self.path = Path(path)
-        self._file: TextIO | None = None  # touched on the writer thread, or after a flush
+        self._journal = Journal(self.path)  # touched on the writer thread, or after a flush
 
     def write(self, record: Record) -> None:
         """On the writer thread: encode and append one record."""
@@ -88,21 +87,15 @@ class JsonLogger(Logger):
         for key, value in line.items():
             if type(value) is float and not math.isfinite(value):
                 line[key] = str(value)  # JSON has no NaN/Inf; keep them visible as strings
-        if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("a", encoding="utf-8")
-        self._file.write(json.dumps(line) + "\n")
+        self._journal.append(line)
         if self.burst_over():  # let readers (tail, dashboards) see it
-            self._file.flush()
+            self._journal.sync()
 
     def sync(self, durable: bool) -> None:
-        if self._file is not None:
-            self._file.flush()
-            if durable:
-                os.fsync(self._file.fileno())
+        self._journal.sync(durable)
 
     def position(self) -> dict[str, Any]:
-        return {"offset": self.path.stat().st_size if self.path.exists() else 0}
+        return {"offset": self._journal.offset()}
 
     def cut(self, step: int, saved: dict[str, Any] | None) -> None:
         """Truncate the file to the checkpoint's offset; without one, keep the records up
@@ -111,24 +104,16 @@ class JsonLogger(Logger):
         if saved is None:
             self._drop_records_after(step)
             return
-        offset = int(saved.get("offset", 0))
-        if self.path.exists() and self.path.stat().st_size > offset:
-            with self.path.open("r+b") as f:
-                f.truncate(offset)
+        self._journal.cut(int(saved.get("offset", 0)))
 
     def _drop_records_after(self, step: int) -> None:
         """Rewind by content when no byte offset was restored: keep records up to ``step``."""
         if not self.path.is_file():
             return
-        kept = [r for r in read_jsonl(self.path) if _step_of(r) <= step]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-        os.replace(tmp, self.path)
+        self._journal.rewrite([r for r in read_jsonl(self.path) if _step_of(r) <= step])
 
     def release(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        self._journal.close()
 
 
 def _step_of(record: dict[str, Any]) -> int:

@@ -17,7 +17,7 @@ from hookloop.callback import Callback
 try:  # imported once: DefaultMetrics reads the peak RSS on every log step
     import resource
 except ImportError:  # Windows
-    resource = None  # type: ignore[assignment]
+    resource = None  # type: ignore[assignment]  # None: peak RSS not read
 from hookloop.state import CallbackContext
 
 log = logging.getLogger("hookloop.memory")

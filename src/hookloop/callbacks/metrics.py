@@ -103,7 +103,7 @@ class DefaultMetrics(Callback):
         self.memory = memory
         self._reset_interval(None, 0.0)
         if self.peak_flops is None:  # no MFU: the time inside steps is not needed
-            self.on_train_step_start = self.on_train_step_end = None  # type: ignore[assignment]
+            self.on_train_step_start = self.on_train_step_end = None  # type: ignore[method-assign, assignment]  # None: not dispatched
 
     def _reset_interval(self, ctx: CallbackContext | None, now: float) -> None:
         st = ctx.state if ctx is not None else None

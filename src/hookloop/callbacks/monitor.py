@@ -25,7 +25,7 @@ def check_mode(mode: object, what: str = "mode") -> str:
     """Return ``mode`` if it is ``"min"`` or ``"max"``; else raise ``ValueError`` naming it."""
     if mode not in MODES:
         raise ValueError(f"{what} must be 'min' or 'max', got {mode!r}")
-    return mode  # type: ignore[return-value]
+    return mode
 
 
 def check_metric_name(name: object, what: str = "monitor") -> str:

@@ -37,7 +37,7 @@ ACTIONS = ("stop", "abort")
 
 def is_nonfinite_stop(stop_reason: str | None) -> bool:
     """Whether a run's ``stop_reason`` says NaNDetection ended it."""
-    return bool(stop_reason) and REASON_PREFIX in stop_reason  # type: ignore[operator]
+    return stop_reason is not None and REASON_PREFIX in stop_reason
 
 
 class NaNDetection(Callback):

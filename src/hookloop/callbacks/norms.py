@@ -24,17 +24,17 @@ does not repeat records. To compute less often, register with a filter:
 from __future__ import annotations
 
 import fnmatch
-import json
 import math
 import warnings
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import torch
 
 from hookloop.callback import Callback
+from hookloop.journal import Journal
 from hookloop.state import CallbackContext
 
 
@@ -117,32 +117,21 @@ class _JsonlFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._file: TextIO | None = None
+        self._journal = Journal(path)
 
     def write(self, record: dict[str, Any]) -> None:
-        if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("a", encoding="utf-8")
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        self._journal.append(record)
+        self._journal.sync()
 
     def state_dict(self) -> dict[str, Any]:
-        if self._file is not None:
-            self._file.flush()
-        return {"offset": self.path.stat().st_size if self.path.exists() else 0}
+        return {"offset": self._journal.offset()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Cut off what was written after the checkpoint (it will be written again)."""
-        self.close()
-        offset = int(state.get("offset", 0))
-        if self.path.exists() and self.path.stat().st_size > offset:
-            with self.path.open("r+b") as f:
-                f.truncate(offset)
+        self._journal.cut(int(state.get("offset", 0)))
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        self._journal.close()
 
 
 class _PerParameterLogger(Callback):

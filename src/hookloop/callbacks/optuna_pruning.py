@@ -49,7 +49,7 @@ def _optuna() -> Any:
 
 def is_pruned_stop(stop_reason: str | None) -> bool:
     """Whether a run's ``stop_reason`` says OptunaPruning ended it."""
-    return bool(stop_reason) and REASON_PREFIX in stop_reason  # type: ignore[operator]
+    return stop_reason is not None and REASON_PREFIX in stop_reason
 
 
 def objective_value(result: Any, monitor: str = "eval_loss", direction: str = "minimize") -> float:

@@ -80,25 +80,9 @@ class ProfilerCallback(Callback):
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-        for name, flag in (
-            ("record_shapes", record_shapes),
-            ("with_stack", with_stack),
-            ("with_flops", with_flops),
-            ("profile_memory", profile_memory),
-        ):
-            if not isinstance(flag, bool):
-                raise ValueError(f"{name} must be True or False, got {flag!r}")
-        if output_dir is not None and (
-            not isinstance(output_dir, (str, Path)) or not str(output_dir)
-        ):
-            raise ValueError(f"output_dir must be a directory path or None, got {output_dir!r}")
-        if ranks is not None and (
-            isinstance(ranks, (str, bytes))
-            or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks)
-        ):
-            raise ValueError(
-                f"ranks must be a list of ranks (ints >= 0) or None (all), got {ranks!r}"
-            )
+        _check_flags_and_places(
+            record_shapes, with_stack, with_flops, profile_memory, output_dir, ranks
+        )
         self.wait, self.warmup, self.active, self.repeat = wait, warmup, active, repeat
         self.skip_first = skip_first
         self.output_dir = Path(output_dir) if output_dir is not None else None
@@ -201,3 +185,29 @@ class ProfilerCallback(Callback):
             f"ProfilerCallback(priority={self.priority}, wait={self.wait}, "
             f"warmup={self.warmup}, active={self.active}, repeat={self.repeat})"
         )
+
+
+def _check_flags_and_places(
+    record_shapes: Any,
+    with_stack: Any,
+    with_flops: Any,
+    profile_memory: Any,
+    output_dir: Any,
+    ranks: Any,
+) -> None:
+    """The constructor's flags are bools, its directory a path, its ranks ints >= 0."""
+    for name, flag in (
+        ("record_shapes", record_shapes),
+        ("with_stack", with_stack),
+        ("with_flops", with_flops),
+        ("profile_memory", profile_memory),
+    ):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be True or False, got {flag!r}")
+    if output_dir is not None and (not isinstance(output_dir, (str, Path)) or not str(output_dir)):
+        raise ValueError(f"output_dir must be a directory path or None, got {output_dir!r}")
+    if ranks is not None and (
+        isinstance(ranks, (str, bytes))
+        or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks)
+    ):
+        raise ValueError(f"ranks must be a list of ranks (ints >= 0) or None (all), got {ranks!r}")

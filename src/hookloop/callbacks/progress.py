@@ -217,7 +217,7 @@ class ProgressBar(Callback):
             return sys.stdout
         if self.stream is None or self.stream == "stderr":
             return sys.stderr
-        return self.stream  # type: ignore[return-value]
+        return self.stream  # type: ignore[return-value]  # any other value is a stream
 
     def _tty(self) -> bool:
         if self.use_tqdm is not None:
@@ -312,7 +312,7 @@ class ProgressBar(Callback):
     def on_eval_end(self, ctx: CallbackContext) -> None:
         self._close_eval_bar("eval")
         if ctx.state.is_rank_zero and ctx.metrics:
-            self._write(f"eval @ step {ctx.state.step} | {format_metrics(ctx.metrics)}")
+            self.write(f"eval @ step {ctx.state.step} | {format_metrics(ctx.metrics)}")
 
     def on_test_start(self, ctx: CallbackContext) -> None:
         self._open_eval_bar(ctx, "test")
@@ -324,7 +324,7 @@ class ProgressBar(Callback):
     def on_test_end(self, ctx: CallbackContext) -> None:
         self._close_eval_bar("test")
         if ctx.state.is_rank_zero and ctx.metrics:
-            self._write(f"test | {format_metrics(ctx.metrics)}")
+            self.write(f"test | {format_metrics(ctx.metrics)}")
 
     def _open_eval_bar(self, ctx: CallbackContext, kind: str) -> None:
         if not ctx.state.is_rank_zero or not self._tty():
@@ -354,7 +354,7 @@ class ProgressBar(Callback):
         self._close_bars()
         if ctx.state.is_rank_zero:
             step, reason = ctx.state.step, ctx.state.stop_reason or "finished"
-            self._write(f"training ended at step {step}: {reason_without_step(reason, step)}")
+            self.write(f"training ended at step {step}: {reason_without_step(reason, step)}")
 
     def on_exception(self, ctx: CallbackContext) -> None:
         self._close_bars()
@@ -365,7 +365,8 @@ class ProgressBar(Callback):
             self._bar.close()
             self._bar = None
 
-    def _write(self, text: str) -> None:
+    def write(self, text: str) -> None:
+        """A line of text on the display's stream, above the bar while one is drawn."""
         if self._bar is not None:
             self._bar.write(text, file=self._out())
         else:

@@ -127,8 +127,8 @@ class TextgenCallback(Callback):
                 f.write(text)
             self._written = target
         if self.print_samples:
-            out = {"stdout": sys.stdout, "stderr": sys.stderr}.get(self.stream, self.stream)  # type: ignore[arg-type]
-            print(text, end="", file=out, flush=True)  # type: ignore[arg-type]
+            out = {"stdout": sys.stdout, "stderr": sys.stderr}.get(self.stream, self.stream)  # type: ignore[arg-type]  # else a stream
+            print(text, end="", file=out, flush=True)
 
     def generate(self, model: torch.nn.Module) -> list[str]:
         """One continuation per prompt, without disturbing the global RNG state."""
@@ -152,7 +152,7 @@ class TextgenCallback(Callback):
             from hookloop.recipes.gpt import generate
 
             return generate(
-                model,  # type: ignore[arg-type]
+                model,  # type: ignore[arg-type]  # the GPT recipe's model, which generate() needs
                 prompt,
                 self.max_new_tokens,
                 temperature=self.temperature,

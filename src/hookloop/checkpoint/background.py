@@ -98,8 +98,8 @@ class _Walk:
         if isinstance(obj, torch.Tensor):
             return self.tensor(obj, key)
         if isinstance(obj, dict):
-            items = ((k, self.copy(v, (*key, k))) for k, v in obj.items())
-            return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
+            pairs = ((k, self.copy(v, (*key, k))) for k, v in obj.items())
+            return OrderedDict(pairs) if isinstance(obj, OrderedDict) else dict(pairs)
         if isinstance(obj, (list, tuple)):
             if all(type(v) in _SCALARS for v in obj):  # e.g. the Python RNG's 625 ints
                 items = list(obj)

@@ -72,7 +72,7 @@ class Checkpointer:
         self.last_path: Path | None = None  # the newest checkpoint announced
         self._saves, self._host_copy = BackgroundSaves(), HostCopy()
 
-    def attach(self, persistent: CheckpointManager, local: CheckpointManager | None) -> None:
+    def attach(self, persistent: CheckpointManager | None, local: CheckpointManager | None) -> None:
         """Checkpoint managers for a run that had none (a resume asked for later)."""
         self.persistent, self.local = persistent, local
 
@@ -111,7 +111,7 @@ class Checkpointer:
         if self.persistent is None:
             raise ValueError("save_checkpoint() needs a run directory: pass out_dir to Trainer")
         with self._as_of_last_update():
-            return self._save()
+            return self._save(self.persistent)
 
     @contextlib.contextmanager
     def _as_of_last_update(self) -> Iterator[None]:
@@ -134,14 +134,14 @@ class Checkpointer:
                 st.step + 1, st.epoch_step + 1, st.samples + samples, st.flops + flops)  # fmt: skip
             st.open_step = opened
 
-    def _save(self) -> Path | None:
+    def _save(self, persistent: CheckpointManager) -> Path | None:
         st = self.progress
         self.log.sync_tokens()
         self.timer.start()
         self.collect(wait=True)  # at most one save in flight: the previous one commits first
         started = time.perf_counter()
         background = self._in_background()
-        job = self.persistent.capture(
+        job = persistent.capture(
             self.named_state(),
             step=st.step,
             epoch=st.epoch,

@@ -86,7 +86,7 @@ def newest_intact_local(
 ) -> tuple[Path | None, list[str]]:
     """The newest local checkpoint that verifies (and reads, given ``state``), and what was
     wrong with newer ones."""
-    damaged = []
+    damaged: list[str] = []
     for path in reversed(local.storage.complete()):
         try:
             local.check(path, state)
@@ -120,6 +120,7 @@ def find_resume(
             persistent_error = err
     if persistent_error is not None and local_path is None:
         raise persistent_error
+    chosen: Path | None
     if local_path is not None and (
         persistent_path is None or step_of(local_path) > step_of(persistent_path)
     ):

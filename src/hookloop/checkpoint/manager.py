@@ -20,7 +20,16 @@ from pathlib import Path
 from typing import Any
 
 from hookloop.callback import Stateful
-from hookloop.checkpoint.state import SavedState, apply_state, bare_model, read_state, save_state
+from hookloop.checkpoint.state import (
+    Saveable,
+    SavedState,
+    apply_state,
+    bare_model,
+    holds_sharded_model,
+    model_of,
+    read_state,
+    save_state,
+)
 from hookloop.checkpoint.storage import (
     MODEL,
     CheckpointError,
@@ -30,7 +39,7 @@ from hookloop.checkpoint.storage import (
     step_of,
 )
 from hookloop.config import dump_yaml
-from hookloop.distributed import barrier, broadcast_object, is_sharded, rank_info
+from hookloop.distributed import barrier, broadcast_object, rank_info
 from hookloop.errors import ConfigError
 from hookloop.result import is_abort
 
@@ -49,7 +58,9 @@ class SavePolicy:
     keep_best: int = 1
 
     def due(self, step: int) -> bool:
-        return bool(self.every) and step % self.every == 0  # type: ignore[operator]
+        if not self.every:
+            return False
+        return step % self.every == 0
 
     def to_keep(self, manifests: list[dict[str, Any]], latest: str | None) -> set[str]:
         """Names to keep: the newest ``keep_last``, the best ``keep_best``, and ``latest``."""
@@ -76,7 +87,7 @@ class SaveJob:
 
     manager: CheckpointManager
     name: str
-    state: Mapping[str, Stateful]
+    state: Mapping[str, Saveable]
     step: int
     epoch: int
     config: dict[str, Any] | None
@@ -173,7 +184,7 @@ class CheckpointManager:
         epoch: int,
         config: dict[str, Any] | None = None,
         metrics: Mapping[str, Any] | None = None,
-        copy: Callable[[Mapping[str, Stateful]], Mapping[str, Stateful]] | None = None,
+        copy: Callable[[Mapping[str, Saveable]], Mapping[str, Saveable]] | None = None,
     ) -> SaveJob | None:
         """The part of a save that must see this step's state; the job returned commits it.
 
@@ -186,16 +197,17 @@ class CheckpointManager:
         if self.last_saved_step == step:
             return None  # this exact state is already on disk
         self.last_saved_step = step
+        saved: Mapping[str, Saveable] = state
         if copy is not None:
-            state = copy({**state, MODEL: bare_model(state[MODEL])})  # type: ignore[dict-item]
-        return SaveJob(self, f"step-{step:08d}", state, step, epoch, config, dict(metrics or {}))
+            saved = copy({**state, MODEL: bare_model(model_of(state))})
+        return SaveJob(self, f"step-{step:08d}", saved, step, epoch, config, dict(metrics or {}))
 
     def _write(self, job: SaveJob) -> Path:
         """The commit protocol of one save (see :class:`SaveJob`)."""
         name = job.name
         rank_zero = rank_info()[0] == 0
         staging = self.storage.stage(name) if rank_zero else None
-        if is_sharded(job.state[MODEL]):  # type: ignore[arg-type]
+        if holds_sharded_model(job.state):
             staging = Path(broadcast_object(str(staging) if rank_zero else ""))
         try:
             path = self._commit(
@@ -215,7 +227,7 @@ class CheckpointManager:
     def _commit(
         self,
         name: str,
-        state: Mapping[str, Stateful],
+        state: Mapping[str, Saveable],
         staging: Path | None,
         step: int,
         epoch: int,
@@ -224,7 +236,8 @@ class CheckpointManager:
     ) -> Path:
         captured = save_state(state, staging or self.storage.root)
         path = self.storage.root / name
-        if captured is not None:
+        if captured is not None:  # rank 0, which staged the save in _write
+            assert staging is not None
             files, written = captured
             if config is not None:
                 files["config.yaml"] = dump_yaml(config).encode()
@@ -233,9 +246,9 @@ class CheckpointManager:
                 meta["metric"] = _monitored(dict(metrics or {}), self.policy.monitor)
             entries: dict[str, dict[str, Any]] = {}
             for directory in written:  # DCP returns once every rank has written its shards
-                entries.update(self.storage.entries_on_disk(staging, directory.name))  # type: ignore[arg-type]
-            entries.update(self.storage.write(staging, files))  # type: ignore[arg-type]
-            path = self.storage.publish(name, staging, entries, meta)  # type: ignore[arg-type]
+                entries.update(self.storage.entries_on_disk(staging, directory.name))
+            entries.update(self.storage.write(staging, files))
+            path = self.storage.publish(name, staging, entries, meta)
             self._apply_retention()
         return path
 
@@ -319,8 +332,12 @@ class CheckpointManager:
                     stacklevel=3,
                 )
                 continue
-            missing = latest is not None and latest not in {p.name for p in candidates}
-            if missing and step_of(self.storage.root / latest) > step_of(path):  # type: ignore[operator]
+            latest_lost = (  # 'latest' names a newer checkpoint that is gone or damaged
+                latest is not None
+                and latest not in {p.name for p in candidates}
+                and step_of(self.storage.root / latest) > step_of(path)
+            )
+            if latest_lost:
                 warnings.warn(
                     f"hookloop resume: 'latest' names {latest}, which is not there or has no "
                     f"manifest; resuming from {path.name}",

@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -35,6 +35,13 @@ from hookloop.checkpoint.storage import MODEL, OPTIMIZER, SHARDED_DIR, STATE_FIL
 from hookloop.checkpoint.weights import device_of, load_safetensors
 from hookloop.distributed import gather_objects, is_distributed, is_sharded, rank_info
 from hookloop.safeload import load
+
+
+class Saveable(Protocol):
+    """What a save reads of a named state: a live object, or the copy of its
+    ``state_dict()`` that a background save writes (:class:`~.background.Frozen`)."""
+
+    def state_dict(self) -> Any: ...
 
 
 class RNGState:
@@ -102,7 +109,7 @@ class CallbackStates:
 
 
 def save_state(
-    state: Mapping[str, Stateful], staging: Path
+    state: Mapping[str, Saveable], staging: Path
 ) -> tuple[dict[str, bytes], list[Path]] | None:
     """Serialise ``state``; every rank calls it. Rank 0 gets the files to commit.
 
@@ -117,12 +124,12 @@ def save_state(
         if getattr(obj, "per_rank", False)
     }
     written = []
-    if is_sharded(model):
-        save_sharded(model, optimizer, staging / SHARDED_DIR)  # type: ignore[arg-type]
+    if holds_sharded_model(state):
+        save_sharded(model_of(state), sharded_optimizer(optimizer), staging / SHARDED_DIR)
         written.append(staging / SHARDED_DIR)
     if rank_info()[0] != 0:
         return None
-    files = {} if written else _full_weights(model, optimizer, staging)  # type: ignore[arg-type]
+    files = {} if written else _full_weights(model, optimizer, staging)
     saved: dict[str, Any] = {}
     for name, obj in state.items():
         if name in (MODEL, OPTIMIZER):
@@ -164,9 +171,9 @@ def read_state(state: Mapping[str, Stateful], path: Path, *, step: int | None = 
     :data:`REQUIRED_ENTRIES` that the checkpoint does not hold (a scheduler added since)
     keep their current state.
     """
-    model = state[MODEL]
+    model = model_of(state)
     sharded_checkpoint = (path / SHARDED_DIR).is_dir()
-    if is_sharded(model) != sharded_checkpoint:  # type: ignore[arg-type]
+    if is_sharded(model) != sharded_checkpoint:
         saved, running = ("sharded", "full") if sharded_checkpoint else ("full", "sharded")
         raise CheckpointError(
             f"checkpoint {path} holds {saved} weights but this run's model is {running}: "
@@ -175,7 +182,7 @@ def read_state(state: Mapping[str, Stateful], path: Path, *, step: int | None = 
         )
     optimizer = None
     if not sharded_checkpoint:
-        optimizer = _load_file(path / "optimizer.pt", device_of(model))  # type: ignore[arg-type]
+        optimizer = _load_file(path / "optimizer.pt", device_of(model))
     entries = _load_file(path / STATE_FILE, torch.device("cpu"))
     _check_entries(entries, state, path / STATE_FILE, step)
     return SavedState(path, optimizer, entries)
@@ -183,11 +190,11 @@ def read_state(state: Mapping[str, Stateful], path: Path, *, step: int | None = 
 
 def apply_state(state: Mapping[str, Stateful], saved: SavedState) -> None:
     """Put a checkpoint read by :func:`read_state` into the live objects."""
-    model, optimizer = state[MODEL], state[OPTIMIZER]
+    model, optimizer = model_of(state), state[OPTIMIZER]
     if saved.optimizer is None:
-        load_sharded(model, optimizer, saved.path / SHARDED_DIR)  # type: ignore[arg-type]
+        load_sharded(model, sharded_optimizer(optimizer), saved.path / SHARDED_DIR)
     else:
-        load_safetensors(bare_model(model), saved.path / "model.safetensors")  # type: ignore[arg-type]
+        load_safetensors(bare_model(model), saved.path / "model.safetensors")
         optimizer.load_state_dict(saved.optimizer)
     rank, _, world_size = rank_info()
     entries = saved.entries
@@ -256,13 +263,14 @@ def _gather_bytes(value: Any) -> list[Any]:
     return [torch_loads(b) for b in gather_objects(torch_bytes(value))]
 
 
-def _full_weights(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, scratch_dir: Path
-) -> dict[str, bytes]:
+def _full_weights(model: Saveable, optimizer: Saveable, scratch_dir: Path) -> dict[str, bytes]:
     from safetensors.torch import save_model
 
     tmp = scratch_dir.parent / f".model-{os.getpid()}.tmp"
-    save_model(bare_model(model), str(tmp))  # handles tied weights
+    if isinstance(model, torch.nn.Module):
+        model = bare_model(model)
+    # save_model handles tied weights; it reads only state_dict(), which a Frozen copy has too
+    save_model(model, str(tmp))  # type: ignore[arg-type]  # a Frozen copy is no Module
     model_bytes = tmp.read_bytes()
     tmp.unlink()
     return {"model.safetensors": model_bytes, "optimizer.pt": torch_bytes(optimizer.state_dict())}
@@ -286,7 +294,7 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, direc
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optim_state}
+    state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
     try:
         dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
     except dcp.CheckpointException as err:
@@ -299,13 +307,14 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, direc
 
 
 def _rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
+    np_state = np.random.get_state(legacy=True)
+    assert isinstance(np_state, tuple), "the global RandomState is always MT19937"
     state = {
         "python": random.getstate(),
         "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]],
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # unannotated in torch
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
@@ -322,7 +331,34 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 def bare_model(model: torch.nn.Module) -> torch.nn.Module:
     """The module inside a DDP wrapper (any other model as it is)."""
-    return getattr(model, "module", model)
+    inner = getattr(model, "module", model)
+    return inner if isinstance(inner, torch.nn.Module) else model
+
+
+def holds_sharded_model(state: Mapping[str, Saveable]) -> bool:
+    """Whether the named state's model is sharded by FSDP2 (a copy of one never is)."""
+    model = state[MODEL]
+    return isinstance(model, torch.nn.Module) and is_sharded(model)
+
+
+def model_of(state: Mapping[str, Saveable]) -> torch.nn.Module:
+    """The live model among the named state (the one a load restores)."""
+    model = state[MODEL]
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"checkpoint state {MODEL!r} must be a torch.nn.Module, got {type(model).__name__}"
+        )
+    return model
+
+
+def sharded_optimizer(optimizer: Saveable) -> torch.optim.Optimizer:
+    """The optimizer of a sharded model: DCP reads its parameter groups, not only its state."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            "a sharded model's checkpoint needs a torch.optim.Optimizer, "
+            f"got {type(optimizer).__name__}"
+        )
+    return optimizer
 
 
 def _portable(value: Any, what: str) -> Any:

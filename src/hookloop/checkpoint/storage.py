@@ -29,7 +29,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from hookloop.errors import ConfigError
 from hookloop.rundir import CHECKPOINTS_DIR
@@ -161,8 +161,8 @@ class CheckpointStorage:
             raise CheckpointError(
                 f"checkpoint {path} has no {MANIFEST}: it was never completed (torn save)"
             )
-        try:
-            manifest = json.loads(manifest_path.read_bytes())
+        try:  # a JSON object: check_manifest below refuses anything else
+            manifest: dict[str, Any] = json.loads(manifest_path.read_bytes())
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
             raise CheckpointError(f"{manifest_path} is corrupt: not valid JSON ({err})") from None
         files = check_manifest(manifest, manifest_path)
@@ -304,7 +304,7 @@ def check_identity(manifest: dict[str, Any], path: Path) -> None:
         )
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

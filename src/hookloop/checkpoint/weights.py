@@ -72,7 +72,7 @@ def _load_full_into_sharded(model: torch.nn.Module, path: Path) -> None:
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    full = load_file(str(path))
+    full: dict[str, Any] = load_file(str(path))  # as DCP's state dicts are typed
     names = dict(model.named_parameters(remove_duplicate=False))
     for name, param in names.items():  # a tied weight is stored under one of its names
         if name not in full:

@@ -46,7 +46,26 @@ def add_diloco_command(subparsers: Any) -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="diloco_command", required=True)
     serve = sub.add_parser("serve", aliases=["server"], help="run the DiLoCo server")
-    a = serve.add_argument
+    _add_serve_arguments(serve.add_argument)
+    serve.set_defaults(run=run_serve)
+    status = sub.add_parser("status", help="print a DiLoCo server's status")
+    status.add_argument("--server", default="localhost:8512", help="host:port or URL")
+    status.add_argument("--token", help="bearer token (default: $DILOCO_TOKEN)")
+    status.add_argument("--json", action="store_true", help="the raw JSON reply")
+    status.set_defaults(run=run_status)
+    setter = sub.add_parser(
+        "set",
+        help="change the outer optimizer's lr / momentum (Forgather's update_optimizer)",
+    )
+    setter.add_argument("--server", default="localhost:8512", help="host:port or URL")
+    setter.add_argument("--token", help="bearer token (default: $DILOCO_TOKEN)")
+    setter.add_argument("values", nargs="+", metavar="KEY=VALUE", help="lr=0.5 momentum=0.8")
+    setter.set_defaults(run=run_set)
+    return parser
+
+
+def _add_serve_arguments(a: Any) -> None:
+    """``hookloop diloco serve``'s options (``a``: the parser's ``add_argument``)."""
     a("--output-dir", "-o", type=os.path.expanduser, required=True,
       help="where checkpoints go; the newest one there is where the server starts")  # fmt: skip
     a("--num-workers", "-n", type=int, required=True,
@@ -87,21 +106,6 @@ def add_diloco_command(subparsers: Any) -> argparse.ArgumentParser:
            f"(a diverged worker); 0: no bound (default {MAX_UPDATE_RATIO:g})")  # fmt: skip
     a("--certfile", help="TLS certificate (PEM): serve HTTPS")
     a("--keyfile", help="TLS private key (PEM) for --certfile")
-    serve.set_defaults(run=run_serve)
-    status = sub.add_parser("status", help="print a DiLoCo server's status")
-    status.add_argument("--server", default="localhost:8512", help="host:port or URL")
-    status.add_argument("--token", help="bearer token (default: $DILOCO_TOKEN)")
-    status.add_argument("--json", action="store_true", help="the raw JSON reply")
-    status.set_defaults(run=run_status)
-    setter = sub.add_parser(
-        "set",
-        help="change the outer optimizer's lr / momentum (Forgather's update_optimizer)",
-    )
-    setter.add_argument("--server", default="localhost:8512", help="host:port or URL")
-    setter.add_argument("--token", help="bearer token (default: $DILOCO_TOKEN)")
-    setter.add_argument("values", nargs="+", metavar="KEY=VALUE", help="lr=0.5 momentum=0.8")
-    setter.set_defaults(run=run_set)
-    return parser
 
 
 def run_set(args: argparse.Namespace) -> int:

@@ -64,10 +64,8 @@ import asyncio
 import contextlib
 import copy
 import hmac
-import json
 import logging
 import math
-import os
 import ssl
 import sys
 import threading
@@ -97,6 +95,7 @@ from hookloop.diloco.validate import (
     norm,
 )
 from hookloop.diloco.wire import TENSOR_TYPE, save_tensors, unpack
+from hookloop.journal import Journal
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -892,12 +891,9 @@ class DiLoCoServer:
         }
         log.info("diloco: round %d: outer optimizer %s", self._sync_round, record["changes"])
         if self.output_dir:
-            path = Path(self.output_dir) / "changes.jsonl"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+            journal = Journal(Path(self.output_dir) / "changes.jsonl", fsync=True)
+            journal.append(record)
+            journal.close()
 
     # -- HTTP ----------------------------------------------------------------------------------
     def _authorized(self, header: str) -> bool:

@@ -49,6 +49,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -139,7 +140,7 @@ def positive_or_off(key: str, value: Any) -> float | None:
     return None if value is None else positive(key, value)
 
 
-def interval(key: str, value: Any, *, off: Any) -> int | None:
+def interval(key: str, value: Any, *, off: int | None) -> int | None:
     """A step interval: an int >= 1, or ``off`` (0 or null) to turn it off."""
     if value is None or (value == 0 and not isinstance(value, bool)):
         return off
@@ -147,6 +148,10 @@ def interval(key: str, value: Any, *, off: Any) -> int | None:
         shown = "0" if off == 0 else "null"
         raise SettingError(f"{key} must be an int >= 1 ({shown}: off), got {value!r}")
     return value
+
+
+def _same_type_as_attribute(owner: object, attr: str, key: str, value: Any) -> Any:
+    return same_type(key, getattr(owner, attr), value)
 
 
 def same_type(key: str, old: Any, value: Any) -> Any:
@@ -196,7 +201,7 @@ class LiveSettings:
         #: Every change applied so far (and restored from the checkpoint), oldest first.
         self.history: list[dict[str, Any]] = []
         #: A run whose changes ``hookloop train --replay`` re-applies from scratch.
-        self.replay_from: Path | None = None
+        self.replay_from: RunDir | None = None
         self._settings = self._loop_settings()
         self._mirrors: dict[str, list[Callable[[Any], None]]] = {}
 
@@ -331,9 +336,9 @@ class LiveSettings:
                 key = f"{cb.name}.{attr}"
                 found[key] = Setting(
                     f"{type(cb).__name__}.{attr}",
-                    lambda cb=cb, attr=attr: getattr(cb, attr),
-                    lambda v, cb=cb, attr=attr: setattr(cb, attr, v),
-                    lambda k, v, cb=cb, attr=attr: same_type(k, getattr(cb, attr), v),
+                    partial(getattr, cb, attr),
+                    partial(setattr, cb, attr),
+                    partial(_same_type_as_attribute, cb, attr),
                 )
         return found
 

@@ -72,7 +72,9 @@ class LogBook:
     def sync_tokens(self) -> None:
         """Fold device-side token counts into ``state.tokens`` (one host read)."""
         if self.pending_tokens:
-            self.progress.tokens += int(read_back([sum(self.pending_tokens)])[0][0])
+            (tokens,) = read_back([sum(self.pending_tokens)])
+            assert tokens is not None  # read_back gives None only for None
+            self.progress.tokens += int(tokens[0])
             self.pending_tokens.clear()
 
     def restart_at(self, step: int) -> None:
@@ -91,6 +93,7 @@ class LogBook:
         tokens = sum(self.pending_tokens) if self.pending_tokens else None
         self.pending_tokens.clear()
         # One device-to-host transfer for the losses, the grad norm and the token count.
+        values_h: list[float] | None
         if window.grad_norm is None and tokens is None and values is not None:
             values_h, norm_h, tokens_h = values.tolist(), None, None  # usual: the losses alone
         else:
@@ -181,8 +184,9 @@ class LossWindow:
         keys = list(losses[-1])
         values = [d.get(k) for k in keys for d in losses]  # key-major: one row per key
         f32 = torch.float32
-        if all(type(v) is torch.Tensor and v.dtype is f32 for v in values):
-            return keys, torch.stack(values), len(losses)
+        tensors = [v for v in values if type(v) is torch.Tensor and v.dtype is f32]
+        if len(tensors) == len(values):
+            return keys, torch.stack(tensors), len(losses)
         return keys, torch.stack([_mean(d[k] for d in losses if k in d) for k in keys]), 1
 
     def clear(self) -> None:

@@ -54,7 +54,7 @@ class Inputs:
     """What the Trainer was given (checked), as :func:`build_parts` reads it."""
 
     model: torch.nn.Module
-    optimizer: torch.optim.Optimizer | None
+    optimizer: torch.optim.Optimizer | Callable[[torch.nn.Module], Any] | None
     data: tuple[Any, Any, Any]  # train, eval, test (each may be None)
     config: Config
     callbacks: CallbackManager
@@ -113,23 +113,23 @@ class Parts:
     open_loader: Callable[[Iterable[Any] | None, bool], Iterable[Any] | None]
     out_dir: str | None
     resume: str | None
-    forward: Callable[..., Any] = None  # type: ignore[assignment]
+    forward: Callable[..., Any] = None  # type: ignore[assignment]  # set by build_parts
     scheduler: Any = None
-    precision: Precision = None  # type: ignore[assignment]
-    position: DataPosition = None  # type: ignore[assignment]
-    rewinder: Rewinder = None  # type: ignore[assignment]
-    ctx: CallbackContext = None  # type: ignore[assignment]
-    fire: Callable[[str], None] = None  # type: ignore[assignment]
-    clock: Callable[[], float] = None  # type: ignore[assignment]
+    precision: Precision = None  # type: ignore[assignment]  # set by build_parts
+    position: DataPosition = None  # type: ignore[assignment]  # set by build_parts
+    rewinder: Rewinder = None  # type: ignore[assignment]  # set by build_parts
+    ctx: CallbackContext = None  # type: ignore[assignment]  # set by build_parts
+    fire: Callable[[str], None] = None  # type: ignore[assignment]  # set by build_parts
+    clock: Callable[[], float] = None  # type: ignore[assignment]  # set by build_parts
     timers: dict[str, Any] = field(default_factory=dict)
     signals: StopSignals = field(default_factory=StopSignals)
-    gc: GCPolicy = None  # type: ignore[assignment]
-    logbook: LogBook = None  # type: ignore[assignment]
-    evaluation: Evaluation = None  # type: ignore[assignment]
-    stepper: Stepper = None  # type: ignore[assignment]
-    checkpointer: Checkpointer = None  # type: ignore[assignment]
-    schedule: Schedule = None  # type: ignore[assignment]
-    live: LiveSettings = None  # type: ignore[assignment]
+    gc: GCPolicy = None  # type: ignore[assignment]  # set by build_parts
+    logbook: LogBook = None  # type: ignore[assignment]  # set by build_parts
+    evaluation: Evaluation = None  # type: ignore[assignment]  # set by build_parts
+    stepper: Stepper = None  # type: ignore[assignment]  # set by build_parts
+    checkpointer: Checkpointer = None  # type: ignore[assignment]  # set by build_parts
+    schedule: Schedule = None  # type: ignore[assignment]  # set by build_parts
+    live: LiveSettings = None  # type: ignore[assignment]  # set by build_parts
     dialect: Dialect = field(default_factory=Dialect)
 
 
@@ -210,8 +210,10 @@ def place_model(
     if cfg.compile or compiled is not None:
         if cfg.compile:
             check_can_compile(device)
-        single = train_model is model and compiled is not None
-        train_model = compiled if single else compile_module(train_model)
+        if compiled is not None and train_model is model:  # not wrapped: the user's own
+            train_model = compiled
+        else:
+            train_model = compile_module(train_model)
     if optimizer is None:
         optimizer = build_optimizer(config.optimizer, model)
     elif not isinstance(optimizer, torch.optim.Optimizer):  # a factory, given the model
@@ -297,15 +299,17 @@ def plan_budget(p: Parts) -> None:
         )
     st.num_epochs = cfg.max_epochs or (None if cfg.max_steps else 1)
     st.max_steps = cfg.max_steps
-    if st.max_steps is None and st.steps_per_epoch is not None:
-        st.max_steps = st.num_epochs * st.steps_per_epoch  # type: ignore[operator]
+    if st.max_steps is None and st.steps_per_epoch is not None and st.num_epochs is not None:
+        st.max_steps = st.num_epochs * st.steps_per_epoch
 
 
 def batch_count(loader: Iterable[Any] | None, limit: int | None) -> int | None:
     """Batches one pass over ``loader`` runs, when its length is known."""
+    if not isinstance(loader, Sized):
+        return None
     try:
-        n = len(loader)  # type: ignore[arg-type]
-    except TypeError:
+        n = len(loader)
+    except TypeError:  # a DataLoader over an IterableDataset
         return None
     return min(n, limit) if limit else n
 

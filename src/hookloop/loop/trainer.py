@@ -362,8 +362,8 @@ class Trainer:
             rewound = rewound or kind == "rewind"
         return rewound or self.progress.stop_reason is not None
 
-    def _actions(self) -> dict[str, Callable[[dict[str, Any]], None]]:
-        """The loop's own handler of each kind of action."""
+    def _actions(self) -> dict[str, Callable[[dict[str, Any]], object]]:
+        """The loop's own handler of each kind of action (what it returns is not used)."""
         return {
             "log": lambda values: self.logbook.log(),
             "evaluate": lambda values: self._evaluate_in_training(),
@@ -434,7 +434,10 @@ class Trainer:
 
     def predict(self, data: Iterable[Any]) -> list[Any]:
         """Forward only; collect whatever ``loss_func`` returns (the inference pattern)."""
-        return self.evaluation.predict(self.parts.open_loader(data, False))  # type: ignore[arg-type]
+        loader = self.parts.open_loader(data, False)
+        if loader is None:
+            raise ValueError("predict() needs data: an iterable of batches, got None")
+        return self.evaluation.predict(loader)
 
     # -- checkpoints -------------------------------------------------------------------
     def save_checkpoint(self) -> Path | None:
@@ -450,7 +453,7 @@ class Trainer:
         a run built without ``out_dir`` goes on saving in the run ``target`` belongs to."""
         self.resume = target
         if self.checkpoints is None:
-            self.checkpointer.attach(*checkpoint_managers(self.parts, self.out_dir, target))  # type: ignore[arg-type]
+            self.checkpointer.attach(*checkpoint_managers(self.parts, self.out_dir, target))
 
     def _run_dir(self) -> RunDir | None:
         """The run directory train() locks: ``out_dir``, or the one the checkpoints are in."""

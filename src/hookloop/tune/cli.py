@@ -93,6 +93,14 @@ def add_tune_command(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--storage", help="Optuna storage URL (default: sqlite study.db in --out)")
     parser.add_argument("--study-name", default="hookloop", help="study name in the storage")
     parser.add_argument("--seed", type=int, default=0, help="sampler seed")
+    _add_search_arguments(parser)
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="fixed for every trial")
+    parser.set_defaults(run=main_tune)
+    return parser
+
+
+def _add_search_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the study searches and runs: pruner, sampler, heartbeat, timeout, output."""
     parser.add_argument(
         "--pruner",
         choices=PRUNERS,
@@ -128,9 +136,6 @@ def add_tune_command(subparsers: Any) -> argparse.ArgumentParser:
         help="show each trial's output and Optuna's log lines (default: one line per trial; "
         "the output is in each trial's console.log and workers/worker-N.log)",
     )
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="fixed for every trial")
-    parser.set_defaults(run=main_tune)
-    return parser
 
 
 def main_tune(args: argparse.Namespace) -> int:
@@ -444,29 +449,7 @@ def run_workers(
     spec = TuneSpec.load(study_dir)
     logs = worker_log(study_dir, 0).parent
     logs.mkdir(exist_ok=True)
-    gpus = _gpu_count()
-    procs = []
-    for index in range(workers):
-        env = worker_env(index, workers, threads=threads, gpus=gpus)
-        if deadline is not None:
-            env["HOOKLOOP_TUNE_DEADLINE"] = repr(deadline)
-        if credentials.passwords(spec.storage):  # tune.yaml holds it masked
-            env[credentials.STORAGE_ENV] = spec.storage or ""
-        env[VERBOSITY_ENV] = verbosity_for_workers()
-        log = open(worker_log(study_dir, index), "ab")  # noqa: SIM115 (closed below)
-        cmd = [sys.executable, "-m", "hookloop.tune.worker", str(study_dir), str(index)]
-        procs.append(
-            (
-                subprocess.Popen(
-                    [*cmd, str(os.getpid())],
-                    env=env,
-                    stdout=log,
-                    stderr=log,
-                    start_new_session=True,  # a terminal's Ctrl-C reaches them once, from here
-                ),
-                log,
-            )
-        )
+    procs = _start_workers(spec, study_dir, workers, threads, deadline)
     study = open_study(spec, study_dir)
     seen: set[int] = set()
     interrupts = Interrupts()
@@ -496,6 +479,32 @@ def run_workers(
             f"the workers exited (codes {codes}) with {counts(study).done} of {spec.trials} "
             f"trials done; see {logs}/worker-*.log"
         )
+
+
+def _start_workers(
+    spec: TuneSpec, study_dir: Path, workers: int, threads: int | None, deadline: float | None
+) -> list[tuple[subprocess.Popen[bytes], Any]]:
+    """Start the worker processes, each writing to its ``workers/worker-N.log``."""
+    gpus = _gpu_count()
+    procs = []
+    for index in range(workers):
+        env = worker_env(index, workers, threads=threads, gpus=gpus)
+        if deadline is not None:
+            env["HOOKLOOP_TUNE_DEADLINE"] = repr(deadline)
+        if credentials.passwords(spec.storage):  # tune.yaml holds it masked
+            env[credentials.STORAGE_ENV] = spec.storage or ""
+        env[VERBOSITY_ENV] = verbosity_for_workers()
+        log = open(worker_log(study_dir, index), "ab")  # noqa: SIM115 (closed by the caller)
+        cmd = [sys.executable, "-m", "hookloop.tune.worker", str(study_dir), str(index)]
+        proc = subprocess.Popen(
+            [*cmd, str(os.getpid())],
+            env=env,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,  # a terminal's Ctrl-C reaches them once, from here
+        )
+        procs.append((proc, log))
+    return procs
 
 
 def _gpu_count() -> int:

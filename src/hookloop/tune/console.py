@@ -99,7 +99,7 @@ def trial_output_to_log(path: Path, *, keep: bool = False) -> Iterator[TextIO]:
         return
     log = _LogOnFirstWrite(path)
     out, err = sys.stdout, sys.stderr
-    sys.stdout = sys.stderr = log  # type: ignore[assignment]
+    sys.stdout = sys.stderr = log
     try:
         yield terminal
     finally:

@@ -50,7 +50,7 @@ def answers_transformers_events(cls: C) -> C:
     if issubclass(cls, Callback):
         for name in SHARED:
             setattr(cls, name, _shared_event(name, getattr(cls, name)))
-    cls.__getattr__ = _event_lookup  # type: ignore[attr-defined]
+    cls.__getattr__ = _event_lookup  # type: ignore[attr-defined]  # added to any class
     return cls
 
 

@@ -25,6 +25,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from hookloop.compat.hf.optim import arg
+
 #: transformers' ``AcceleratorConfig`` fields and their defaults.
 DEFAULTS: dict[str, Any] = {
     "split_batches": False,
@@ -132,3 +134,11 @@ def build(config: dict[str, Any], *, cpu: bool, mixed_precision: str) -> Any:
         cpu=cpu,
         mixed_precision=mixed_precision,
     )
+
+
+def for_args(config: dict[str, Any], args: Any, *, cpu: bool) -> Any:
+    """:func:`build` with the mixed precision ``args`` ask for (``fp16``, ``bf16``)."""
+    precision = "fp16" if arg(args, "fp16", False) else "no"
+    if arg(args, "bf16", False):
+        precision = "bf16"
+    return build(config, cpu=cpu, mixed_precision=precision)

@@ -9,17 +9,13 @@ native callbacks of the session run first and last at every event they handle:
 the first applies HF's flag resets and keeps ``log_history``; the last updates
 ``best_metric`` after every ``on_evaluate`` handler has seen the previous one.
 
-How a handler is called is decided once, when it is wrapped (never per call):
-``(args, state, control, **kwargs)`` positionally when its first three
-parameters are ``args, state, control`` or carry other names; by keyword when
-it names some of them elsewhere (Forgather's ``on_log_step(self, state, logs,
-**kwargs)``). A handler without ``**kwargs`` is given only the keywords it names.
+Which methods of a callback are handlers, and how each is called, is decided once
+when it is wrapped (:mod:`hookloop.compat.hf.calling`).
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import os
 import shutil
@@ -36,11 +32,8 @@ from hookloop.compat._toolkit import (
     as_list,
     is_stateful,
     label,
-    scan_hooks,
-    stray_message,
 )
-from hookloop.compat.hf import flow, layout, results
-from hookloop.compat.hf.callback import TrainerCallback
+from hookloop.compat.hf import calling, flow, layout, results
 from hookloop.compat.hf.handler import instance, is_exportable
 from hookloop.compat.hf.types import (
     CONTROL_FLAGS,
@@ -49,7 +42,7 @@ from hookloop.compat.hf.types import (
     TrainingArguments,
     eval_key,
 )
-from hookloop.compat.mapping import dialect_event_names, dialect_events
+from hookloop.compat.mapping import dialect_events
 from hookloop.result import is_abort
 from hookloop.state import CallbackContext
 
@@ -58,25 +51,6 @@ logger = logging.getLogger("transformers.trainer")
 
 #: native event -> the HF events it fires, in order (read from the one table).
 NATIVE_TO_HF = dialect_events("hf")
-HF_EVENTS = dialect_event_names("hf")
-
-#: Keywords every handler gets, and the extra ones of some events.
-COMMON_KWARGS = (
-    "model",
-    "processing_class",
-    "optimizer",
-    "lr_scheduler",
-    "train_dataloader",
-    "eval_dataloader",
-    "trainer",
-)
-EXTRA_KWARGS: dict[str, tuple[str, ...]] = {
-    "on_log_step": ("logs",),
-    "on_log": ("logs",),
-    "on_evaluate": ("metrics",),
-    "on_predict": ("metrics",),
-    "on_train_metrics": ("metrics",),
-}
 
 #: Native events inside an optimizer step, before it counts as done: HF's
 #: ``global_step`` there is one less than the native ``state.step``.
@@ -89,14 +63,6 @@ _INSIDE_STEP = frozenset(
         "on_after_optimizer_step",
     }
 )
-
-#: Methods of HF base classes that are no-ops: not handlers of a subclass.
-_HF_BASES = {
-    (TrainerCallback.__module__, "TrainerCallback"),
-    ("transformers.trainer_callback", "TrainerCallback"),
-}
-#: HF events that exist in transformers but have no place in this loop.
-_KNOWN_UNUSED = frozenset({"on_push_begin"})
 
 _FIRST = -(10**9)  # the session's bookkeeping runs before every other handler ...
 _LAST = 10**9  # ... and its best-metric update after every other handler
@@ -176,13 +142,13 @@ class HFSession:
         item = instance(item)  # as in transformers: an HF callback class is instantiated
         if isinstance(item, Callback):
             return item
-        handlers = _handled_events(item)
-        if not handlers and not _is_hf_callback(item):
+        handlers = calling.handled_events(item)
+        if not handlers and not calling.is_hf_callback(item):
             raise TypeError(
                 f"{type(item).__name__} is neither a hookloop Callback nor an HF-style callback "
-                f"(an object with handlers named {', '.join(HF_EVENTS[:3])}, ...)"
+                f"(an object with handlers named {', '.join(calling.HF_EVENTS[:3])}, ...)"
             )
-        calls = {event: _caller(getattr(item, event), event, item) for event in handlers}
+        calls = {event: calling.caller(getattr(item, event), event, item) for event in handlers}
         natives = [native for native, hf in NATIVE_TO_HF.items() if calls.keys() & set(hf)]
         return adapt(_HFAdapter, item, natives, self, calls, self._state_key(item))
 
@@ -391,9 +357,9 @@ class _HFAdapter(DialectAdapter):
         session.refresh(ctx, native_event)
         for event in NATIVE_TO_HF[native_event]:
             call = self._calls.get(event)
-            if call is None or (event == "on_substep_end" and _last_micro_step(ctx)):
+            if call is None or (event == "on_substep_end" and calling.last_micro_step(ctx)):
                 continue
-            extra = _extra_kwargs(event, native_event, ctx, session.state)
+            extra = calling.extra_kwargs(event, native_event, ctx, session.state)
             before = session.control.flags()
             result = call(session.args, session.state, session.control, {**session.kwargs, **extra})
             session.adopt(result, self._label, event)
@@ -601,132 +567,8 @@ def _add_computed_metrics(session: HFSession, metrics: dict[str, Any]) -> None:
 
     predictions = joined(session._predictions)
     labels = joined(session._labels) if all(x is not None for x in session._labels) else None
-    computed = session.compute_metrics(  # type: ignore[misc]
+    computed = session.compute_metrics(  # type: ignore[misc]  # called only when set
         EvalPrediction(predictions.numpy(), None if labels is None else labels.numpy())
     )
     for key, value in computed.items():
         metrics[key if key.startswith("eval_") else f"eval_{key}"] = value
-
-
-# -- calling handlers ------------------------------------------------------------
-Caller = Callable[[Any, Any, Any, dict[str, Any]], Any]
-
-
-def _caller(handler: Callable[..., Any], event: str, owner: Any) -> Caller:
-    """How to call one handler, decided from its signature once."""
-    where = f"{type(owner).__name__}.{event}"
-    try:
-        params = list(inspect.signature(handler).parameters.values())
-    except (TypeError, ValueError):  # no signature to read (a builtin): assume HF's
-        return lambda args, state, control, kw: handler(args, state, control, **kw)
-    kinds = inspect.Parameter
-    takes_any = any(p.kind is kinds.VAR_KEYWORD for p in params)
-    positional = [
-        p for p in params if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)
-    ]
-    named = {p.name for p in params if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)}
-    offered = {"args", "state", "control", *COMMON_KWARGS, *EXTRA_KWARGS.get(event, ())}
-    first_three = [p.name for p in positional[:3]]
-    by_position = first_three == ["args", "state", "control"] or not (
-        named & {"args", "state", "control"}
-    )
-    if by_position:
-        if len(positional) < 3 and not any(p.kind is kinds.VAR_POSITIONAL for p in params):
-            raise TypeError(
-                f"{where} takes {len(positional)} positional parameter(s); an HF handler takes "
-                "(args, state, control, **kwargs), or names the ones it wants (state, logs, ...)"
-            )
-        rest = positional[3:] + [p for p in params if p.kind is kinds.KEYWORD_ONLY]
-        _check_required(rest, offered, where)
-        if takes_any:
-            return lambda args, state, control, kw: handler(args, state, control, **kw)
-        wanted = named - set(first_three)
-        return lambda args, state, control, kw: handler(
-            args, state, control, **{k: v for k, v in kw.items() if k in wanted}
-        )
-    _check_required(params, offered, where)
-    if takes_any:
-        return lambda args, state, control, kw: handler(
-            args=args, state=state, control=control, **kw
-        )
-    return lambda args, state, control, kw: handler(
-        **{
-            k: v
-            for k, v in {"args": args, "state": state, "control": control, **kw}.items()
-            if k in named
-        }
-    )
-
-
-def _check_required(params: list[inspect.Parameter], offered: set[str], where: str) -> None:
-    missing = [
-        p.name
-        for p in params
-        if p.default is inspect.Parameter.empty
-        and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-        and p.name not in offered
-    ]
-    if missing:
-        passed = ", ".join(sorted(offered))
-        raise TypeError(
-            f"{where} requires {', '.join(map(repr, missing))}, which this event does not "
-            f"pass; it passes {passed}"
-        )
-
-
-def _extra_kwargs(
-    event: str, native_event: str, ctx: CallbackContext, state: TrainerState
-) -> dict[str, Any]:
-    if event == "on_log" and native_event == "on_eval_end":  # HF logs evaluation metrics too
-        # A fresh dict per handler, as HF's Trainer.log builds: the metrics plus the epoch
-        # (a handler that pops from it, like PrinterCallback, leaves the metrics alone).
-        return {"logs": {**(ctx.metrics or {}), "epoch": state.epoch}}
-    if event in ("on_log_step", "on_log"):
-        return {"logs": ctx.logs}
-    if event in ("on_evaluate", "on_predict"):
-        return {"metrics": ctx.metrics}
-    if event == "on_train_metrics":
-        return {"metrics": _step_metrics(ctx)}
-    return {}
-
-
-def _step_metrics(ctx: CallbackContext) -> dict[str, float]:
-    """The step's losses, grad norm and learning rate as floats.
-
-    Reading them back is a host sync each step: paid only when some callback
-    handles ``on_train_metrics``.
-    """
-    metrics = {key: float(value) for key, value in (ctx.loss_dict or {}).items()}
-    if ctx.grad_norm is not None:
-        metrics["grad_norm"] = float(ctx.grad_norm)
-    if ctx.optimizer is not None:
-        metrics["lr"] = float(ctx.optimizer.param_groups[0]["lr"])
-    return metrics
-
-
-def _last_micro_step(ctx: CallbackContext) -> bool:
-    return ctx.state.micro_step == ctx.config.train.grad_accum - 1
-
-
-# -- recognising HF callbacks ----------------------------------------------------
-def _handled_events(cb: Any) -> list[str]:
-    """The dialect events ``cb`` really handles (not the base class's no-ops).
-
-    Warns about ``on_*`` methods that match no dialect event: they would never run.
-    """
-    handled, stray = scan_hooks(cb, HF_EVENTS, _is_hf_base)
-    for name in stray:
-        if name not in _KNOWN_UNUSED:
-            warnings.warn(
-                stray_message(type(cb).__name__, name, HF_EVENTS, "HF dialect"), stacklevel=4
-            )
-    return handled
-
-
-def _is_hf_base(owner: type) -> bool:
-    return (owner.__module__, owner.__name__) in _HF_BASES
-
-
-def _is_hf_callback(cb: Any) -> bool:
-    """An instance of an HF base class (which may handle no event at all)."""
-    return any(_is_hf_base(k) for k in type(cb).__mro__)

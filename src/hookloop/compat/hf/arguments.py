@@ -13,12 +13,29 @@ A field of transformers' ``TrainingArguments`` is, here, one of:
 
 A field transformers adds in a later release falls in the last group until this
 module says otherwise.
+
+The rest of what the Trainer does with its arguments is here too: the Config that runs
+them, the seed and log level they set, and the snapshot ``train()`` compares them with
+to know whether the loop must be built again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
-from typing import Any
+import logging
+import random
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from hookloop.compat.hf.optim import arg
+
+if TYPE_CHECKING:
+    from hookloop.config import Config
 
 #: Passed to the training and evaluation ``DataLoader`` (worker and memory mechanics).
 LOADER_FIELDS = (
@@ -138,3 +155,87 @@ def refuse_ignored(args: Any, honoured: set[str]) -> None:
             + ", ".join(f"{k}={d!r}" for k, (_, d) in odd.items())
             + ")"
         )
+
+
+def args_config(args: Any) -> Config:
+    """The Config that runs ``args``; a transformers ``TrainingArguments`` is read by name."""
+    from hookloop.compat.hf.types import TrainingArguments
+
+    if isinstance(args, TrainingArguments):
+        return args.to_config()
+    fields = {
+        name: getattr(args, name)
+        for name in TrainingArguments.__dataclass_fields__
+        if hasattr(args, name)
+    }
+    return TrainingArguments(**fields).to_config()
+
+
+def seed_everything(seed: int) -> None:
+    """HF's ``set_seed``: Python's, numpy's and torch's generators."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+_LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+               "error": logging.ERROR, "critical": logging.CRITICAL}  # fmt: skip
+
+
+def apply_log_level(args: Any) -> None:
+    """``log_level``: the verbosity of transformers' loggers (and so of the dialect's
+    messages on them); ``"passive"`` leaves it alone, as transformers does."""
+    level = arg(args, "log_level", "passive") if args is not None else "passive"
+    if level == "passive":
+        return
+    if level not in _LOG_LEVELS:
+        raise ValueError(
+            f"TrainingArguments.log_level must be one of passive, {', '.join(_LOG_LEVELS)}; "
+            f"got {level!r}"
+        )
+    logging.getLogger("transformers").setLevel(_LOG_LEVELS[level])
+
+
+def snapshot(args: Any) -> dict[str, Any] | None:
+    """The arguments' fields as they are now (None: not a dataclass, nothing compared)."""
+    if args is None or not dataclasses.is_dataclass(args):
+        return None
+    values = {}
+    for field in dataclasses.fields(args):
+        try:
+            values[field.name] = copy.deepcopy(getattr(args, field.name))
+        except Exception:
+            continue
+    return values
+
+
+def changed_fields(before: dict[str, Any] | None, args: Any) -> list[str]:
+    """The fields of ``args`` that differ from ``before``."""
+    if before is None:
+        return []
+    changed = []
+    for name, value in before.items():
+        try:
+            same = bool(getattr(args, name, value) == value)
+        except Exception:
+            same = True
+        if not same:
+            changed.append(name)
+    return changed
+
+
+@contextlib.contextmanager
+def batch_size_as_built(args: Any, built: dict[str, Any] | None) -> Iterator[None]:
+    """transformers fixes the training batch size when its Trainer is built (a later
+    ``per_device_train_batch_size`` is not used by ``train()``): the loop is rebuilt
+    with the one it was built with, and ``args`` keeps the user's value."""
+    name = "per_device_train_batch_size"
+    given = getattr(args, name, None)
+    if built is None or built.get(name) is None or given is None:
+        yield
+        return
+    setattr(args, name, built[name])
+    try:
+        yield
+    finally:
+        setattr(args, name, given)

@@ -215,5 +215,59 @@ def make_loader(
 def _with_total(loader: DataLoader, batch_size: int) -> DataLoader:
     """``total_batch_size``: the samples of one batch over every rank, as accelerate's
     prepared loaders say it."""
-    loader.total_batch_size = batch_size * rank_info()[2]  # type: ignore[attr-defined]
+    loader.total_batch_size = batch_size * rank_info()[2]
     return loader
+
+
+class Loaders:
+    """One Trainer's loaders. ``spec`` is :func:`make_loader`'s ``args``, ``model`` and
+    ``collator`` when ``TrainingArguments`` decide the run (None: every dataset passes
+    through as it is); ``eval_sets`` holds the loader of each named evaluation dataset,
+    ``kept`` the evaluation loaders ``dataloader_persistent_workers`` keeps, by name."""
+
+    def __init__(self) -> None:
+        self.spec: dict[str, Any] | None = None
+        self.eval_sets: dict[str, Any] = {}
+        self.kept: dict[str, Any] = {}
+
+    def load(self, data: Any, *, train: bool) -> Any:
+        """HF's DataLoader for a dataset when ``args`` decide the run; loaders, other data
+        and None pass through."""
+        hf_dataset = is_map_dataset(data) or isinstance(data, IterableDataset)
+        if self.spec is None or data is None or not hf_dataset:
+            return data
+        return make_loader(data, train=train, **self.spec)
+
+    def evaluation(self, eval_dataset: Any, *, default: Any, built: Any, persistent: bool) -> Any:
+        """The evaluation loader of ``eval_dataset``: a dataset, the name of one of the
+        ``default`` dict's, or None for ``default`` itself (``built``, the loop's loader,
+        when there is one and no named sets). With ``persistent`` a loader is built once
+        per name and reused, as transformers keeps it."""
+        key = eval_dataset if isinstance(eval_dataset, str) else "eval"
+        if isinstance(eval_dataset, str):
+            sets = default if isinstance(default, Mapping) else {}
+            if eval_dataset not in sets:
+                raise ValueError(
+                    f"get_eval_dataloader({eval_dataset!r}): the evaluation datasets are "
+                    f"{', '.join(map(repr, sets)) or 'not a dict of named datasets'}"
+                )
+            data: Any = sets[eval_dataset]
+        elif eval_dataset is not None:
+            data = eval_dataset
+        else:
+            if built is not None and not self.eval_sets:
+                return built
+            if default is None:
+                raise ValueError("Trainer: evaluation requires an eval_dataset")
+            if isinstance(default, Mapping):
+                raise ValueError(
+                    "the evaluation datasets are a dict: name one of "
+                    f"{', '.join(map(repr, default))}"
+                )
+            data = default
+        if persistent and key in self.kept:
+            return self.kept[key]
+        loader = self.load(data, train=False)
+        if persistent:
+            self.kept[key] = loader
+        return loader

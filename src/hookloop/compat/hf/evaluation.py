@@ -125,7 +125,7 @@ class Evaluation:
             logits = self.preprocess(logits, labels)
         main = batch.get("input_ids", next(iter(batch.values())))
         if self.batch_metrics and logits is not None and labels is not None:
-            self.batch_result = self.compute_metrics(  # type: ignore[misc]
+            self.batch_result = self.compute_metrics(  # type: ignore[misc, call-arg]  # set with batch_metrics, then takes compute_result
                 EvalPrediction(
                     predictions=logits,
                     label_ids=labels,

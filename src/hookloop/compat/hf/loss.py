@@ -13,10 +13,13 @@ scaled micro-batch losses.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+
+from hookloop.compat.hf.optim import arg
 
 
 def accepts_loss_kwargs(model: torch.nn.Module) -> bool:
@@ -76,7 +79,7 @@ class HFLoss:
             return None
         # HF divides the count by its parallel sizes (1 here): the model gets a float
         # tensor, and dividing by it rounds the gradients as HF's run does.
-        return count / 1  # type: ignore[operator]
+        return count / 1
 
     def __call__(
         self, model: Any, batch: Mapping[str, Any], num_items: torch.Tensor | None
@@ -138,3 +141,67 @@ def loss_of(outputs: Any, inputs: Mapping[str, Any]) -> torch.Tensor:
 
 def _has_labels(batch: Any) -> bool:
     return isinstance(batch, Mapping) and "labels" in batch
+
+
+def is_causal_lm(model: torch.nn.Module) -> bool:
+    """Whether transformers lists the model's class as a causal LM (its label smoothing then
+    shifts the labels by one)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+
+
+def label_smoother_for(args: Any, model: torch.nn.Module) -> Any:
+    """transformers' ``LabelSmoother`` for ``label_smoothing_factor`` (None when 0, or, with a
+    warning as transformers gives, for a multi-label classifier)."""
+    epsilon = float(arg(args, "label_smoothing_factor", 0.0) or 0.0)
+    if not epsilon:
+        return None
+    problem = getattr(getattr(model, "config", None), "problem_type", None)
+    if problem == "multi_label_classification":
+        warnings.warn(
+            "Label smoothing is not compatible with multi-label classification: training "
+            "this run without it (label_smoothing_factor ignored, as transformers does)",
+            UserWarning,
+            stacklevel=6,  # Trainer.__init__ -> _build -> hf_step -> here
+        )
+        return None
+    try:
+        from transformers.trainer_pt_utils import LabelSmoother
+    except ImportError:
+        raise ValueError(
+            "label_smoothing_factor uses transformers' LabelSmoother: install transformers, "
+            "or leave label_smoothing_factor=0"
+        ) from None
+    return LabelSmoother(epsilon=epsilon)
+
+
+def compute_loss(
+    model: torch.nn.Module,
+    inputs: Mapping[str, Any],
+    num_items_in_batch: Any,
+    *,
+    loss_func: Callable[..., Any] | None,
+    label_smoother: Any,
+    accepts_kwargs: bool,
+) -> tuple[Any, Any]:
+    """``(loss, outputs)`` of one batch as transformers' ``Trainer.compute_loss`` computes
+    them: ``loss_func(outputs, labels, num_items_in_batch=)`` when given, else the label
+    smoother's loss with ``label_smoothing_factor``, else the model's own loss."""
+    inputs = dict(inputs)
+    labels = None
+    if (loss_func is not None or label_smoother is not None) and "labels" in inputs:
+        labels = inputs.pop("labels")
+    if accepts_kwargs and num_items_in_batch is not None:
+        inputs["num_items_in_batch"] = num_items_in_batch
+    outputs = model(**inputs)
+    if loss_func is not None:
+        loss = loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+    elif labels is not None:  # label_smoothing_factor: transformers' LabelSmoother
+        shift = is_causal_lm(model)
+        loss = label_smoother(
+            outputs, labels, shift_labels=shift, num_items_in_batch=num_items_in_batch
+        )
+    else:
+        loss = loss_of(outputs, inputs)
+    return loss, outputs

@@ -9,13 +9,18 @@ and any parameter whose name says norm), found as HF's
 ``get_scheduler``'s: a ``LambdaLR`` per ``lr_scheduler_type``. The four common
 types are written here so transformers is not needed; any other type is
 delegated to ``transformers.get_scheduler`` when it is installed.
+
+:class:`OptimizerView` is what the Trainer's ``optimizer`` and ``lr_scheduler``
+attributes show of them, as transformers shows its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -205,3 +210,89 @@ _FACTORS = {
     "constant": _constant,
     "constant_with_warmup": _constant_with_warmup,
 }
+
+
+def set_up(optimizer: Any) -> Any:
+    """``optimizer``, or transformers' refusal when there is none yet."""
+    if optimizer is None:  # transformers' words
+        raise ValueError(
+            "Trainer optimizer is None, please make sure you have setup the optimizer before."
+        )
+    return optimizer
+
+
+def optimizer_group(optimizer: Any, param: Any = None) -> Any:
+    """The parameter group of ``optimizer`` holding ``param``, or every group without one."""
+    groups = optimizer.param_groups
+    if param is None:
+        return groups
+    for group in groups:
+        if any(p is param for p in group["params"]):
+            return group
+    raise ValueError(f"parameter {param!r} is in no optimizer group")
+
+
+class OptimizerView:
+    """What ``trainer.model``, ``optimizer`` and ``lr_scheduler`` show. While the loop is
+    being built they are the staged objects ``create_optimizer`` / ``create_scheduler``
+    see and set; afterwards the loop's, each shown as transformers shows it: None until
+    ``create_*()`` or ``train()``, unless given in ``optimizers``."""
+
+    def __init__(self) -> None:
+        self.loop: Any = None  # the loop, once built
+        self.staged: dict[str, Any] | None = None
+        self.shown: set[str] = set()  # "optimizer", "lr_scheduler": shown to the user
+        self.scheduler_view: Any = None  # a schedule create_scheduler() made after the build
+        self.by_create = False  # inside create_scheduler() after the build
+
+    def show_given(self, optimizers: Any) -> None:
+        """Show what was given in ``optimizers`` (a build starts from it)."""
+        names = ("optimizer", "lr_scheduler")
+        self.shown = {n for n, o in zip(names, optimizers or (), strict=False) if o is not None}
+
+    @contextlib.contextmanager
+    def staging(self, model: Any, optimizer: Any, scheduler: Any) -> Iterator[dict[str, Any]]:
+        """The objects ``create_optimizer`` and ``create_scheduler`` see before the loop
+        exists (the dict holds what they set)."""
+        self.staged = {"model": model, "optimizer": optimizer, "lr_scheduler": scheduler}
+        try:
+            yield self.staged
+        finally:
+            self.staged = None
+
+    def get(self, name: str) -> Any:
+        if self.staged is not None:
+            return self.staged[name]
+        if name == "model":
+            return self.loop.model
+        if name == "lr_scheduler" and self.scheduler_view is not None:
+            return self.scheduler_view
+        held = self.loop.optimizer if name == "optimizer" else self.loop.scheduler
+        return held if name in self.shown else None
+
+    def set(self, name: str, value: Any) -> None:
+        if self.staged is not None:
+            self.staged[name] = value
+        elif name == "optimizer" and value is self.loop.optimizer:
+            self.shown.add(name)
+        elif name == "lr_scheduler" and self.by_create:
+            self.scheduler_view = value  # create_scheduler()'s, until train()
+        else:
+            raise AttributeError(
+                f"Trainer.{name} is set by create_optimizer / create_scheduler (override "
+                "them, or pass optimizers=(optimizer, lr_scheduler)); the loop already holds "
+                f"its {name}"
+            )
+
+    def show_training_objects(self) -> None:
+        """From ``train()`` on, the optimizer and schedule the loop trains with are shown;
+        a schedule ``create_scheduler()`` made for inspection is dropped (and the rates it
+        set back to the loop's), as transformers' ``train()`` makes its own."""
+        loop = self.loop
+        if self.scheduler_view is not None and loop.scheduler is not None:
+            for group, lr in zip(
+                loop.optimizer.param_groups, loop.scheduler.get_last_lr(), strict=False
+            ):
+                group["lr"] = lr
+        self.scheduler_view = None
+        self.shown.update(("optimizer", "lr_scheduler"))

@@ -17,8 +17,9 @@ When ``TrainingArguments`` decide a dialect run, :func:`dialect` hands the loop
   accumulation scaling (:mod:`hookloop.compat.hf.loss`).
 - :class:`HFLogBook`: a log with HF's keys (``loss``, ``grad_norm``,
   ``learning_rate``, ``epoch``); ``learning_rate`` is the rate the step used.
-- :class:`HFEvaluation`: ``evaluation_loop``'s loss per sample and
-  ``compute_metrics(EvalPrediction)`` (:mod:`hookloop.compat.hf.evaluation`).
+- :class:`~hookloop.compat.hf.evaluation_loop.HFEvaluation`: ``evaluation_loop``'s
+  loss per sample and ``compute_metrics(EvalPrediction)``
+  (:mod:`hookloop.compat.hf.evaluation_loop`).
 - checkpoints saved only when a flag asks (a signal still saves), kept by
   ``save_total_limit`` as HF keeps them (:class:`~hookloop.compat.hf.layout.HFRetention`).
 """
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import math
 import time
 from collections.abc import Iterator, Mapping
@@ -37,14 +37,10 @@ from typing import Any
 import torch
 
 from hookloop.checkpoint.manager import CheckpointManager
-from hookloop.compat.hf import data as hf_data
-from hookloop.compat.hf import evaluation as hf_evaluation
 from hookloop.compat.hf import flow, layout
 from hookloop.compat.hf import optim as hf_optim
-from hookloop.compat.hf.evaluation import Evaluation as Collected
-from hookloop.compat.hf.evaluation import ignored_keys
+from hookloop.compat.hf.evaluation_loop import HFEvaluation
 from hookloop.compat.hf.loss import HFLoss
-from hookloop.compat.hf.types import eval_key
 from hookloop.loop.evaluation import Evaluation
 from hookloop.loop.live import LiveSettings, Setting, SettingError
 from hookloop.loop.logbook import LogBook
@@ -53,7 +49,6 @@ from hookloop.loop.parts import (
     Parts,
     evaluation_inputs,
     live_inputs,
-    steps_on_a_metric,
 )
 from hookloop.loop.parts import plan_budget as native_budget
 from hookloop.loop.schedule import Action, Schedule, abort, passed_through
@@ -144,7 +139,7 @@ def samples_of(args: Any, loader: Any, plan: Plan, groups: int) -> float:
         return plan.max_steps * per_device * groups
     dataset = getattr(loader, "dataset", None)
     try:
-        examples = len(dataset)  # type: ignore[arg-type]
+        examples = len(dataset)  # type: ignore[arg-type]  # no length: TypeError below
     except TypeError:
         examples = len(loader) * per_device
     return examples * hf_optim.arg(args, "num_train_epochs", 3.0)
@@ -400,176 +395,6 @@ def _logbook(p: Parts, *, session: Any) -> LogBook:
 
 
 # -- evaluation -----------------------------------------------------------------------------
-
-
-class HFEvaluation(Evaluation):
-    """HF's ``evaluation_loop``: ``prediction_step`` on each batch, the loss per sample,
-    then ``compute_metrics``. ``prefix`` and ``ignore_keys`` are ``evaluate()``'s
-    ``metric_key_prefix`` and ``ignore_keys`` for the pass being run (None: ``"eval"``
-    and, in training, ``train(ignore_keys_for_eval=)``, else the model config's)."""
-
-    def __init__(self, *, session: Any, hf_loss: HFLoss, compute_metrics: Any, **parts: Any):
-        super().__init__(**parts)
-        self.session, self.hf_loss, self.compute_metrics = session, hf_loss, compute_metrics
-        self.prefix: str | None = None
-        self.ignore_keys: list[str] | None = None
-        self.ignore_keys_in_training: list[str] | None = None
-        self.keep_predictions = False  # predict(): predictions also without compute_metrics
-        self.scheduler: Any = None  # a ReduceLROnPlateau is stepped after evaluations
-        self.last: Collected | None = None  # the latest pass's predictions and labels
-        #: ``(model, inputs, prediction_loss_only, ignore_keys) -> (loss, logits, labels)``:
-        #: the Trainer's ``prediction_step`` (a subclass's override included).
-        self.prediction_step: Any = self.default_prediction_step
-        self.preprocess_logits: Any = None  # preprocess_logits_for_metrics(logits, labels)
-        self.log_hook: Any = None  # a subclass's Trainer.log: it sees evaluate()'s metrics
-        #: A subclass's ``Trainer.evaluate``: training's evaluations go through it (its
-        #: ``super().evaluate()`` runs the pass), as transformers' loop calls it.
-        self.evaluate_hook: Any = None
-        self._delegated = False
-        #: A dict of evaluation datasets: name -> loader; training evaluates each in turn
-        #: (keys ``eval_<name>_*``), as transformers does.
-        self.eval_sets: dict[str, Any] = {}
-
-    def default_prediction_step(
-        self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None
-    ) -> tuple[Any, Any, Any]:
-        """transformers' ``prediction_step`` on HF's loss."""
-        hf_loss, args = self.hf_loss, self.session.args
-        if ignore_keys is None:
-            ignore_keys = ignored_keys(self.model)
-        inputs = move_to(inputs, self.device)
-
-        def compute(model: Any, inputs: Any) -> Any:
-            return hf_loss.with_outputs(model, inputs, hf_loss.items_in_batch([inputs]))
-
-        with self.precision.autocast():
-            return hf_evaluation.prediction_step(
-                compute,
-                model,
-                inputs,
-                prediction_loss_only,
-                list(ignore_keys),
-                hf_data.label_names(self.model, args),
-                can_return_loss=hf_evaluation.can_return_loss(self.model),
-            )
-
-    def run(self, loader: Any, kind: str) -> dict[str, float]:
-        hook = self.evaluate_hook
-        training = kind == "eval" and self.progress.in_training and not self._delegated
-        if hook is not None and training:
-            self._delegated = True  # the override's super().evaluate() comes back here
-            try:
-                return hook(ignore_keys=self.ignore_keys_in_training)
-            finally:
-                self._delegated = False
-        if training and self.eval_sets and self.prefix is None:
-            merged: dict[str, float] = {}
-            self._delegated = True  # each set's pass is a plain one
-            try:
-                for name, one in self.eval_sets.items():
-                    self.prefix = f"eval_{name}"
-                    merged.update(self.run(one, kind))
-            finally:
-                self.prefix, self._delegated = None, False
-            self.step_metric_scheduler(merged)
-            return merged
-        ctx, hooks, fire, model = self.ctx, self.hooks, self.fire, self.model
-        args = self.session.args
-        prefix = self.prefix if self.prefix is not None else kind
-        ignore_keys = self.ignore_keys
-        if ignore_keys is None and self.progress.in_training:
-            ignore_keys = self.ignore_keys_in_training
-        # As transformers: evaluate() without compute_metrics asks for the loss alone;
-        # otherwise args.prediction_loss_only decides.
-        loss_only = bool(hf_optim.arg(args, "prediction_loss_only", False)) or (
-            self.compute_metrics is None and not self.keep_predictions
-        )
-        started = time.monotonic()
-        collected = Collected(
-            hf_data.label_names(model, args),
-            ignore_keys if ignore_keys is not None else ignored_keys(model),
-            self.compute_metrics,
-            list(hf_optim.arg(args, "include_for_metrics", []) or []),
-            nan_filter=bool(hf_optim.arg(args, "logging_nan_inf_filter", True)),
-            keep_predictions=self.keep_predictions,
-            preprocess=self.preprocess_logits,
-            batch_metrics=bool(hf_optim.arg(args, "batch_eval_metrics", False)),
-        )
-        if not self.progress.in_training:  # as transformers: outside training, cast for good
-            if hf_optim.arg(args, "fp16_full_eval", False):
-                model.to(dtype=torch.float16)
-            elif hf_optim.arg(args, "bf16_full_eval", False):
-                model.to(dtype=torch.bfloat16)
-        was_training = model.training
-        model.eval()
-        if hooks[f"on_{kind}_start"]:
-            fire(f"on_{kind}_start", ctx)
-        for batch, last in _with_last(itertools.islice(loader, self.max_batches)):
-            if hooks[f"on_{kind}_step_start"]:
-                ctx.batch = batch
-                fire(f"on_{kind}_step_start", ctx)
-            inputs = move_to(batch, self.device)
-            loss, logits, labels = self.prediction_step(model, inputs, loss_only, ignore_keys)
-            collected.add(inputs, loss, logits, labels, last=last)
-            if hooks[f"on_{kind}_step_end"]:
-                ctx.batch, ctx.outputs, ctx.loss = batch, logits, loss
-                fire(f"on_{kind}_step_end", ctx)
-            ctx.batch = ctx.outputs = ctx.loss = None
-        metrics = collected.metrics(prefix)
-        session = self.session
-        if session.model_preparation_time is None and not session.trained:
-            session.model_preparation_time = 0.0  # the loop placed the model when built
-        if session.model_preparation_time is not None:
-            metrics[f"{prefix}_model_preparation_time"] = session.model_preparation_time
-        # HF's speed keys (with the prefix), before on_evaluate / on_predict see the metrics
-        per_batch = max(int(hf_optim.arg(args, "per_device_eval_batch_size", 8)), 1)
-        steps = math.ceil(collected.samples / per_batch)
-        flow.speed_into(metrics, prefix, time.monotonic() - started, collected.samples, steps)
-        self.last = collected
-        if kind == "eval":  # transformers' log() adds the epoch before on_evaluate sees them
-            session.refresh(ctx, "on_eval_end")
-            metrics["epoch"] = session.state.epoch
-        if kind == "eval" and self.log_hook is not None:
-            # transformers' evaluate() hands the metrics to self.log before on_evaluate;
-            # the evaluation's own log event (on_eval_end) then publishes them.
-            session.evaluating = True
-            try:
-                self.log_hook(metrics)
-            finally:
-                session.evaluating = False
-        self.finish(kind, metrics)
-        model.train(was_training)
-        if kind == "eval" and self.progress.in_training and not self.eval_sets:
-            self.step_metric_scheduler(metrics)
-        return metrics
-
-    def step_metric_scheduler(self, metrics: dict[str, Any]) -> None:
-        """HF steps a ``ReduceLROnPlateau`` after each evaluation in training, on
-        ``metric_for_best_model`` (``eval_``-prefixed), once ``on_evaluate`` has run."""
-        scheduler = self.scheduler
-        if not steps_on_a_metric(scheduler):
-            return
-        key = eval_key(hf_optim.arg(self.session.args, "metric_for_best_model", None) or "loss")
-        if key not in metrics:
-            raise KeyError(
-                f"metric_for_best_model names {key!r}, which the evaluation did not report "
-                f"(it reported {', '.join(sorted(metrics))}); the {type(scheduler).__name__} "
-                "scheduler steps on it"
-            )
-        scheduler.step(metrics[key])
-
-
-def _with_last(items: Iterator[Any]) -> Iterator[tuple[Any, bool]]:
-    """Each item, and whether it is the last (one item read ahead)."""
-    it = iter(items)
-    try:
-        held = next(it)
-    except StopIteration:
-        return
-    for item in it:
-        yield held, False
-        held = item
-    yield held, True
 
 
 def _evaluation(

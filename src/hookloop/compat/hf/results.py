@@ -43,6 +43,14 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def output_dir(args: Any, given: str | os.PathLike[str] | None) -> str | os.PathLike[str]:
+    """``given``, else ``args.output_dir``: where the Trainer's files go."""
+    out = given if given is not None else getattr(args, "output_dir", None)
+    if out is None:
+        raise ValueError("no output_dir: set TrainingArguments.output_dir or pass one")
+    return out
+
+
 def save_model(
     model: torch.nn.Module,
     output_dir: str | os.PathLike[str],

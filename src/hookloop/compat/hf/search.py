@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -43,7 +44,7 @@ def default_compute_objective(metrics: dict[str, float]) -> float:
     metrics.pop("epoch", None)
     for key in [k for k in metrics if k.endswith(("_runtime", "_per_second"))]:
         metrics.pop(key)
-    return loss if not metrics else sum(metrics.values())  # type: ignore[return-value]
+    return loss if not metrics else sum(metrics.values())  # type: ignore[return-value]  # as transformers: None without eval_loss
 
 
 def default_hp_space_optuna(trial: Any) -> dict[str, Any]:
@@ -136,3 +137,58 @@ def run_optuna(
         best = study.best_trial
         return BestRun(str(best.number), best.value, best.params), last
     return [BestRun(str(t.number), t.values, t.params) for t in study.best_trials], last
+
+
+def hyperparameter_search(
+    trainer: Any,
+    *,
+    hp_space: Callable[[Any], dict[str, Any]] | None,
+    compute_objective: Callable[[dict[str, float]], float] | None,
+    n_trials: int,
+    direction: str | list[str],
+    backend: Any,
+    hp_name: Callable[[Any], str] | None,
+    kwargs: dict[str, Any],
+) -> BestRun | list[BestRun]:
+    """``trainer.hyperparameter_search(...)``: a fresh trainer of the same class for each
+    trial (a fresh optimizer too, as transformers builds it, and checkpoints in its own
+    run directory); afterwards ``trainer`` holds the last trial's model and state."""
+    backend = getattr(backend, "value", backend)
+    if backend not in (None, "optuna"):
+        raise ValueError(
+            f"hyperparameter_search backend {backend!r} is not supported by "
+            "hookloop.compat.hf.Trainer; allowed: 'optuna'"
+        )
+    if trainer.model_init is None:
+        raise RuntimeError(
+            "hyperparameter_search needs the model through model_init (a function "
+            "returning a fresh one for each trial)"
+        )
+    if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
+        raise ValueError(f"n_trials must be an int >= 1, got {n_trials!r}")
+
+    def build(trial: Any) -> Any:
+        args = copy.copy(trainer.args)  # the trial's values (batch size too) are on its args
+        run = hp_name(trial) if hp_name is not None else f"run-{trial.number}"
+        args.output_dir = os.path.join(trainer.args.output_dir, run)  # transformers' run dir
+        given = {**trainer.given, "args": args, "optimizers": (None, None)}
+        preprocess = trainer.preprocess_logits_for_metrics
+        return type(trainer)(None, **given, preprocess_logits_for_metrics=preprocess)
+
+    best, last = run_optuna(
+        build,
+        trainer.args,
+        hp_space=hp_space or default_hp_space_optuna,
+        compute_objective=compute_objective or default_compute_objective,
+        hp_name=hp_name,
+        n_trials=n_trials,
+        direction=direction,
+        kwargs=kwargs,
+    )
+    if last is not None:  # as transformers: the trainer holds the last trial's run
+        trainer.model.load_state_dict(last.model.state_dict())
+        trainer.hf.state = last.state
+        if trainer.args_built is not None:  # and trains on with the last trial's batch size
+            batch = trainer.args.per_device_train_batch_size
+            trainer.args_built["per_device_train_batch_size"] = batch
+    return best

@@ -63,13 +63,13 @@ class HpoHooks:
 
     @property
     def name(self) -> str:
-        return self.checkpoint_key or super().name  # type: ignore[misc]
+        return self.checkpoint_key or super().name  # type: ignore[misc]  # a mixin: Callback.name
 
     def hpo_face(self, peers: Sequence[Any] = ()) -> Any:
         """This callback's face (made on first use; ``peers`` are the callbacks beside it)."""
         face = self.__dict__.get("_hpo_face")
         if face is None:
-            face = self.__dict__["_hpo_face"] = face_for(self, peers)  # type: ignore[arg-type]
+            face = self.__dict__["_hpo_face"] = face_for(self, peers)  # type: ignore[arg-type]  # mixed into a Callback
         if peers:
             face.peers = peers
         return face

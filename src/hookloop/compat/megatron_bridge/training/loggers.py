@@ -232,16 +232,58 @@ def training_log_line(
     return " | ".join(parts)
 
 
+class IntervalLosses:
+    """The losses of the steps since the last console line, for its averages.
+
+    Megatron-Bridge's console line shows each loss averaged over the steps of the log
+    interval that updated the model; a skipped step (non-finite gradients) adds nothing.
+
+    >>> interval = IntervalLosses()
+    >>> interval.add({"lm loss": 3.0}, skipped=False)
+    >>> interval.add({"lm loss": 99.0}, skipped=True)
+    >>> interval.add({"lm loss": 1.0}, skipped=False)
+    >>> interval.take()
+    {'lm loss': 2.0}
+    >>> interval.take()  # emptied by the line that showed them
+    {}
+    """
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.steps = 0
+
+    def add(self, losses: dict[str, float], skipped: bool) -> None:
+        if skipped:
+            return
+        for key, value in losses.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value
+        self.steps += 1
+
+    def take(self) -> dict[str, float]:
+        """Each loss's mean over the updated steps so far, then start a new interval."""
+        means = {key: total / max(1, self.steps) for key, total in self.sums.items()}
+        self.sums, self.steps = {}, 0
+        return means
+
+
 def log_training_step(
-    state: Any, loss_dict: dict[str, Any], grad_norm: float | None, optimizer: Any
+    state: Any,
+    loss_dict: dict[str, Any],
+    grad_norm: float | None,
+    optimizer: Any,
+    interval: IntervalLosses,
+    skipped: bool = False,
 ) -> None:
-    """Every ``logger.log_interval`` steps of ``training.train``: the console line and the
-    writers' scalars (``state`` a GlobalState, its step already counted)."""
+    """After each step of ``training.train`` (``state`` a GlobalState, its step already
+    counted): add the step's losses to ``interval``; every ``logger.log_interval`` steps
+    write the step's scalars to the writers and log the console line, its losses the
+    interval's means."""
     ts, cfg = state.train_state, state.cfg
+    losses = {key: float(value) for key, value in loss_dict.items()}
+    interval.add(losses, skipped)
     if not cfg.logger.log_interval or ts.step % cfg.logger.log_interval:
         return
     learning_rate = float(optimizer.param_groups[0]["lr"])
-    losses = {key: float(value) for key, value in loss_dict.items()}
     write_training_scalars(
         state.tensorboard_logger,
         state.wandb_logger,
@@ -259,7 +301,7 @@ def log_training_step(
         ts.consumed_train_samples,
         learning_rate,
         cfg.train.global_batch_size,
-        losses,
+        interval.take(),
         grad_norm,
     )
     logger.info(line)

@@ -8,8 +8,9 @@ between parameters and gradients. Plain torch models and optimizers have neither
 - :func:`enable_forward_pre_hook` / :func:`disable_forward_pre_hook` call the chunk's
   own method where it has one (a Megatron-Core DDP chunk) and do nothing for a plain
   torch module, which has no such hook;
-- :func:`handle_mxfp8_param_buffer_copy` copies nothing for a torch optimizer: its
-  parameters are their own buffer, there is no separate copy to refresh.
+- :func:`handle_mxfp8_param_buffer_copy` refreshes Megatron-Core's distributed
+  optimizers only, and copies nothing for a torch optimizer: its parameters are their
+  own buffer, there is no separate copy to refresh.
 
 >>> should_disable_forward_pre_hook(False, True, True)
 True
@@ -18,9 +19,13 @@ True
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
+
+#: Where Megatron-Core defines the distributed optimizer that keeps an mxfp8 buffer.
+DISTRIBUTED_OPTIMIZER_MODULE = "megatron.core.optimizer.distrib_optimizer"
 
 
 def should_disable_forward_pre_hook(
@@ -60,18 +65,30 @@ def handle_mxfp8_param_buffer_copy(
 ) -> None:
     """Refresh the mxfp8 parameter buffer that shares memory with the gradients.
 
-    Only Megatron-Core's distributed optimizers (inside a chained optimizer) keep such
-    a buffer; each one found is refreshed when both flags are set. A torch optimizer has
-    none, so nothing is copied.
+    Only Megatron-Core's ``DistributedOptimizer`` instances (inside a chained optimizer)
+    keep such a buffer; each one is refreshed when both flags are set, and any other
+    optimizer is left alone, whatever methods it has. A torch optimizer has none, so
+    nothing is copied.
     """
     _check_bool("reuse_grad_buf_for_mxfp8_param_ag", reuse_grad_buf_for_mxfp8_param_ag)
     _check_bool("overlap_param_gather", overlap_param_gather)
-    if not (reuse_grad_buf_for_mxfp8_param_ag and overlap_param_gather):
+    distributed = _distributed_optimizer_class()
+    if distributed is None or not (reuse_grad_buf_for_mxfp8_param_ag and overlap_param_gather):
         return
     for inner in getattr(optimizer, "chained_optimizers", ()):
-        copy = getattr(inner, "_copy_main_params_to_param_buffer", None)
-        if copy is not None:
-            copy()
+        if isinstance(inner, distributed):
+            inner._copy_main_params_to_param_buffer()
+
+
+def _distributed_optimizer_class() -> type | None:
+    """Megatron-Core's ``DistributedOptimizer`` class, or None when its module is not loaded.
+
+    Read from the loaded modules, not imported: an instance can only exist once its
+    module has been imported, so without it there is nothing to refresh.
+    """
+    module = sys.modules.get(DISTRIBUTED_OPTIMIZER_MODULE)
+    found = getattr(module, "DistributedOptimizer", None)
+    return found if isinstance(found, type) else None
 
 
 def check_chunks(model: Any) -> list[torch.nn.Module]:

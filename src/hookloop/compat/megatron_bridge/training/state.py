@@ -218,6 +218,8 @@ class GlobalState:
         self._ft_state = FaultToleranceState()
         #: NVRx's straggler detection is not reproduced: always None.
         self.nvrx_straggler_manager: Any = None
+        #: NVRx's fault-tolerance client: the dialect makes none, so it stays None.
+        self.rank_monitor_client: Any = None
 
     @property
     def cfg(self) -> Any:
@@ -286,6 +288,35 @@ class GlobalState:
             self._signal_handler = DistributedSignalHandler(
                 getattr(train, "exit_signal", signal.SIGTERM)
             )
+
+    @property
+    def energy_monitor(self) -> None:
+        """Megatron-Core's GPU energy meter: None, as upstream without ``logger.log_energy``
+        (a setting the dialect does not have)."""
+        return None
+
+    @property
+    def async_calls_queue(self) -> None:
+        """Megatron-Core's queue of background checkpoint writes: None. With
+        ``checkpoint.async_save`` the dialect writes in the background its own way."""
+        return None
+
+    def initialize_async_checkpoint_worker(self) -> None:
+        """Does nothing: no Megatron-Core queue to start (see :attr:`async_calls_queue`)."""
+
+    def reset_for_restart(self) -> None:
+        """Start the run's bookkeeping afresh for a restart within the same process.
+
+        The timers, ``train_state`` and signal handler are new ones; the writers are
+        closed and open again on next use. ``cfg``, ``start_time``, the
+        fault-tolerance state and ``rank_monitor_client`` are kept, as in Megatron-Bridge.
+        """
+        self.close_loggers()
+        self._writers = self._given_writers
+        self._train_state = TrainState()
+        self._timers = Timers()
+        self._signal_handler = None
+        self.nvrx_straggler_manager = None
 
     def close_loggers(self) -> None:
         """Flush and close the writers opened during the run (the entry points call it)."""

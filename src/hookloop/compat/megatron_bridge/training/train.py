@@ -44,7 +44,7 @@ from hookloop.compat.megatron_bridge.training.forward_backward import (
     num_microbatches,
     reduce_loss_dicts,
 )
-from hookloop.compat.megatron_bridge.training.loggers import log_training_step
+from hookloop.compat.megatron_bridge.training.loggers import IntervalLosses, log_training_step
 from hookloop.compat.megatron_bridge.training.megatron_core import (
     check_chunks,
     check_nvrx_straggler_detection,
@@ -209,6 +209,7 @@ class _Loop:
         ts, train_cfg = state.train_state, state.cfg.train
         objects = (self.model, self.optimizer, self.scheduler)
         flops_since_log, should_exit, exit_code = 0.0, False, 0
+        interval_losses = IntervalLosses()
         while ts.step < train_cfg.train_iters:
             if _should_skip_and_handle_iteration(state, train_data_iterator):
                 continue
@@ -233,7 +234,9 @@ class _Loop:
             ts.consumed_train_samples += train_cfg.global_batch_size
             ts.floating_point_operations_so_far += self.flops_per_batch
             flops_since_log += self.flops_per_batch
-            log_training_step(state, loss_dict, grad_norm, self.optimizer)
+            log_training_step(
+                state, loss_dict, grad_norm, self.optimizer, interval_losses, bool(skipped_iter)
+            )
             interval = train_cfg.eval_interval
             if ts.do_valid and interval and ts.step % interval == 0:
                 self._validate(valid_data_iterator, process_non_loss_data_func, non_loss_data_func)

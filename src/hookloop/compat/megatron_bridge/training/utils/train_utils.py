@@ -12,6 +12,10 @@ through their ``__call__``.
 'the state'
 >>> needs_global_state_injection(lambda data_iterator, model: None)
 False
+
+:func:`prepare_forward_step_func` decides once and binds (what a loop calls before its
+first step); :func:`param_is_not_shared` reads Megatron's ``shared`` mark on a parameter
+(set on embeddings tied across pipeline stages), so norms count a shared one once.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 #: Unannotated first-parameter names that ask for the state.
 STATE_NAMES = ("state", "global_state")
@@ -50,3 +56,21 @@ def maybe_inject_state(
     if needs_injection is None:
         needs_injection = needs_global_state_injection(forward_step_func)
     return functools.partial(forward_step_func, state) if needs_injection else forward_step_func
+
+
+def prepare_forward_step_func(
+    forward_step_func: Callable[..., Any], state: Any
+) -> Callable[..., Any]:
+    """``forward_step_func`` ready for the loop: ``state`` bound first when it asks for it.
+
+    The signature is read once here; the bound step holds ``state`` itself, not a copy,
+    so it sees every later change to the state (the step counter, the config).
+    """
+    return maybe_inject_state(
+        forward_step_func, state, needs_injection=needs_global_state_injection(forward_step_func)
+    )
+
+
+def param_is_not_shared(param: torch.nn.Parameter) -> bool:
+    """False for a parameter marked ``shared = True`` (counted on another stage), else True."""
+    return not getattr(param, "shared", False)
