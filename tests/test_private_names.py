@@ -61,8 +61,6 @@ THIRD_PARTY = {
         "the default store must outlive every rank's teardown; torch gives no public handle",
     ("compat/hpo/faces.py", "trainer._total_epochs"):
         "the HPO trainer's own epoch count, read (if there) on the user's own trainer",
-    ("compat/megatron_bridge/training/megatron_core.py", "inner._copy_main_params_to_param_buffer"):
-        "Megatron-Core's chained optimizers have no public name for this refresh",
     ("diloco/server.py", "site._server"):
         "aiohttp's TCPSite server, for the port a bind to 0 got (BaseRunner.addresses is public)",
 }  # fmt: skip
