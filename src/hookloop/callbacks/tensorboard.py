@@ -19,25 +19,23 @@ Two pieces, as in Forgather:
 Why ``torch.utils.tensorboard.SummaryWriter`` rather than
 ``tensorboard.summary.Writer``: it is TensorBoard's own event-file writer
 (``tensorboard.summary.writer.EventFileWriter``) behind a small API, and it has
-the two things this module needs that the bare writer lacks: ``purge_step``
-and text summaries. Only rank 0 writes.
+the two things this module needs that TensorBoard's (experimental) writer lacks:
+``purge_step`` and text summaries; its scalars are the ones TensorBoard's scalar
+readers show. Only rank 0 writes.
 
 Scalars and text are handed to the shared background writer
-(:mod:`hookloop.callbacks._writer`), which builds the protobufs and writes them
-to the event file; the loop pays for a queue entry. The other ``add_*`` methods
-(histograms, images, ...) run at once, since their tensors may change by the
-next step. The queue is drained and the event file flushed before a
-checkpoint's state is taken, and again in the background at
+(:mod:`hookloop.callbacks._writer`), which makes the ``SummaryWriter`` calls; the loop
+pays for a queue entry. The other ``add_*`` methods (histograms, images, ...) run at
+once, since their tensors may change by the next step. The queue is drained and the
+event file flushed before a checkpoint's state is taken, and again in the background at
 ``on_checkpoint_save``.
 
-The ``SummaryWriter`` is torch's, with one part replaced: its event file. Torch's
-``FileWriter`` hands every record to TensorBoard's ``EventFileWriter``, which
-queues it for a thread of its own that appends it through TensorBoard's
-TensorFlow-less ``GFile``, opening and closing the file for each record. Here the
-records (TensorBoard's own format and ``RecordWriter``, the same bytes) go straight
-into a file kept open, written by whichever thread adds them: the background log
-writer for the loggers' scalars and text. That saved ~60 µs of CPU per log event
-on the 2-core machine, and a thread hand-off.
+Only ``SummaryWriter``'s public API is used, and nothing of TensorBoard's is changed
+for the rest of the process (another ``SummaryWriter``, transformers' included, writes
+as it would without hookloop). What that costs: ``add_scalar`` writes one record per
+value, and without TensorFlow TensorBoard checksums each record in pure Python and
+appends it from a thread of its own: ~20 µs of CPU a value on the 2-core machine, all of
+it on the writer threads (``bench/results/2026-12-05-tensorboard-public.md``).
 """
 
 from __future__ import annotations
@@ -61,142 +59,13 @@ from hookloop.state import CallbackContext
 _EVENT_FILE = re.compile(r"events\.out\.tfevents\.(\d+)\.")
 
 
-_WRITER_CLASS: Any = None
-
-
-def _summary_writer_class() -> Any:
-    """torch's ``SummaryWriter`` over :class:`EventFile` (made once, on first use)."""
-    global _WRITER_CLASS
+def _summary_writer_type() -> Any:
+    """torch's ``SummaryWriter``, or an error naming the extra to install."""
     require("tensorboard", extra="tensorboard", feature="TensorBoard logging")
     require("torch.utils.tensorboard", extra="tensorboard", feature="TensorBoard logging")
-    if _WRITER_CLASS is not None:
-        return _WRITER_CLASS
-    use_fast_checksums()
-    from tensorboard.compat.proto.event_pb2 import Event, SessionLog
-    from torch.utils.tensorboard.writer import FileWriter, SummaryWriter
+    from torch.utils.tensorboard import SummaryWriter
 
-    class DirectFileWriter(FileWriter):
-        """torch's ``FileWriter`` (events stamped with a time and a step) over an
-        :class:`EventFile` instead of TensorBoard's queued ``EventFileWriter``."""
-
-        def __init__(
-            self, log_dir: Any, max_queue: int = 10, flush_secs: float = 120, filename_suffix=""
-        ) -> None:
-            self.event_writer = EventFile(str(log_dir), flush_secs, filename_suffix)
-
-    class DirectSummaryWriter(SummaryWriter):
-        """torch's ``SummaryWriter``, its default event file an :class:`EventFile`."""
-
-        def _get_file_writer(self) -> Any:
-            if self.all_writers is None or self.file_writer is None:
-                self.file_writer = DirectFileWriter(
-                    self.log_dir, self.max_queue, self.flush_secs, self.filename_suffix
-                )
-                self.all_writers = {self.file_writer.get_logdir(): self.file_writer}
-                if self.purge_step is not None:  # what torch's does: a session restart at it
-                    step, self.purge_step = self.purge_step, None
-                    self.file_writer.add_event(Event(step=step, file_version="brain.Event:2"))
-                    self.file_writer.add_event(
-                        Event(step=step, session_log=SessionLog(status=SessionLog.START))
-                    )
-            return self.file_writer
-
-    _WRITER_CLASS = DirectSummaryWriter
-    return _WRITER_CLASS
-
-
-class EventFile:
-    """One TensorBoard event file, written at once by the thread that adds an event.
-
-    Has what torch's ``FileWriter`` uses of TensorBoard's ``EventFileWriter``
-    (``get_logdir``, ``add_event``, ``flush``, ``close``) and writes the same file: the
-    same name pattern (its counter shared with TensorBoard's writers), the same first
-    event, each event a TFRecord made by TensorBoard's ``RecordWriter``. Records reach
-    the OS when ``flush_secs`` have passed since the last flush (checked as events come),
-    at ``flush()`` and at ``close()``.
-    """
-
-    def __init__(self, logdir: str, flush_secs: float = 120, filename_suffix: str = "") -> None:
-        from tensorboard.compat.proto.event_pb2 import Event, SourceMetadata
-        from tensorboard.summary.writer import event_file_writer
-        from tensorboard.summary.writer.record_writer import RecordWriter
-
-        os.makedirs(logdir, exist_ok=True)
-        self._logdir = logdir
-        uid = event_file_writer._global_uid.get()
-        name = "events.out.tfevents.%010d.%s.%s.%s" % (  # noqa: UP031 (TensorBoard's pattern)
-            time.time(),
-            socket.gethostname(),
-            os.getpid(),
-            uid,
-        )
-        self.path = os.path.join(logdir, name) + filename_suffix
-        self._file = open(self.path, "wb")  # noqa: SIM115 (closed by close())
-        self._records = RecordWriter(self._file)
-        self._event_type = Event
-        self._lock = threading.Lock()  # the log writer thread and the loop may both add
-        self._flush_secs = flush_secs
-        self._next_flush = 0.0
-        writer = SourceMetadata(writer="tensorboard.summary.writer.event_file_writer")
-        self.add_event(
-            Event(wall_time=time.time(), file_version="brain.Event:2", source_metadata=writer)
-        )
-
-    def get_logdir(self) -> str:
-        return self._logdir
-
-    def add_event(self, event: Any) -> None:
-        if not isinstance(event, self._event_type):
-            raise TypeError(f"expected a tensorboard Event protobuf, got {type(event).__name__}")
-        data = event.SerializeToString()
-        with self._lock:
-            if self._file.closed:
-                raise OSError(f"the event file {self.path} is closed")
-            self._records.write(data)
-            now = time.monotonic()
-            if now >= self._next_flush:
-                self._file.flush()
-                self._next_flush = now + self._flush_secs
-
-    def flush(self) -> None:
-        with self._lock:
-            if not self._file.closed:
-                self._file.flush()
-
-    def close(self) -> None:
-        with self._lock:
-            if not self._file.closed:
-                self._file.close()
-
-
-def use_fast_checksums() -> bool:
-    """Have TensorBoard's record writer compute its CRC-32C checksums in C.
-
-    Without TensorFlow, TensorBoard checksums every event record in pure Python,
-    about 0.1 ms of CPU per log event on a slow machine; google-crc32c (installed
-    with the ``tensorboard`` extra) gives the same checksum in about 0.5 µs. The
-    files are byte for byte the same. Returns whether the fast one is in use.
-    """
-    from tensorboard.summary.writer import record_writer
-
-    current = record_writer.masked_crc32c
-    if getattr(current, "hookloop_fast", False):
-        return True
-    try:
-        import google_crc32c
-    except ImportError:
-        return False
-    if google_crc32c.implementation != "c":
-        return False
-    crc = google_crc32c.value
-
-    def masked_crc32c(data: bytes) -> int:
-        x = crc(bytes(data))
-        return (((x >> 15) | (x << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-    masked_crc32c.hookloop_fast = True  # type: ignore[attr-defined]
-    record_writer.masked_crc32c = masked_crc32c
-    return True
+    return SummaryWriter
 
 
 class ResumableSummaryWriter(Callback):
@@ -216,7 +85,7 @@ class ResumableSummaryWriter(Callback):
             raise ValueError(f"flush_secs must be > 0, got {flush_secs!r}")
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
             raise ValueError(f"max_queue must be an int >= 1, got {max_queue!r}")
-        _summary_writer_class()  # fail now, naming the extra, rather than mid-run
+        _summary_writer_type()  # fail now, naming the extra, rather than mid-run
         self.log_dir = Path(log_dir)
         self.flush_secs = flush_secs
         self.max_queue = max_queue
@@ -274,7 +143,7 @@ class ResumableSummaryWriter(Callback):
         return self._writer
 
     def _open(self) -> Any:
-        cls = _summary_writer_class()
+        cls = _summary_writer_type()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         _wait_for_a_later_second(self.log_dir)
         writer = cls(
@@ -291,32 +160,28 @@ class ResumableSummaryWriter(Callback):
             self.writer.add_scalar(tag, value, global_step=step, **kwargs)
 
     def add_scalars_at(self, values: dict[str, Any], step: int, kind: str | None = None) -> None:
-        """Several scalars at one step as ONE event (one protobuf, one queue entry).
+        """Several scalars at one step, handed to the writer thread as ONE queue entry.
 
-        ``add_scalar`` costs about 0.1-0.2 ms per tag on a slow CPU; a log event
-        carries a dozen tags, so writing them together keeps logging off the
-        step time. TensorBoard reads them exactly like separate ``add_scalar``s.
-        With ``kind`` (``"train"``, ``"eval"``, ``"test"``), ``values`` are a log's or
-        metrics' own keys and values, numbers or not: the numbers among them are written,
-        tagged as :func:`~hookloop.callbacks.jsonlog.metric_tag` says, and that choice is
-        made on the writer thread (so the values must need no device read).
+        The loop pays for the hand-over only; the writer thread makes one ``add_scalar``
+        per value, all stamped with the same wall time. With ``kind`` (``"train"``,
+        ``"eval"``, ``"test"``), ``values`` are a log's or metrics' own keys and values,
+        numbers or not: the numbers among them are written, tagged as
+        :func:`~hookloop.callbacks.jsonlog.metric_tag` says, and that choice is made on the
+        writer thread (so the values must need no device read).
         """
         if not self.enabled or not values:
             return
-        self._background.submit(self._add_summary, values, step, kind)
+        self._background.submit(self._write_scalars, values, step, kind)
 
-    def _add_summary(self, values: dict[str, Any], step: int, kind: str | None = None) -> None:
-        """On the writer thread: one ``Summary`` protobuf for all of them."""
-        from tensorboard.compat.proto.summary_pb2 import Summary
-
+    def _write_scalars(self, values: dict[str, Any], step: int, kind: str | None = None) -> None:
+        """On the writer thread: ``values`` as scalars at ``step``."""
         if kind is not None:
             values = {metric_tag(kind, k): v for k, v in numeric_metrics(values).items()}
-            if not values:
-                return
-        summary = Summary(
-            value=[Summary.Value(tag=tag, simple_value=float(v)) for tag, v in values.items()]
-        )
-        self.writer._get_file_writer().add_summary(summary, step)
+        if not values:
+            return
+        writer, now = self.writer, time.time()
+        for tag, value in values.items():
+            writer.add_scalar(tag, float(value), global_step=step, walltime=now)
 
     def add_text(self, tag: str, text: str, step: int, **kwargs: Any) -> None:
         if self.enabled:
@@ -423,9 +288,9 @@ class TBLogger(Logger):
         if kind == "train":
             if values:
                 self._last_logs = values
-                self.writer._add_summary(values, record.step, kind)
+                self.writer._write_scalars(values, record.step, kind)
         elif kind in ("eval", "test"):
-            self.writer._add_summary(values, record.step, kind)
+            self.writer._write_scalars(values, record.step, kind)
             self.writer._flush_now()  # evaluations are rare: show them soon
         elif kind == "set":  # a live change: a text entry at its step
             text = f"`{values['key']}`: {values['old']!r} -> {values['new']!r} ({values['client']})"

@@ -156,8 +156,10 @@ def _run_objective(
     drawn = SearchSpace(space) if space is not None else None
     opt = optuna()
     out.mkdir(parents=True, exist_ok=True)
+    # The storage object is kept: recovering an interrupted trial writes through it.
+    rdb_storage = opt.storages.RDBStorage(storage or f"sqlite:///{(out / DB_FILE).resolve()}")
     study = opt.create_study(
-        storage=storage or f"sqlite:///{(out / DB_FILE).resolve()}",
+        storage=rdb_storage,
         study_name=study_name,
         directions=directions,
         sampler=opt.samplers.TPESampler(seed=seed + len(_trials_in(out, storage, study_name))),
@@ -167,7 +169,7 @@ def _run_objective(
     state = opt.trial.TrialState
     while True:
         with study_lock(out):
-            recover_interrupted(study)
+            recover_interrupted(study, rdb_storage)
             now = counts(study)
             if now.done >= trials:
                 return study

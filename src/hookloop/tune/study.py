@@ -379,6 +379,19 @@ def open_study(
     A storage that cannot be opened (an unknown URL scheme, a damaged ``study.db``) raises
     ``ValueError`` naming it, for the command to report in one line.
     """
+    study, _ = open_study_on_storage(spec, study_dir, sampler_seed=sampler_seed, existing=existing)
+    return study
+
+
+def open_study_on_storage(
+    spec: TuneSpec, study_dir: Path, *, sampler_seed: int | None = None, existing: bool = False
+) -> tuple[Any, Any]:
+    """:func:`open_study`, and the Optuna storage it opened the study on.
+
+    The driver keeps the storage to recover, fail and beat for trials by id
+    (:func:`recover_interrupted`, :func:`heartbeat`): Optuna's ``Study`` has no public
+    getter for its storage, so the one hookloop made is handed along instead.
+    """
     opt = optuna()
     seed = spec.seed if sampler_seed is None else sampler_seed
     shown = credentials.mask(spec.storage)
@@ -389,15 +402,17 @@ def open_study(
         )
     for attempt in range(4):  # drivers starting together on a fresh database race to create it
         try:
+            storage = _storage(spec, study_dir)
             found = {
-                "storage": _storage(spec, study_dir),
+                "storage": storage,
                 "study_name": spec.study_name,
                 "sampler": make_sampler(spec, seed),
                 "pruner": make_pruner(spec.pruner, spec.pruner_args),
             }
             if existing:
-                return opt.load_study(**found)
-            return opt.create_study(**found, directions=spec.directions, load_if_exists=True)
+                return opt.load_study(**found), storage
+            study = opt.create_study(**found, directions=spec.directions, load_if_exists=True)
+            return study, storage
         except ValueError:
             raise
         except Exception as err:  # SQLAlchemy's and Optuna's errors share no base worth naming
@@ -597,15 +612,15 @@ def counts(study: Any) -> Counts:
     )
 
 
-def recover_interrupted(study: Any) -> list[int]:
+def recover_interrupted(study: Any, storage: Any) -> list[int]:
     """Mark RUNNING trials whose process is gone FAIL, and enqueue their parameters again.
 
-    Call it holding :func:`study_lock`. A trial is interrupted when its
-    process ran on this host and is no longer alive, or when it has no process
-    recorded at all (its claimer died holding the lock). Returns their numbers.
+    Call it holding :func:`study_lock`, with the Optuna storage ``study`` was opened on
+    (:func:`open_study_on_storage`). A trial is interrupted when its process ran on this
+    host and is no longer alive, or when it has no process recorded at all (its claimer
+    died holding the lock). Returns their numbers.
     """
     opt = optuna()
-    storage = study._storage  # the RDBStorage we opened; optuna has no public getter
     study_id = storage.get_study_id_from_name(study.study_name)
     host = host_name()
     recovered = []
@@ -972,9 +987,8 @@ def surplus(study: Any, trial: Any, wanted: int) -> bool:
     return True
 
 
-def beat_once(study: Any, trial: Any) -> None:
+def beat_once(study: Any, storage: Any, trial: Any) -> None:
     """Record one heartbeat of ``trial`` (on a storage that keeps them)."""
-    storage = study._storage  # optuna has no public getter
     if hasattr(storage, "record_heartbeat"):
         study_id = storage.get_study_id_from_name(study.study_name)
         storage.record_heartbeat(
@@ -983,11 +997,10 @@ def beat_once(study: Any, trial: Any) -> None:
 
 
 @contextlib.contextmanager
-def heartbeat(study: Any, trial: Any, interval: int | None) -> Iterator[None]:
+def heartbeat(study: Any, storage: Any, trial: Any, interval: int | None) -> Iterator[None]:
     """Record Optuna's heartbeat for ``trial`` every ``interval`` seconds while it runs
     (``study.optimize`` does this itself; ask-and-tell must), so that when this machine is
     lost, another driver's ``fail_stale_trials`` fails the trial and it is retried."""
-    storage = study._storage  # optuna has no public getter
     if not interval or not hasattr(storage, "record_heartbeat"):
         yield
         return
@@ -1092,7 +1105,7 @@ def _lead(
         start = len(open_study(spec, study_dir).get_trials(deepcopy=False))
     salt = driver_salt(study_dir) if spec.storage is not None else 0
     seed = (spec.seed + 1000 * worker + 7919 * start + salt) % 2**31
-    study = open_study(spec, study_dir, sampler_seed=seed)
+    study, storage = open_study_on_storage(spec, study_dir, sampler_seed=seed)
     max_failures = spec.max_failures if spec.max_failures is not None else spec.trials
     ran = 0
     while True:
@@ -1104,7 +1117,7 @@ def _lead(
             with warnings.catch_warnings():  # Optuna marks it experimental
                 warnings.simplefilter("ignore", optuna().exceptions.ExperimentalWarning)
                 optuna().storages.fail_stale_trials(study)  # a lost machine's trials, retried
-            recover_interrupted(study)
+            recover_interrupted(study, storage)
             now = counts(study)
             if now.done >= spec.trials:
                 return ran
@@ -1118,7 +1131,7 @@ def _lead(
                     warnings.filterwarnings("ignore", "Heartbeat of storage", UserWarning)
                     trial = study.ask()
                 if spec.heartbeat_seconds():  # at once: a trial never heard from is never stale
-                    beat_once(study, trial)
+                    beat_once(study, storage, trial)
                 trial.set_user_attr("pid", os.getpid())
                 trial.set_user_attr("host", host_name())
                 trial.set_user_attr("run_dir", str(trial_dir(study_dir, trial.number)))
@@ -1133,7 +1146,7 @@ def _lead(
         if announce:
             broadcast_object((trial.number, values))
         try:
-            with heartbeat(study, trial, spec.heartbeat_seconds()):
+            with heartbeat(study, storage, trial, spec.heartbeat_seconds()):
                 run_trial(spec, study_dir, trial, values, interrupts)
         except optuna().exceptions.UpdateFinishedTrialError:
             finished_elsewhere(study.trials[trial.number], on_trial_end)
