@@ -116,7 +116,7 @@ def test_three_bad_submissions_under_a_victims_id_evict_an_unbound_one_but_not_a
         new = victim.submit_pseudogradients("victim", {n: torch.ones(4, 4) for n in start})
         for n in start:  # its own round, unharmed: w - 0.7 * 1.9 * g
             torch.testing.assert_close(new[n], start[n] - 0.7 * 1.9)
-        assert srv._refusals == {}  # nothing was counted against the victim
+        assert srv.roster.refusals == {}  # nothing was counted against the victim
     finally:
         srv.stop()
 
@@ -189,7 +189,7 @@ def test_a_worker_without_a_secret_needs_allow_unbound_workers_and_its_own_addre
         # hookloop's worker on the same server stays bound to its secret, even from its address.
         hook = _client(srv, token=None)
         hook.register("hk")
-        assert srv._workers["hk"].bound and not srv._workers["fg"].bound
+        assert srv.roster.workers["hk"].bound and not srv.roster.workers["fg"].bound
         reply = forgather.submit("hk", _nan(start))
         assert reply[0] == 403 and "bound to a secret" in _error(reply)
         ones = {n: torch.ones(4, 4) for n in start}

@@ -576,7 +576,7 @@ def test_a_streaming_worker_refused_by_the_server_stops_instead_of_training_alon
         worker = DiLoCoWorker(model, srv.address, sync_every=4, worker_id="s", bf16_comm=False,
                               heartbeat_interval=0, num_fragments=2, token=TOKEN)  # fmt: skip
         worker.start()
-        srv._evicted["s"] = "an earlier NaN"  # as after three refused contributions
+        srv.roster.evicted["s"] = "an earlier NaN"  # as after three refused contributions
         with pytest.raises(ServerRefused, match=r"409 .*worker s was evicted"):
             for _ in range(4):
                 _step(model)

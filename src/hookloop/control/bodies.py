@@ -91,6 +91,7 @@ def check_tree(value: Any, field: str = "", depth: int = 0) -> None:
         for key, item in value.items():
             if len(key) > MAX_ID:
                 raise BodyError(f"{name} has a key of more than {MAX_ID} characters")
+            key = key if key.isprintable() else json.dumps(key)[1:-1]  # the message: one line
             check_tree(item, f"{field}.{key}" if field else key, depth + 1)
 
 

@@ -1,4 +1,4 @@
-"""What every response of hookloop's HTTP servers carries, and how their pages are built.
+"""How the pages of hookloop's HTTP servers are built, and what they may run.
 
 A page (the control dashboard, the DiLoCo dashboard) is one self-contained
 document: its style sheet and script are inline, and :func:`page_csp` allows
@@ -9,29 +9,15 @@ So even a value that reached the page as markup could not run. The pages put
 server values into the document with ``textContent``, ``dataset`` and
 ``setAttribute`` only, never as markup.
 
-Every other response (JSON, tensors) gets :data:`API_CSP`, which allows nothing
-at all, and every response gets :data:`SAFE_HEADERS` (no sniffing, no caching,
-no framing, no ``Referer``): :func:`secure` adds them.
+Every other response (JSON, tensors) gets a policy that allows nothing at all,
+and every response gets headers against sniffing, caching, framing and ``Referer``
+(:func:`hookloop.control.service.secure`).
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from aiohttp import web
-
-#: On every response: nothing cached, sniffed, framed, or sent on as a Referer.
-SAFE_HEADERS = {
-    "Cache-Control": "no-store",
-    "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
-    "X-Frame-Options": "DENY",
-}
-#: The policy of every response that is not a page: nothing may load or run.
-API_CSP = "default-src 'none'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 
 
 def digest(text: str) -> str:
@@ -66,10 +52,3 @@ def page(title: str, style: str, body: str, script: str) -> bytes:
         f"<title>{title}</title>\n"
         f"<style>{style}</style>\n</head><body>{body}<script>{script}</script>\n</body></html>\n"
     ).encode()
-
-
-def secure(response: web.StreamResponse) -> web.StreamResponse:
-    """``response`` with :data:`SAFE_HEADERS`, and :data:`API_CSP` unless it has a policy."""
-    response.headers.update(SAFE_HEADERS)
-    response.headers.setdefault("Content-Security-Policy", API_CSP)
-    return response
