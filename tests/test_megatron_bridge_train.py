@@ -272,6 +272,74 @@ def test_train_step_returns_megatron_bridges_seven_values_and_updates_the_model(
     assert mb_train.train_step(forward_step, byte_batches(), **_step_kwargs(run))[5] is None
 
 
+def linear_step(
+    samples: list[torch.Tensor], scale: float = 1.0
+) -> tuple[Any, Iterator[torch.Tensor]]:
+    """A forward step with the ``(loss, num_tokens, loss_dict)`` pattern over ``samples``
+    (one micro-batch each), its loss multiplied by ``scale``."""
+
+    def step(data_iterator: Iterator[torch.Tensor], model: torch.nn.Module) -> Any:
+        x = next(data_iterator)
+        out = model(x)
+
+        def loss_func(output: torch.Tensor) -> Any:
+            total = (output**2).sum() * scale
+            tokens = torch.tensor(float(output.numel()))
+            return total, tokens, {"lm loss": torch.stack([total.detach(), tokens])}
+
+        return out, loss_func
+
+    return step, iter(samples)
+
+
+def test_train_step_backpropagates_megatrons_scaled_losses_and_clips_once():
+    cfg = tiny_gpt_pretrain_config()  # two micro-batches a step, clip_grad 1.0
+    cfg.optimizer.clip_grad = 0.5
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    reference = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    samples = [torch.randn(4, 3), torch.randn(2, 3)]
+    step, data = linear_step(samples)
+    loss_dict, skipped, _, _, _, grad_norm, _ = mb_train.train_step(
+        step, data, [model], optimizer, scheduler, GlobalState(cfg)
+    )
+    # By hand: each micro-batch's loss over its tokens over the micro-batch count, summed
+    # gradients, clipped to 0.5, one SGD update.
+    weight, bias = (t.clone().requires_grad_() for t in reference)
+    total = sum(
+        ((x @ weight.T + bias) ** 2).sum() / (x.shape[0] * 2) / len(samples) for x in samples
+    )
+    total.backward()
+    norm = torch.cat([weight.grad.flatten(), bias.grad.flatten()]).norm()
+    factor = min(1.0, 0.5 / (float(norm) + 1e-6))
+    assert grad_norm == pytest.approx(float(norm), rel=1e-5)
+    for param, ref in zip(model.parameters(), (weight, bias), strict=True):
+        expected = ref.detach() - 0.1 * factor * ref.grad
+        assert torch.allclose(param.detach(), expected, atol=1e-6)
+        assert param.grad is None  # cleared after the update
+    sums = [((x @ reference[0].T + reference[1]) ** 2).sum() for x in samples]
+    assert loss_dict["lm loss"].item() == pytest.approx(float(sum(sums)) / 12, rel=1e-5)
+    assert skipped == 0 and optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+
+
+def test_a_non_finite_gradient_norm_skips_the_update_and_the_scheduler_step():
+    cfg = tiny_gpt_pretrain_config()
+    model = torch.nn.Linear(3, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    step, data = linear_step([torch.randn(4, 3), torch.randn(4, 3)], scale=float("inf"))
+    _, skipped, _, _, _, grad_norm, _ = mb_train.train_step(
+        step, data, [model], optimizer, scheduler, GlobalState(cfg)
+    )
+    assert (skipped, grad_norm) == (1, None)
+    assert optimizer.param_groups[0]["lr"] == 0.1  # the scheduler did not step
+    for param, old in zip(model.parameters(), before, strict=True):
+        assert torch.equal(param.detach(), old) and param.grad is None
+
+
 def _step_kwargs(run: dict[str, Any]) -> dict[str, Any]:
     keys = ("model", "optimizer", "scheduler", "global_state")
     return {key: run[key] for key in keys}

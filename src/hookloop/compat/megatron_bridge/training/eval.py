@@ -26,11 +26,11 @@ from hookloop.compat.megatron_bridge.training.callbacks import (
     CallbackManager,
     should_fire,
 )
-from hookloop.compat.megatron_bridge.training.forward_backward import (
-    forward_backward,
+from hookloop.compat.megatron_bridge.training.loggers import write_validation_scalars
+from hookloop.compat.megatron_bridge.training.microbatches import (
+    forward_passes,
     num_microbatches,
 )
-from hookloop.compat.megatron_bridge.training.loggers import write_validation_scalars
 from hookloop.compat.megatron_bridge.training.state import GlobalState
 from hookloop.distributed import rank_info
 
@@ -83,8 +83,8 @@ def evaluate(
                     logger.info("Evaluating iter %d/%d", iteration, cfg.eval_iters)
                 _fire(callback_manager, f"on_{kind}_step_start", state, model)
                 what = "test_data_iterator" if is_test else "valid_data_iterator"
-                loss_dicts = forward_backward(
-                    forward_step_func, data_iterator, model[0], count, forward_only=True, what=what
+                loss_dicts = forward_passes(
+                    forward_step_func, data_iterator, model[0], count, what=what
                 )
                 _fire(callback_manager, f"on_{kind}_step_end", state, model)
                 _accumulate(sums, loss_dicts)

@@ -1,8 +1,8 @@
 """What :func:`~.train.train` checks and computes besides Megatron-Bridge's 14 functions.
 
 The checks of ``train()``'s arguments (one line naming what is wrong), the binding of
-a forward step to the run's state, the clipped optimizer update, the agreement of
-an exit flag across ranks and ``train.manual_gc``'s garbage collection.
+a forward step to the run's state, the agreement of an exit flag across ranks and
+``train.manual_gc``'s garbage collection.
 """
 
 from __future__ import annotations
@@ -70,21 +70,6 @@ def bind_step(forward_step_func: ForwardStepFunc, global_state: GlobalState) -> 
             f"(data_iterator, model), got {type(forward_step_func).__name__}"
         )
     return functools.partial(bind_forward_step(forward_step_func), global_state)
-
-
-def optimizer_step(
-    optimizer: torch.optim.Optimizer, model: list[torch.nn.Module], clip_grad: float
-) -> tuple[bool, float | None]:
-    """Clip (when ``clip_grad`` > 0) and step; skip the update when the norm is not finite."""
-    grad_norm = None
-    if clip_grad > 0:
-        params = [p for chunk in model for p in chunk.parameters() if p.grad is not None]
-        norm = float(torch.nn.utils.clip_grad_norm_(params, clip_grad))
-        if not torch.isfinite(torch.tensor(norm)):
-            return False, None
-        grad_norm = norm
-    optimizer.step()
-    return True, grad_norm
 
 
 def agreed(flag: bool) -> bool:

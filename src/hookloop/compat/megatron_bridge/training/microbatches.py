@@ -1,13 +1,16 @@
-"""Forward and backward over one global batch's micro-batches, as Megatron-Core does it.
+"""One global batch's micro-batches, as Megatron-Core's schedule sees them.
 
-``training.train`` and ``training.eval`` run the user's forward step through here.
 It follows Megatron-Core's schedule without pipeline stages: for each micro-batch,
 ``forward_step(data_iterator, model)`` returns ``(output, loss_func)`` and
 ``loss_func(output)`` returns either
 
 - ``(loss, num_tokens, loss_dict)``: the backward pass gets ``loss / num_tokens /
   num_microbatches``; or
-- ``(loss, loss_dict)``: the backward pass gets ``loss / num_microbatches``.
+- ``(loss, loss_dict)``: the backward pass gets ``loss / num_microbatches``
+  (:func:`split_loss`).
+
+Training runs the backward in hookloop's Stepper (:mod:`.native_step`); evaluation
+runs the forward passes alone (:func:`forward_passes`).
 
 Each micro-batch's ``loss_dict`` is kept; :func:`reduce_loss_dicts` turns the list into
 the step's ``loss_dict`` as Megatron-Bridge's ``train_step`` does: a 2-element value
@@ -44,16 +47,15 @@ def num_microbatches(
     return global_batch_size // per_step
 
 
-def forward_backward(
+def forward_passes(
     forward_step: Callable[[Iterator[Any], Any], tuple[Any, Callable[[Any], Any]]],
     data_iterator: Iterator[Any] | None,
     model: torch.nn.Module,
     count: int,
     *,
-    forward_only: bool,
     what: str,
 ) -> list[dict[str, torch.Tensor]]:
-    """Run ``count`` micro-batches; return each one's ``loss_dict``.
+    """Run ``count`` micro-batches forward (no backward); return each one's ``loss_dict``.
 
     ``forward_step`` takes ``(data_iterator, model)`` (the global state already bound).
     ``what`` names the iterator in the error raised when it runs out early.
@@ -63,18 +65,20 @@ def forward_backward(
         try:
             output, loss_func = forward_step(data_iterator, model)
         except StopIteration:
-            raise RuntimeError(
-                f"{what} ran out of data at micro-batch {index + 1} of {count}; give an "
-                "iterator that yields enough micro-batches (or lower the iteration count)"
-            ) from None
-        loss, loss_dict = _split(loss_func(output), count)
-        if not forward_only:
-            loss.backward()
-        loss_dicts.append(loss_dict)
+            raise ran_out_of_data(what, index, count) from None
+        loss_dicts.append(split_loss(loss_func(output), count)[1])
     return loss_dicts
 
 
-def _split(result: Any, count: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def ran_out_of_data(what: str, index: int, count: int) -> RuntimeError:
+    """The error for an iterator that ended at micro-batch ``index`` (from 0) of ``count``."""
+    return RuntimeError(
+        f"{what} ran out of data at micro-batch {index + 1} of {count}; give an "
+        "iterator that yields enough micro-batches (or lower the iteration count)"
+    )
+
+
+def split_loss(result: Any, count: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``(loss to back-propagate, loss_dict)`` of one ``loss_func`` result."""
     if not isinstance(result, tuple) or len(result) not in (2, 3):
         raise TypeError(f"loss_func(output) must return {LOSS_PATTERNS}, got {_kind(result)}")

@@ -1,0 +1,146 @@
+"""Megatron-Bridge's ``train_step`` on hookloop's own :class:`~hookloop.loop.stepper.Stepper`.
+
+The dialect does not run a backward, a clip or an optimizer update of its own: one
+global batch of ``training.train`` goes through the native Stepper, the same one
+``hookloop.loop.Trainer`` steps with. The dialect supplies what Megatron-Core does its
+own way:
+
+- the micro-step (:class:`MegatronMicroStep`): ``forward_step(data_iterator, model)``
+  reads its micro-batch from the user's iterator itself (Megatron-Core's schedule hands
+  the forward step the iterator, not a batch), and the backward gets
+  ``loss / num_tokens / num_microbatches`` or ``loss / num_microbatches``
+  (:func:`~.microbatches.split_loss`);
+- the loss reduction (:class:`MegatronLosses`): each micro-batch's ``loss_dict`` kept
+  and reduced as Megatron-Bridge's ``train_step`` does (:func:`~.microbatches.reduce_loss_dicts`);
+- the skip rule: with ``optimizer.clip_grad`` > 0 an update whose gradient norm is not
+  finite is skipped (Megatron's optimizer reports it as an unsuccessful update).
+
+Clipping (to ``optimizer.clip_grad``), ``optimizer.step()``, the scheduler step after a
+successful update and the clearing of the gradients are the Stepper's.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from hookloop.checkpoint.rewind import Rewinder
+from hookloop.compat.megatron_bridge.training.microbatches import (
+    ran_out_of_data,
+    reduce_loss_dicts,
+    split_loss,
+)
+from hookloop.compat.megatron_bridge.training.state import GlobalState
+from hookloop.config import TrainConfig
+from hookloop.distributed import rank_info
+from hookloop.loop.stepper import Clipping, MicroStep, Stepper
+from hookloop.precision import Precision
+from hookloop.requests import Control
+from hookloop.state import CallbackContext, Progress
+from hookloop.step import LossReducer
+
+#: ``(loss_dict, skipped_iter, grad_norm)`` of one step.
+StepOutcome = tuple[dict[str, torch.Tensor], int, float | None]
+
+
+class MegatronLosses(LossReducer):
+    """The step's ``loss_dict``s, one per micro-batch, reduced as Megatron-Bridge does."""
+
+    __slots__ = ("loss_dicts",)
+
+    def reset(self) -> None:
+        super().reset()
+        self.token_mode = False  # the backward already divided by the tokens
+        self.loss_dicts: list[dict[str, torch.Tensor]] = []
+
+    def result(self) -> dict[str, Any]:
+        return reduce_loss_dicts(self.loss_dicts)
+
+
+class MegatronMicroStep(MicroStep):
+    """Forward, loss and backward of one micro-batch as Megatron-Core's schedule runs it:
+    the forward step draws from ``data_iterator`` (the loop's group only counts)."""
+
+    def __init__(
+        self,
+        forward: Callable[[Iterator[Any] | None, Any], tuple[Any, Callable[[Any], Any]]],
+        data_iterator: Iterator[Any] | None,
+        precision: Precision,
+        what: str,
+    ) -> None:
+        super().__init__(forward, None, precision)
+        self.reducer: MegatronLosses = MegatronLosses()
+        self.data_iterator, self.what = data_iterator, what
+
+    def run(self, batch: Any, data: Iterator[Any], model: Any, k: int) -> tuple[Any, Any]:
+        index = len(self.reducer.loss_dicts)
+        try:
+            output, loss_func = self.forward(self.data_iterator, model)
+        except StopIteration:
+            raise ran_out_of_data(self.what, index, k) from None
+        loss, loss_dict = split_loss(loss_func(output), k)
+        self.precision.backward(loss)
+        self.reducer.loss_dicts.append(loss_dict)
+        return output, loss
+
+
+def megatron_stepper(
+    forward: Callable[..., Any],
+    data_iterator: Iterator[Any] | None,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    global_state: GlobalState,
+) -> Stepper:
+    """A native Stepper over one model chunk, timed by the run's ``forward-backward`` and
+    ``optimizer`` timers, clipping to ``optimizer.clip_grad`` (0: no clipping, no norm)."""
+    first = next(model.parameters(), None)
+    device = first.device if first is not None else torch.device("cpu")
+    precision = Precision("fp32", device)  # the loop's tensors are the model's own dtype
+    progress = Progress()
+    progress.rank, progress.local_rank, progress.world_size = rank_info()
+    timers = global_state.timers
+    clip = global_state.cfg.optimizer.clip_grad
+    return Stepper(
+        model=model,
+        train_model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        precision=precision,
+        micro_step=MegatronMicroStep(forward, data_iterator, precision, "train_data_iterator"),
+        clipping=Clipping(clip if clip > 0 else None),
+        progress=progress,
+        control=Control(),
+        ctx=CallbackContext(),
+        hooks=collections.defaultdict(tuple),  # no micro-step events in Megatron-Bridge
+        fire=_no_event,
+        rewinder=Rewinder(progress, 1),
+        # The skip rule is Megatron's (below), not the native loss-and-gradient check.
+        config=TrainConfig(skip_nonfinite=False, max_skipped_steps=None),
+        device=device,
+        timers=(timers("forward-backward"), timers("optimizer")),
+        clock=time.perf_counter,
+    )
+
+
+def run_step(stepper: Stepper, microbatches: int) -> StepOutcome:
+    """One global batch of ``microbatches`` through ``stepper``: the step's losses, 1 when
+    the update was skipped (else 0), and the gradient norm as a float (None: not
+    clipped, or not finite)."""
+    stepper.forward_backward([None] * microbatches)
+    loss_dict, norm = stepper.prepare()
+    grad_norm = None if norm is None else float(norm)  # Megatron-Bridge returns a float
+    if grad_norm is not None and not math.isfinite(grad_norm):
+        stepper.control.skip_step()
+        grad_norm = None
+    skipped = stepper.update(loss_dict, norm)
+    return loss_dict, int(skipped), grad_norm
+
+
+def _no_event(event: str, ctx: CallbackContext) -> None:
+    """Megatron-Bridge has no micro-step events: the Stepper fires none."""
