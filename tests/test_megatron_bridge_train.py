@@ -525,3 +525,78 @@ def test_pretrain_counts_the_validation_and_test_samples_it_reads():
     pretrain(cfg, forward_step, manager)
     per_pass = 2 * cfg.train.micro_batch_size  # eval_iters batches of one micro-batch
     assert seen == {"on_train_end": 2 * per_pass, "on_test_end": 4 * per_pass}
+
+
+# -- two ranks
+
+TWO_RANK_JOB = """
+import json, sys
+import torch
+import torch.distributed as dist
+from hookloop.compat.megatron_bridge.recipes import tiny_gpt_pretrain_config
+from hookloop.compat.megatron_bridge.training import train as mb_train
+from hookloop.compat.megatron_bridge.training.callbacks import CallbackManager
+from hookloop.compat.megatron_bridge.training.state import GlobalState
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+cfg = tiny_gpt_pretrain_config(train_iters=2, eval_interval=2)
+cfg.train.global_batch_size = 16  # two micro-batches of 4 on each of the two ranks
+cfg.train.exit_duration_in_mins = 1e6  # agreed over the ranks after every step
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 2))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def batches(seed):
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        yield torch.randn(4, 3, generator=gen) * (1 + rank)
+
+
+def step(data_iterator, model):
+    out = model(next(data_iterator))
+
+    def loss_func(output):
+        total, tokens = (output**2).sum(), torch.tensor(float(output.numel()))
+        return total, tokens, {"lm loss": torch.stack([total.detach(), tokens])}
+
+    return out, loss_func
+
+
+seen = {"train": [], "valid": []}
+manager = CallbackManager()
+manager.register(
+    "on_train_step_end", lambda ctx: seen["train"].append(float(ctx.loss_dict["lm loss"]))
+)
+manager.register(
+    "on_eval_end", lambda ctx: seen["valid"].append(float(ctx.total_loss_dict["lm loss"]))
+)
+mb_train.train(
+    step, [model], optimizer, None, batches(rank), batches(10 + rank), GlobalState(cfg), {},
+    callback_manager=manager,
+)
+seen["params"] = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
+with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
+    json.dump(seen, f)
+dist.destroy_process_group()
+"""
+
+
+def test_two_ranks_agree_on_losses_validation_and_weights(tmp_path):
+    import json
+    import subprocess
+
+    job = tmp_path / "job.py"
+    job.write_text(TWO_RANK_JOB)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.run(
+        [*cmd, str(job), str(tmp_path)], capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    first, second = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert len(first["train"]) == 2 and len(first["valid"]) == 1
+    # Each rank reads other data; the [sum, count] losses are reduced over both ranks.
+    assert first["train"] == pytest.approx(second["train"])
+    assert first["valid"] == pytest.approx(second["valid"])
+    assert first["params"] == pytest.approx(second["params"])  # DDP averaged the gradients

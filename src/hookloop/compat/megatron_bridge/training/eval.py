@@ -32,7 +32,8 @@ from hookloop.compat.megatron_bridge.training.microbatches import (
     num_microbatches,
 )
 from hookloop.compat.megatron_bridge.training.state import GlobalState
-from hookloop.distributed import rank_info
+from hookloop.compat.megatron_bridge.training.train_support import agreed, chunk_device
+from hookloop.distributed import all_reduce_sum, is_distributed, rank_info
 
 logger = logging.getLogger("megatron.bridge.training.eval")
 
@@ -89,7 +90,7 @@ def evaluate(
                 _fire(callback_manager, f"on_{kind}_step_end", state, model)
                 _accumulate(sums, loss_dicts)
                 state.train_state.consumed_valid_samples += cfg.global_batch_size
-                if _time_is_up(state):
+                if _time_is_up(state, model):
                     logger.info("Exiting during evaluation, timelimit reached")
                     return None, None, True
         non_loss_data = non_loss_data_func(model) if non_loss_data_func is not None else None
@@ -99,9 +100,9 @@ def evaluate(
         if timer.active:
             timer.stop()
     state.timers.log(["evaluate"])
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        for total in sums.values():
-            torch.distributed.all_reduce(total)
+    if is_distributed():  # every rank's sums, on a device the backend reaches
+        device = chunk_device(model)
+        sums = {key: all_reduce_sum(total.to(device)) for key, total in sums.items()}
     total_loss_dict = {key: total[0] / total[1] for key, total in sums.items()}
     if should_fire(callback_manager, f"on_{kind}_end"):
         assert callback_manager is not None
@@ -177,15 +178,12 @@ def _refuse_pipeline_arguments(p2p_communicator: Any, pg_collection: Any) -> Non
             )
 
 
-def _time_is_up(state: GlobalState) -> bool:
+def _time_is_up(state: GlobalState, model: list[torch.nn.Module]) -> bool:
     """Whether ``train.exit_duration_in_mins`` has passed since the job started, on any rank."""
     minutes = state.cfg.train.exit_duration_in_mins
     if not minutes:
         return False
-    done = torch.tensor([int((time.time() - state.start_time) / 60.0 > minutes)])
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MAX)
-    return bool(done.item())
+    return agreed((time.time() - state.start_time) / 60.0 > minutes, model)
 
 
 def _accumulate(sums: dict[str, torch.Tensor], loss_dicts: list[dict[str, Any]]) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from hookloop.distributed import is_distributed
+from hookloop.distributed import all_reduce_sum
 
 #: What ``loss_func(output)`` may return, for error messages.
 LOSS_PATTERNS = "(loss, loss_dict) or (loss, num_tokens, loss_dict)"
@@ -101,8 +101,7 @@ def reduce_loss_dicts(loss_dicts: list[dict[str, torch.Tensor]]) -> dict[str, to
         values = [torch.as_tensor(d[key]).detach().reshape(-1).float() for d in loss_dicts]
         if values[0].numel() == 2:
             total = torch.stack(values).sum(dim=0)
-            if is_distributed():
-                torch.distributed.all_reduce(total)
+            total = all_reduce_sum(total)  # [sum, count] over data-parallel ranks
             reduced[key] = total[0] / total[1]
         elif values[0].numel() == 1:
             reduced[key] = torch.cat(values).mean()

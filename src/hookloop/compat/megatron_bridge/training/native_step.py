@@ -36,6 +36,7 @@ from hookloop.compat.megatron_bridge.training.microbatches import (
     split_loss,
 )
 from hookloop.compat.megatron_bridge.training.state import GlobalState
+from hookloop.compat.megatron_bridge.training.train_support import chunk_device
 from hookloop.config import TrainConfig
 from hookloop.distributed import rank_info
 from hookloop.loop.stepper import Clipping, MicroStep, Stepper
@@ -99,8 +100,7 @@ def megatron_stepper(
 ) -> Stepper:
     """A native Stepper over one model chunk, timed by the run's ``forward-backward`` and
     ``optimizer`` timers, clipping to ``optimizer.clip_grad`` (0: no clipping, no norm)."""
-    first = next(model.parameters(), None)
-    device = first.device if first is not None else torch.device("cpu")
+    device = chunk_device([model])
     precision = Precision("fp32", device)  # the loop's tensors are the model's own dtype
     progress = Progress()
     progress.rank, progress.local_rank, progress.world_size = rank_info()

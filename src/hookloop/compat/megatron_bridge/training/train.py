@@ -484,7 +484,7 @@ def checkpoint_and_decide_exit(
         saved = True
     minutes = cfg.train.exit_duration_in_mins
     train_time = (time.time() - state.start_time) / 60.0
-    if minutes and agreed(train_time > minutes):
+    if minutes and agreed(train_time > minutes, model):
         if cfg.checkpoint.save and not saved:
             save()
         barrier_and_log(f"exiting program after {train_time} minutes")

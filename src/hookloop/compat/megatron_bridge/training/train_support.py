@@ -19,7 +19,7 @@ from hookloop.compat.megatron_bridge.training.callbacks import CallbackManager
 from hookloop.compat.megatron_bridge.training.config import ConfigContainer
 from hookloop.compat.megatron_bridge.training.megatron_core import check_chunks
 from hookloop.compat.megatron_bridge.training.state import GlobalState
-from hookloop.distributed import rank_info
+from hookloop.distributed import agree_flags, is_distributed, rank_info
 from hookloop.step import bind_forward_step
 
 ForwardStepFunc = Callable[..., tuple[Any, Callable[[Any], Any]]]
@@ -72,13 +72,19 @@ def bind_step(forward_step_func: ForwardStepFunc, global_state: GlobalState) -> 
     return functools.partial(bind_forward_step(forward_step_func), global_state)
 
 
-def agreed(flag: bool) -> bool:
-    """``flag`` agreed over ranks: True when any rank says so."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+def agreed(flag: bool, model: list[Any]) -> bool:
+    """``flag`` agreed over ranks (True when any rank says so), through the one helper
+    the native loop agrees with, on the device of ``model``'s chunk (which the process
+    group's backend reaches: NCCL refuses host tensors)."""
+    if not is_distributed():
         return flag
-    value = torch.tensor([int(flag)])
-    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
-    return bool(value.item())
+    return bool(agree_flags([int(flag)], chunk_device(model))[0])
+
+
+def chunk_device(model: list[Any]) -> torch.device:
+    """The device of the first parameter of ``model``'s first chunk (CPU without one)."""
+    first = next(model[0].parameters(), None) if model else None
+    return first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
 
 
 @contextlib.contextmanager
