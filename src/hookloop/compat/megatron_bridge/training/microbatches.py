@@ -6,8 +6,7 @@ It follows Megatron-Core's schedule without pipeline stages: for each micro-batc
 
 - ``(loss, num_tokens, loss_dict)``: the backward pass gets ``loss / num_tokens /
   num_microbatches``; or
-- ``(loss, loss_dict)``: the backward pass gets ``loss / num_microbatches``
-  (:func:`split_loss`).
+- ``(loss, loss_dict)``: the backward pass gets ``loss / num_microbatches``.
 
 Training runs the backward in hookloop's Stepper (:mod:`.native_step`); evaluation
 runs the forward passes alone (:func:`forward_passes`).
@@ -66,7 +65,7 @@ def forward_passes(
             output, loss_func = forward_step(data_iterator, model)
         except StopIteration:
             raise ran_out_of_data(what, index, count) from None
-        loss_dicts.append(split_loss(loss_func(output), count)[1])
+        loss_dicts.append(split_loss(loss_func(output))[1])
     return loss_dicts
 
 
@@ -78,8 +77,10 @@ def ran_out_of_data(what: str, index: int, count: int) -> RuntimeError:
     )
 
 
-def split_loss(result: Any, count: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """``(loss to back-propagate, loss_dict)`` of one ``loss_func`` result."""
+def split_loss(result: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``(loss, loss_dict)`` of one ``loss_func`` result, the loss divided by its
+    ``num_tokens`` in the three-value pattern (the division by the micro-batch count is
+    the Stepper's)."""
     if not isinstance(result, tuple) or len(result) not in (2, 3):
         raise TypeError(f"loss_func(output) must return {LOSS_PATTERNS}, got {_kind(result)}")
     loss, loss_dict = result[0], result[-1]
@@ -89,7 +90,7 @@ def split_loss(result: Any, count: int) -> tuple[torch.Tensor, dict[str, torch.T
         raise TypeError(f"loss_func's loss_dict must be a dict, got {_kind(loss_dict)}")
     if len(result) == 3:
         loss = loss / result[1]
-    return loss.reshape(()) / count, loss_dict
+    return loss.reshape(()), loss_dict
 
 
 def reduce_loss_dicts(loss_dicts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

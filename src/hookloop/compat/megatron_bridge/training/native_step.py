@@ -5,13 +5,14 @@ global batch of ``training.train`` goes through the native Stepper, the same one
 ``hookloop.loop.Trainer`` steps with. The dialect supplies what Megatron-Core does its
 own way:
 
-- the micro-step (:class:`MegatronMicroStep`): ``forward_step(data_iterator, model)``
-  reads its micro-batch from the user's iterator itself (Megatron-Core's schedule hands
-  the forward step the iterator, not a batch), and the backward gets
-  ``loss / num_tokens / num_microbatches`` or ``loss / num_microbatches``
-  (:func:`~.microbatches.split_loss`);
-- the loss reduction (:class:`MegatronLosses`): each micro-batch's ``loss_dict`` kept
-  and reduced as Megatron-Bridge's ``train_step`` does (:func:`~.microbatches.reduce_loss_dicts`);
+- the data flow (:class:`MegatronMicroStep`, the native micro-step with its own
+  forward): ``forward_step(data_iterator, model)`` reads its micro-batch from the
+  user's iterator itself (Megatron-Core's schedule hands the forward step the
+  iterator, not a batch);
+- the losses (:class:`MegatronLosses`): the native micro-step back-propagates
+  ``loss / num_tokens`` (or ``loss``) over the micro-batch count, as Megatron-Core
+  scales it, and each micro-batch's ``loss_dict`` is kept and reduced as
+  Megatron-Bridge's ``train_step`` does (:func:`~.microbatches.reduce_loss_dicts`);
 - the skip rule: with ``optimizer.clip_grad`` > 0 an update whose gradient norm is not
   finite is skipped (Megatron's optimizer reports it as an unsuccessful update).
 
@@ -31,6 +32,7 @@ import torch
 
 from hookloop.checkpoint.rewind import Rewinder
 from hookloop.compat.megatron_bridge.training.microbatches import (
+    num_microbatches,
     ran_out_of_data,
     reduce_loss_dicts,
     split_loss,
@@ -50,44 +52,52 @@ StepOutcome = tuple[dict[str, torch.Tensor], int, float | None]
 
 
 class MegatronLosses(LossReducer):
-    """The step's ``loss_dict``s, one per micro-batch, reduced as Megatron-Bridge does."""
+    """The step's ``loss_dict``s, one per micro-batch, reduced as Megatron-Bridge does.
+
+    The native :class:`~hookloop.loop.stepper.MicroStep` hands it each ``loss_func``
+    result and back-propagates what :meth:`add` returns, divided by the micro-batch count.
+    """
 
     __slots__ = ("loss_dicts",)
 
     def reset(self) -> None:
         super().reset()
-        self.token_mode = False  # the backward already divided by the tokens
+        self.token_mode = False  # the loss comes divided by its own tokens (Megatron-Core's)
         self.loss_dicts: list[dict[str, torch.Tensor]] = []
+
+    def add(self, result: Any) -> tuple[torch.Tensor, Any]:
+        loss, loss_dict = split_loss(result)
+        self.loss_dicts.append(loss_dict)
+        return loss, None
 
     def result(self) -> dict[str, Any]:
         return reduce_loss_dicts(self.loss_dicts)
 
 
 class MegatronMicroStep(MicroStep):
-    """Forward, loss and backward of one micro-batch as Megatron-Core's schedule runs it:
-    the forward step draws from ``data_iterator`` (the loop's group only counts)."""
+    """The native micro-step (forward, ``loss_func``, backward of the loss over the
+    micro-batch count) with Megatron-Core's data flow: the forward step draws its
+    micro-batch from ``data_iterator`` itself (the loop's group only counts them), and
+    its losses go to :class:`MegatronLosses`."""
 
     def __init__(
         self,
         forward: Callable[[Iterator[Any] | None, Any], tuple[Any, Callable[[Any], Any]]],
         data_iterator: Iterator[Any] | None,
         precision: Precision,
-        what: str,
+        count: int,
     ) -> None:
-        super().__init__(forward, None, precision)
+        super().__init__(self.forward_on_iterator, None, precision)
         self.reducer: MegatronLosses = MegatronLosses()
-        self.data_iterator, self.what = data_iterator, what
+        self.user_forward, self.data_iterator, self.count = forward, data_iterator, count
 
-    def run(self, batch: Any, data: Iterator[Any], model: Any, k: int) -> tuple[Any, Any]:
-        index = len(self.reducer.loss_dicts)
+    def forward_on_iterator(self, state: Any, group: Iterator[Any], model: Any) -> Any:
+        """``forward_step(data_iterator, model)`` on the user's iterator, its end named."""
         try:
-            output, loss_func = self.forward(self.data_iterator, model)
+            return self.user_forward(self.data_iterator, model)
         except StopIteration:
-            raise ran_out_of_data(self.what, index, k) from None
-        loss, loss_dict = split_loss(loss_func(output), k)
-        self.precision.backward(loss)
-        self.reducer.loss_dicts.append(loss_dict)
-        return output, loss
+            index = len(self.reducer.loss_dicts)
+            raise ran_out_of_data("train_data_iterator", index, self.count) from None
 
 
 def megatron_stepper(
@@ -112,7 +122,7 @@ def megatron_stepper(
         optimizer=optimizer,
         scheduler=scheduler,
         precision=precision,
-        micro_step=MegatronMicroStep(forward, data_iterator, precision, "train_data_iterator"),
+        micro_step=MegatronMicroStep(forward, data_iterator, precision, microbatches(global_state)),
         clipping=Clipping(clip if clip > 0 else None),
         progress=progress,
         control=Control(),
@@ -128,11 +138,13 @@ def megatron_stepper(
     )
 
 
-def run_step(stepper: Stepper, microbatches: int) -> StepOutcome:
-    """One global batch of ``microbatches`` through ``stepper``: the step's losses, 1 when
-    the update was skipped (else 0), and the gradient norm as a float (None: not
-    clipped, or not finite)."""
-    stepper.forward_backward([None] * microbatches)
+def run_step(stepper: Stepper) -> StepOutcome:
+    """One global batch through ``stepper`` (a :func:`megatron_stepper`): the step's
+    losses, 1 when the update was skipped (else 0), and the gradient norm as a float
+    (None: not clipped, or not finite)."""
+    micro_step = stepper.micro_step
+    assert isinstance(micro_step, MegatronMicroStep)
+    stepper.forward_backward([None] * micro_step.count)
     loss_dict, norm = stepper.prepare()
     grad_norm = None if norm is None else float(norm)  # Megatron-Bridge returns a float
     if grad_norm is not None and not math.isfinite(grad_norm):
@@ -140,6 +152,16 @@ def run_step(stepper: Stepper, microbatches: int) -> StepOutcome:
         grad_norm = None
     skipped = stepper.update(loss_dict, norm)
     return loss_dict, int(skipped), grad_norm
+
+
+def microbatches(global_state: GlobalState) -> int:
+    """Micro-batches per step on each rank, for the run's batch sizes and ranks."""
+    cfg = global_state.cfg.train
+    return num_microbatches(
+        global_batch_size=cfg.global_batch_size,
+        micro_batch_size=cfg.micro_batch_size,
+        data_parallel_size=rank_info()[2],
+    )
 
 
 def _no_event(event: str, ctx: CallbackContext) -> None:

@@ -344,14 +344,8 @@ def train_step(
 
 def _step_with(stepper: Stepper, global_state: GlobalState) -> TrainStepResult:
     """One global batch through the native ``stepper``, as :func:`train_step` returns it."""
-    cfg = global_state.cfg.train
-    count = num_microbatches(
-        global_batch_size=cfg.global_batch_size,
-        micro_batch_size=cfg.micro_batch_size,
-        data_parallel_size=rank_info()[2],
-    )
     stepper.optimizer.zero_grad(set_to_none=True)  # as Megatron-Bridge, before the step
-    loss_dict, skipped_iter, grad_norm = run_step(stepper, count)
+    loss_dict, skipped_iter, grad_norm = run_step(stepper)
     return (loss_dict, skipped_iter, False, False, 0, grad_norm, None)
 
 
