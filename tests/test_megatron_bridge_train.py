@@ -340,6 +340,30 @@ def test_a_non_finite_gradient_norm_skips_the_update_and_the_scheduler_step():
         assert torch.equal(param.detach(), old) and param.grad is None
 
 
+class IncrementScheduler:
+    """A scheduler stepped as Megatron's ``OptimizerParamScheduler`` is: by samples."""
+
+    def __init__(self) -> None:
+        self.increments: list[int] = []
+
+    def step(self, increment: int) -> None:
+        self.increments.append(increment)
+
+
+def test_a_megatron_style_scheduler_steps_by_the_global_batch_after_each_update():
+    cfg = tiny_gpt_pretrain_config()
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = IncrementScheduler()
+    state = GlobalState(cfg)
+    step, data = linear_step([torch.randn(4, 3) for _ in range(2)])
+    mb_train.train_step(step, data, [model], optimizer, scheduler, state)
+    assert scheduler.increments == [cfg.train.global_batch_size]
+    step, data = linear_step([torch.randn(4, 3) for _ in range(2)], scale=float("inf"))
+    assert mb_train.train_step(step, data, [model], optimizer, scheduler, state)[1] == 1
+    assert scheduler.increments == [cfg.train.global_batch_size]  # not after a skipped update
+
+
 def _step_kwargs(run: dict[str, Any]) -> dict[str, Any]:
     keys = ("model", "optimizer", "scheduler", "global_state")
     return {key: run[key] for key in keys}

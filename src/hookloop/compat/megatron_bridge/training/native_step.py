@@ -17,12 +17,14 @@ own way:
   finite is skipped (Megatron's optimizer reports it as an unsuccessful update).
 
 Clipping (to ``optimizer.clip_grad``), ``optimizer.step()``, the scheduler step after a
-successful update and the clearing of the gradients are the Stepper's.
+successful update (by the global batch size for a scheduler with Megatron's
+``step(increment)``) and the clearing of the gradients are the Stepper's.
 """
 
 from __future__ import annotations
 
 import collections
+import inspect
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -100,6 +102,28 @@ class MegatronMicroStep(MicroStep):
             raise ran_out_of_data("train_data_iterator", index, self.count) from None
 
 
+class SteppedByIncrement:
+    """A scheduler with Megatron's ``step(increment)`` (the samples the update consumed,
+    as Megatron-Bridge's ``OptimizerParamScheduler`` counts them), as the Stepper steps it."""
+
+    def __init__(self, scheduler: Any, increment: int) -> None:
+        self.scheduler, self.increment = scheduler, increment
+
+    def step(self) -> None:
+        self.scheduler.step(increment=self.increment)
+
+
+def stepped_scheduler(scheduler: Any, increment: int) -> Any:
+    """``scheduler`` as the Stepper steps it: by ``increment`` when its ``step`` takes one
+    (Megatron's), else as it is (a torch LR scheduler, or None)."""
+    step = getattr(scheduler, "step", None)
+    try:
+        takes_increment = step is not None and "increment" in inspect.signature(step).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: torch's own kind
+        takes_increment = False
+    return SteppedByIncrement(scheduler, increment) if takes_increment else scheduler
+
+
 def megatron_stepper(
     forward: Callable[..., Any],
     data_iterator: Iterator[Any] | None,
@@ -120,7 +144,7 @@ def megatron_stepper(
         model=model,
         train_model=model,
         optimizer=optimizer,
-        scheduler=scheduler,
+        scheduler=stepped_scheduler(scheduler, global_state.cfg.train.global_batch_size),
         precision=precision,
         micro_step=MegatronMicroStep(forward, data_iterator, precision, microbatches(global_state)),
         clipping=Clipping(clip if clip > 0 else None),
