@@ -272,6 +272,98 @@ def test_train_step_returns_megatron_bridges_seven_values_and_updates_the_model(
     assert mb_train.train_step(forward_step, byte_batches(), **_step_kwargs(run))[5] is None
 
 
+def linear_step(
+    samples: list[torch.Tensor], scale: float = 1.0
+) -> tuple[Any, Iterator[torch.Tensor]]:
+    """A forward step with the ``(loss, num_tokens, loss_dict)`` pattern over ``samples``
+    (one micro-batch each), its loss multiplied by ``scale``."""
+
+    def step(data_iterator: Iterator[torch.Tensor], model: torch.nn.Module) -> Any:
+        x = next(data_iterator)
+        out = model(x)
+
+        def loss_func(output: torch.Tensor) -> Any:
+            total = (output**2).sum() * scale
+            tokens = torch.tensor(float(output.numel()))
+            return total, tokens, {"lm loss": torch.stack([total.detach(), tokens])}
+
+        return out, loss_func
+
+    return step, iter(samples)
+
+
+def test_train_step_backpropagates_megatrons_scaled_losses_and_clips_once():
+    cfg = tiny_gpt_pretrain_config()  # two micro-batches a step, clip_grad 1.0
+    cfg.optimizer.clip_grad = 0.5
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    reference = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    samples = [torch.randn(4, 3), torch.randn(2, 3)]
+    step, data = linear_step(samples)
+    loss_dict, skipped, _, _, _, grad_norm, _ = mb_train.train_step(
+        step, data, [model], optimizer, scheduler, GlobalState(cfg)
+    )
+    # By hand: each micro-batch's loss over its tokens over the micro-batch count, summed
+    # gradients, clipped to 0.5, one SGD update.
+    weight, bias = (t.clone().requires_grad_() for t in reference)
+    total = sum(
+        ((x @ weight.T + bias) ** 2).sum() / (x.shape[0] * 2) / len(samples) for x in samples
+    )
+    total.backward()
+    norm = torch.cat([weight.grad.flatten(), bias.grad.flatten()]).norm()
+    factor = min(1.0, 0.5 / (float(norm) + 1e-6))
+    assert grad_norm == pytest.approx(float(norm), rel=1e-5)
+    for param, ref in zip(model.parameters(), (weight, bias), strict=True):
+        expected = ref.detach() - 0.1 * factor * ref.grad
+        assert torch.allclose(param.detach(), expected, atol=1e-6)
+        assert param.grad is None  # cleared after the update
+    sums = [((x @ reference[0].T + reference[1]) ** 2).sum() for x in samples]
+    assert loss_dict["lm loss"].item() == pytest.approx(float(sum(sums)) / 12, rel=1e-5)
+    assert skipped == 0 and optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+
+
+def test_a_non_finite_gradient_norm_skips_the_update_and_the_scheduler_step():
+    cfg = tiny_gpt_pretrain_config()
+    model = torch.nn.Linear(3, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    step, data = linear_step([torch.randn(4, 3), torch.randn(4, 3)], scale=float("inf"))
+    _, skipped, _, _, _, grad_norm, _ = mb_train.train_step(
+        step, data, [model], optimizer, scheduler, GlobalState(cfg)
+    )
+    assert (skipped, grad_norm) == (1, None)
+    assert optimizer.param_groups[0]["lr"] == 0.1  # the scheduler did not step
+    for param, old in zip(model.parameters(), before, strict=True):
+        assert torch.equal(param.detach(), old) and param.grad is None
+
+
+class IncrementScheduler:
+    """A scheduler stepped as Megatron's ``OptimizerParamScheduler`` is: by samples."""
+
+    def __init__(self) -> None:
+        self.increments: list[int] = []
+
+    def step(self, increment: int) -> None:
+        self.increments.append(increment)
+
+
+def test_a_megatron_style_scheduler_steps_by_the_global_batch_after_each_update():
+    cfg = tiny_gpt_pretrain_config()
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = IncrementScheduler()
+    state = GlobalState(cfg)
+    step, data = linear_step([torch.randn(4, 3) for _ in range(2)])
+    mb_train.train_step(step, data, [model], optimizer, scheduler, state)
+    assert scheduler.increments == [cfg.train.global_batch_size]
+    step, data = linear_step([torch.randn(4, 3) for _ in range(2)], scale=float("inf"))
+    assert mb_train.train_step(step, data, [model], optimizer, scheduler, state)[1] == 1
+    assert scheduler.increments == [cfg.train.global_batch_size]  # not after a skipped update
+
+
 def _step_kwargs(run: dict[str, Any]) -> dict[str, Any]:
     keys = ("model", "optimizer", "scheduler", "global_state")
     return {key: run[key] for key in keys}
@@ -457,3 +549,78 @@ def test_pretrain_counts_the_validation_and_test_samples_it_reads():
     pretrain(cfg, forward_step, manager)
     per_pass = 2 * cfg.train.micro_batch_size  # eval_iters batches of one micro-batch
     assert seen == {"on_train_end": 2 * per_pass, "on_test_end": 4 * per_pass}
+
+
+# -- two ranks
+
+TWO_RANK_JOB = """
+import json, sys
+import torch
+import torch.distributed as dist
+from hookloop.compat.megatron_bridge.recipes import tiny_gpt_pretrain_config
+from hookloop.compat.megatron_bridge.training import train as mb_train
+from hookloop.compat.megatron_bridge.training.callbacks import CallbackManager
+from hookloop.compat.megatron_bridge.training.state import GlobalState
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+cfg = tiny_gpt_pretrain_config(train_iters=2, eval_interval=2)
+cfg.train.global_batch_size = 16  # two micro-batches of 4 on each of the two ranks
+cfg.train.exit_duration_in_mins = 1e6  # agreed over the ranks after every step
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 2))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def batches(seed):
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        yield torch.randn(4, 3, generator=gen) * (1 + rank)
+
+
+def step(data_iterator, model):
+    out = model(next(data_iterator))
+
+    def loss_func(output):
+        total, tokens = (output**2).sum(), torch.tensor(float(output.numel()))
+        return total, tokens, {"lm loss": torch.stack([total.detach(), tokens])}
+
+    return out, loss_func
+
+
+seen = {"train": [], "valid": []}
+manager = CallbackManager()
+manager.register(
+    "on_train_step_end", lambda ctx: seen["train"].append(float(ctx.loss_dict["lm loss"]))
+)
+manager.register(
+    "on_eval_end", lambda ctx: seen["valid"].append(float(ctx.total_loss_dict["lm loss"]))
+)
+mb_train.train(
+    step, [model], optimizer, None, batches(rank), batches(10 + rank), GlobalState(cfg), {},
+    callback_manager=manager,
+)
+seen["params"] = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
+with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
+    json.dump(seen, f)
+dist.destroy_process_group()
+"""
+
+
+def test_two_ranks_agree_on_losses_validation_and_weights(tmp_path):
+    import json
+    import subprocess
+
+    job = tmp_path / "job.py"
+    job.write_text(TWO_RANK_JOB)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.run(
+        [*cmd, str(job), str(tmp_path)], capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    first, second = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert len(first["train"]) == 2 and len(first["valid"]) == 1
+    # Each rank reads other data; the [sum, count] losses are reduced over both ranks.
+    assert first["train"] == pytest.approx(second["train"])
+    assert first["valid"] == pytest.approx(second["valid"])
+    assert first["params"] == pytest.approx(second["params"])  # DDP averaged the gradients

@@ -139,3 +139,21 @@ def test_the_console_line_shows_each_loss_averaged_over_the_log_interval(caplog)
     assert shown == pytest.approx(
         [(losses[0] + losses[1]) / 2, (losses[2] + losses[3]) / 2], rel=1e-5
     )
+
+
+def test_a_step_between_console_lines_reads_no_loss_back_to_the_host():
+    from hookloop.compat.megatron_bridge.training.loggers import IntervalLosses, log_training_step
+
+    cfg = tiny_gpt_pretrain_config()
+    cfg.logger.log_interval = 2
+    state = GlobalState(cfg)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    interval = IntervalLosses()
+    # A meta tensor has no data: reading it back (float(), .item()) raises.
+    unreadable = {"lm loss": torch.ones((), device="meta")}
+    with pytest.raises(RuntimeError, match="meta"):
+        float(unreadable["lm loss"])
+    state.train_state.step = 1  # not a log step: the loss is only added up, on the device
+    log_training_step(state, unreadable, None, optimizer, interval)
+    assert interval.steps == 1 and interval.sums["lm loss"].device.type == "meta"

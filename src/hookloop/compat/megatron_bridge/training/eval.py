@@ -26,13 +26,14 @@ from hookloop.compat.megatron_bridge.training.callbacks import (
     CallbackManager,
     should_fire,
 )
-from hookloop.compat.megatron_bridge.training.forward_backward import (
-    forward_backward,
+from hookloop.compat.megatron_bridge.training.loggers import write_validation_scalars
+from hookloop.compat.megatron_bridge.training.microbatches import (
+    forward_passes,
     num_microbatches,
 )
-from hookloop.compat.megatron_bridge.training.loggers import write_validation_scalars
 from hookloop.compat.megatron_bridge.training.state import GlobalState
-from hookloop.distributed import rank_info
+from hookloop.compat.megatron_bridge.training.train_support import agreed, chunk_device
+from hookloop.distributed import all_reduce_sum, is_distributed, rank_info
 
 logger = logging.getLogger("megatron.bridge.training.eval")
 
@@ -83,13 +84,13 @@ def evaluate(
                     logger.info("Evaluating iter %d/%d", iteration, cfg.eval_iters)
                 _fire(callback_manager, f"on_{kind}_step_start", state, model)
                 what = "test_data_iterator" if is_test else "valid_data_iterator"
-                loss_dicts = forward_backward(
-                    forward_step_func, data_iterator, model[0], count, forward_only=True, what=what
+                loss_dicts = forward_passes(
+                    forward_step_func, data_iterator, model[0], count, what=what
                 )
                 _fire(callback_manager, f"on_{kind}_step_end", state, model)
                 _accumulate(sums, loss_dicts)
                 state.train_state.consumed_valid_samples += cfg.global_batch_size
-                if _time_is_up(state):
+                if _time_is_up(state, model):
                     logger.info("Exiting during evaluation, timelimit reached")
                     return None, None, True
         non_loss_data = non_loss_data_func(model) if non_loss_data_func is not None else None
@@ -99,9 +100,9 @@ def evaluate(
         if timer.active:
             timer.stop()
     state.timers.log(["evaluate"])
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        for total in sums.values():
-            torch.distributed.all_reduce(total)
+    if is_distributed():  # every rank's sums, on a device the backend reaches
+        device = chunk_device(model)
+        sums = {key: all_reduce_sum(total.to(device)) for key, total in sums.items()}
     total_loss_dict = {key: total[0] / total[1] for key, total in sums.items()}
     if should_fire(callback_manager, f"on_{kind}_end"):
         assert callback_manager is not None
@@ -177,15 +178,12 @@ def _refuse_pipeline_arguments(p2p_communicator: Any, pg_collection: Any) -> Non
             )
 
 
-def _time_is_up(state: GlobalState) -> bool:
+def _time_is_up(state: GlobalState, model: list[torch.nn.Module]) -> bool:
     """Whether ``train.exit_duration_in_mins`` has passed since the job started, on any rank."""
     minutes = state.cfg.train.exit_duration_in_mins
     if not minutes:
         return False
-    done = torch.tensor([int((time.time() - state.start_time) / 60.0 > minutes)])
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MAX)
-    return bool(done.item())
+    return agreed((time.time() - state.start_time) / 60.0 > minutes, model)
 
 
 def _accumulate(sums: dict[str, torch.Tensor], loss_dicts: list[dict[str, Any]]) -> None:

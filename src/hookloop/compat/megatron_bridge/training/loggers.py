@@ -237,6 +237,7 @@ class IntervalLosses:
 
     Megatron-Bridge's console line shows each loss averaged over the steps of the log
     interval that updated the model; a skipped step (non-finite gradients) adds nothing.
+    The sums stay tensors on the device until :meth:`take` reads them, on a log step.
 
     >>> interval = IntervalLosses()
     >>> interval.add({"lm loss": 3.0}, skipped=False)
@@ -249,10 +250,10 @@ class IntervalLosses:
     """
 
     def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
+        self.sums: dict[str, Any] = {}
         self.steps = 0
 
-    def add(self, losses: dict[str, float], skipped: bool) -> None:
+    def add(self, losses: dict[str, Any], skipped: bool) -> None:
         if skipped:
             return
         for key, value in losses.items():
@@ -261,7 +262,7 @@ class IntervalLosses:
 
     def take(self) -> dict[str, float]:
         """Each loss's mean over the updated steps so far, then start a new interval."""
-        means = {key: total / max(1, self.steps) for key, total in self.sums.items()}
+        means = {key: float(total) / max(1, self.steps) for key, total in self.sums.items()}
         self.sums, self.steps = {}, 0
         return means
 
@@ -279,10 +280,10 @@ def log_training_step(
     write the step's scalars to the writers and log the console line, its losses the
     interval's means."""
     ts, cfg = state.train_state, state.cfg
-    losses = {key: float(value) for key, value in loss_dict.items()}
-    interval.add(losses, skipped)
+    interval.add(loss_dict, skipped)
     if not cfg.logger.log_interval or ts.step % cfg.logger.log_interval:
-        return
+        return  # nothing read back to the host between log steps
+    losses = {key: float(value) for key, value in loss_dict.items()}
     learning_rate = float(optimizer.param_groups[0]["lr"])
     write_training_scalars(
         state.tensorboard_logger,

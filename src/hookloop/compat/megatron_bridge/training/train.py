@@ -39,11 +39,6 @@ from hookloop.compat.megatron_bridge.training.callbacks import (
 )
 from hookloop.compat.megatron_bridge.training.checkpointing import save_checkpoint
 from hookloop.compat.megatron_bridge.training.eval import evaluate_and_print_results
-from hookloop.compat.megatron_bridge.training.forward_backward import (
-    forward_backward,
-    num_microbatches,
-    reduce_loss_dicts,
-)
 from hookloop.compat.megatron_bridge.training.loggers import IntervalLosses, log_training_step
 from hookloop.compat.megatron_bridge.training.megatron_core import (
     check_chunks,
@@ -55,6 +50,8 @@ from hookloop.compat.megatron_bridge.training.megatron_core import (
 from hookloop.compat.megatron_bridge.training.megatron_core import (
     handle_mxfp8_param_buffer_copy as _handle_mxfp8_param_buffer_copy,
 )
+from hookloop.compat.megatron_bridge.training.microbatches import num_microbatches
+from hookloop.compat.megatron_bridge.training.native_step import megatron_stepper, run_step
 from hookloop.compat.megatron_bridge.training.progress import (
     compute_throughputs_and_append_to_progress_log,
     get_start_time_from_progress_log,
@@ -66,10 +63,10 @@ from hookloop.compat.megatron_bridge.training.train_support import (
     bind_step,
     check_train_inputs,
     manual_gc,
-    optimizer_step,
 )
 from hookloop.compat.megatron_bridge.training.utils.log_utils import barrier_and_log
 from hookloop.distributed import rank_info
+from hookloop.loop.stepper import Stepper
 from hookloop.recipes.gpt import flops_per_sample
 
 __all__ = [
@@ -204,7 +201,36 @@ class _Loop:
         process_non_loss_data_func: Callable[[Any, int, Any], Any] | None,
         non_loss_data_func: Callable[[Any], Any] | None,
     ) -> tuple[bool, int]:
-        """Iterate until the budget is spent or an exit holds: ``(should_exit, exit_code)``."""
+        """Iterate until the budget is spent or an exit holds: ``(should_exit, exit_code)``.
+
+        Every step goes through one native Stepper (:mod:`.native_step`)."""
+        stepper = megatron_stepper(
+            self.step_func,
+            train_data_iterator,
+            self.model[0],
+            self.optimizer,
+            self.scheduler,
+            self.state,
+        )
+        try:
+            return self._iterate(
+                stepper,
+                train_data_iterator,
+                valid_data_iterator,
+                process_non_loss_data_func,
+                non_loss_data_func,
+            )
+        finally:
+            stepper.release()  # a finished run holds no autograd graph
+
+    def _iterate(
+        self,
+        stepper: Stepper,
+        train_data_iterator: DataIterator,
+        valid_data_iterator: DataIterator,
+        process_non_loss_data_func: Callable[[Any, int, Any], Any] | None,
+        non_loss_data_func: Callable[[Any], Any] | None,
+    ) -> tuple[bool, int]:
         state, manager = self.state, self.callback_manager
         ts, train_cfg = state.train_state, state.cfg.train
         objects = (self.model, self.optimizer, self.scheduler)
@@ -215,7 +241,7 @@ class _Loop:
                 continue
             self.fire("on_train_step_start")
             loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, grad_norm, _ = (
-                train_step(self.step_func, train_data_iterator, *objects, state)
+                _step_with(stepper, state)
             )
             if should_fire(manager, "on_train_step_end"):
                 assert manager is not None
@@ -305,38 +331,22 @@ def train_step(
     from Megatron-Core's rerun machine); ``grad_norm`` a float when
     ``cfg.optimizer.clip_grad`` > 0, else None; ``num_zeros_in_grad`` None.
     """
-    cfg = global_state.cfg
     chunks = check_chunks(model)
     step_func = bind_step(forward_step_func, global_state)
-    count = num_microbatches(
-        global_batch_size=cfg.train.global_batch_size,
-        micro_batch_size=cfg.train.micro_batch_size,
-        data_parallel_size=rank_info()[2],
+    stepper = megatron_stepper(
+        step_func, data_iterator, chunks[0], optimizer, scheduler, global_state
     )
-    optimizer.zero_grad(set_to_none=True)
-    timers = global_state.timers
-    with timers("forward-backward"):
-        loss_dicts = forward_backward(
-            step_func,
-            data_iterator,
-            chunks[0],
-            count,
-            forward_only=False,
-            what="train_data_iterator",
-        )
-    with timers("optimizer"):
-        update_successful, grad_norm = optimizer_step(optimizer, chunks, cfg.optimizer.clip_grad)
-    if update_successful and scheduler is not None:
-        scheduler.step()
-    return (
-        reduce_loss_dicts(loss_dicts),
-        0 if update_successful else 1,
-        False,
-        False,
-        0,
-        grad_norm,
-        None,
-    )
+    try:
+        return _step_with(stepper, global_state)
+    finally:
+        stepper.release()
+
+
+def _step_with(stepper: Stepper, global_state: GlobalState) -> TrainStepResult:
+    """One global batch through the native ``stepper``, as :func:`train_step` returns it."""
+    stepper.optimizer.zero_grad(set_to_none=True)  # as Megatron-Bridge, before the step
+    loss_dict, skipped_iter, grad_norm = run_step(stepper)
+    return (loss_dict, skipped_iter, False, False, 0, grad_norm, None)
 
 
 def post_training_step_callbacks(
@@ -468,7 +478,7 @@ def checkpoint_and_decide_exit(
         saved = True
     minutes = cfg.train.exit_duration_in_mins
     train_time = (time.time() - state.start_time) / 60.0
-    if minutes and agreed(train_time > minutes):
+    if minutes and agreed(train_time > minutes, model):
         if cfg.checkpoint.save and not saved:
             save()
         barrier_and_log(f"exiting program after {train_time} minutes")

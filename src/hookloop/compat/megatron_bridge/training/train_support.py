@@ -1,8 +1,8 @@
 """What :func:`~.train.train` checks and computes besides Megatron-Bridge's 14 functions.
 
 The checks of ``train()``'s arguments (one line naming what is wrong), the binding of
-a forward step to the run's state, the clipped optimizer update, the agreement of
-an exit flag across ranks and ``train.manual_gc``'s garbage collection.
+a forward step to the run's state, the agreement of an exit flag across ranks and
+``train.manual_gc``'s garbage collection.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from hookloop.compat.megatron_bridge.training.callbacks import CallbackManager
 from hookloop.compat.megatron_bridge.training.config import ConfigContainer
 from hookloop.compat.megatron_bridge.training.megatron_core import check_chunks
 from hookloop.compat.megatron_bridge.training.state import GlobalState
-from hookloop.distributed import rank_info
+from hookloop.distributed import agree_flags, is_distributed, rank_info
 from hookloop.step import bind_forward_step
 
 ForwardStepFunc = Callable[..., tuple[Any, Callable[[Any], Any]]]
@@ -72,28 +72,19 @@ def bind_step(forward_step_func: ForwardStepFunc, global_state: GlobalState) -> 
     return functools.partial(bind_forward_step(forward_step_func), global_state)
 
 
-def optimizer_step(
-    optimizer: torch.optim.Optimizer, model: list[torch.nn.Module], clip_grad: float
-) -> tuple[bool, float | None]:
-    """Clip (when ``clip_grad`` > 0) and step; skip the update when the norm is not finite."""
-    grad_norm = None
-    if clip_grad > 0:
-        params = [p for chunk in model for p in chunk.parameters() if p.grad is not None]
-        norm = float(torch.nn.utils.clip_grad_norm_(params, clip_grad))
-        if not torch.isfinite(torch.tensor(norm)):
-            return False, None
-        grad_norm = norm
-    optimizer.step()
-    return True, grad_norm
-
-
-def agreed(flag: bool) -> bool:
-    """``flag`` agreed over ranks: True when any rank says so."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+def agreed(flag: bool, model: list[Any]) -> bool:
+    """``flag`` agreed over ranks (True when any rank says so), through the one helper
+    the native loop agrees with, on the device of ``model``'s chunk (which the process
+    group's backend reaches: NCCL refuses host tensors)."""
+    if not is_distributed():
         return flag
-    value = torch.tensor([int(flag)])
-    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
-    return bool(value.item())
+    return bool(agree_flags([int(flag)], chunk_device(model))[0])
+
+
+def chunk_device(model: list[Any]) -> torch.device:
+    """The device of the first parameter of ``model``'s first chunk (CPU without one)."""
+    first = next(model[0].parameters(), None) if model else None
+    return first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
 
 
 @contextlib.contextmanager

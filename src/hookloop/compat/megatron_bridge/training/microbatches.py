@@ -1,6 +1,5 @@
-"""Forward and backward over one global batch's micro-batches, as Megatron-Core does it.
+"""One global batch's micro-batches, as Megatron-Core's schedule sees them.
 
-``training.train`` and ``training.eval`` run the user's forward step through here.
 It follows Megatron-Core's schedule without pipeline stages: for each micro-batch,
 ``forward_step(data_iterator, model)`` returns ``(output, loss_func)`` and
 ``loss_func(output)`` returns either
@@ -8,6 +7,9 @@ It follows Megatron-Core's schedule without pipeline stages: for each micro-batc
 - ``(loss, num_tokens, loss_dict)``: the backward pass gets ``loss / num_tokens /
   num_microbatches``; or
 - ``(loss, loss_dict)``: the backward pass gets ``loss / num_microbatches``.
+
+Training runs the backward in hookloop's Stepper (:mod:`.native_step`); evaluation
+runs the forward passes alone (:func:`forward_passes`).
 
 Each micro-batch's ``loss_dict`` is kept; :func:`reduce_loss_dicts` turns the list into
 the step's ``loss_dict`` as Megatron-Bridge's ``train_step`` does: a 2-element value
@@ -25,7 +27,7 @@ from typing import Any
 
 import torch
 
-from hookloop.distributed import is_distributed
+from hookloop.distributed import all_reduce_sum
 
 #: What ``loss_func(output)`` may return, for error messages.
 LOSS_PATTERNS = "(loss, loss_dict) or (loss, num_tokens, loss_dict)"
@@ -44,16 +46,15 @@ def num_microbatches(
     return global_batch_size // per_step
 
 
-def forward_backward(
+def forward_passes(
     forward_step: Callable[[Iterator[Any], Any], tuple[Any, Callable[[Any], Any]]],
     data_iterator: Iterator[Any] | None,
     model: torch.nn.Module,
     count: int,
     *,
-    forward_only: bool,
     what: str,
 ) -> list[dict[str, torch.Tensor]]:
-    """Run ``count`` micro-batches; return each one's ``loss_dict``.
+    """Run ``count`` micro-batches forward (no backward); return each one's ``loss_dict``.
 
     ``forward_step`` takes ``(data_iterator, model)`` (the global state already bound).
     ``what`` names the iterator in the error raised when it runs out early.
@@ -63,19 +64,23 @@ def forward_backward(
         try:
             output, loss_func = forward_step(data_iterator, model)
         except StopIteration:
-            raise RuntimeError(
-                f"{what} ran out of data at micro-batch {index + 1} of {count}; give an "
-                "iterator that yields enough micro-batches (or lower the iteration count)"
-            ) from None
-        loss, loss_dict = _split(loss_func(output), count)
-        if not forward_only:
-            loss.backward()
-        loss_dicts.append(loss_dict)
+            raise ran_out_of_data(what, index, count) from None
+        loss_dicts.append(split_loss(loss_func(output))[1])
     return loss_dicts
 
 
-def _split(result: Any, count: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """``(loss to back-propagate, loss_dict)`` of one ``loss_func`` result."""
+def ran_out_of_data(what: str, index: int, count: int) -> RuntimeError:
+    """The error for an iterator that ended at micro-batch ``index`` (from 0) of ``count``."""
+    return RuntimeError(
+        f"{what} ran out of data at micro-batch {index + 1} of {count}; give an "
+        "iterator that yields enough micro-batches (or lower the iteration count)"
+    )
+
+
+def split_loss(result: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``(loss, loss_dict)`` of one ``loss_func`` result, the loss divided by its
+    ``num_tokens`` in the three-value pattern (the division by the micro-batch count is
+    the Stepper's)."""
     if not isinstance(result, tuple) or len(result) not in (2, 3):
         raise TypeError(f"loss_func(output) must return {LOSS_PATTERNS}, got {_kind(result)}")
     loss, loss_dict = result[0], result[-1]
@@ -85,7 +90,7 @@ def _split(result: Any, count: int) -> tuple[torch.Tensor, dict[str, torch.Tenso
         raise TypeError(f"loss_func's loss_dict must be a dict, got {_kind(loss_dict)}")
     if len(result) == 3:
         loss = loss / result[1]
-    return loss.reshape(()) / count, loss_dict
+    return loss.reshape(()), loss_dict
 
 
 def reduce_loss_dicts(loss_dicts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -97,8 +102,7 @@ def reduce_loss_dicts(loss_dicts: list[dict[str, torch.Tensor]]) -> dict[str, to
         values = [torch.as_tensor(d[key]).detach().reshape(-1).float() for d in loss_dicts]
         if values[0].numel() == 2:
             total = torch.stack(values).sum(dim=0)
-            if is_distributed():
-                torch.distributed.all_reduce(total)
+            total = all_reduce_sum(total)  # [sum, count] over data-parallel ranks
             reduced[key] = total[0] / total[1]
         elif values[0].numel() == 1:
             reduced[key] = torch.cat(values).mean()
