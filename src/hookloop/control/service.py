@@ -27,7 +27,7 @@ import json
 import logging
 import socket
 import threading
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -180,7 +180,7 @@ def guarded(gate: Gate) -> Any:
     return guard
 
 
-def run_while_serving(app: web.Application, job: Callable[[], Awaitable[None]]) -> None:
+def run_while_serving(app: web.Application, job: Callable[[], Coroutine[Any, Any, None]]) -> None:
     """Start ``job()`` on the running loop and cancel it when ``app`` is cleaned up.
 
     Call it from an ``on_startup`` handler; ``job`` is a loop that never returns by
