@@ -61,8 +61,6 @@ THIRD_PARTY = {
         "the default store must outlive every rank's teardown; torch gives no public handle",
     ("compat/hpo/faces.py", "trainer._total_epochs"):
         "the HPO trainer's own epoch count, read (if there) on the user's own trainer",
-    ("diloco/server.py", "site._server"):
-        "aiohttp's TCPSite server, for the port a bind to 0 got (BaseRunner.addresses is public)",
 }  # fmt: skip
 
 #: Private attributes of hookloop's own, used on another object, that one of GUARDED also
