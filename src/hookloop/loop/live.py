@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from hookloop.distributed import broadcast_object, rank_info
-from hookloop.errors import ConfigError
+from hookloop.journal import Journal, read_records
 from hookloop.requests import register_kind
 from hookloop.rundir import RunDir
 
@@ -487,18 +487,10 @@ class LiveSettings:
         """One record in ``changes.jsonl``, on disk before the change is made (rank 0)."""
         if self.run_dir is None or rank_info()[0] != 0:
             return
-        path = self.run_dir.changes
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a+b") as f:
-            written = f.seek(0, os.SEEK_END)
-            if written:  # a line a kill tore (its change was never made) is cut first
-                f.seek(0)
-                whole = f.read()
-                if not whole.endswith(b"\n"):
-                    f.truncate(whole.rfind(b"\n") + 1)
-            f.write((json.dumps(record, allow_nan=False) + "\n").encode("utf-8"))
-            f.flush()
-            os.fsync(f.fileno())
+        # A line a kill tore (its change was never made) is cut first; fsynced before return.
+        journal = Journal(self.run_dir.changes, fsync=True, encode=_strict_json)
+        journal.append(record)
+        journal.close()
 
     # -- replay ---------------------------------------------------------------------------
     def plan_replays(self, source: RunDir | None = None, *, fresh: bool = False) -> int:
@@ -558,26 +550,22 @@ class LiveSettings:
 def read_changes(path: Path) -> list[dict[str, Any]]:
     """The records of a ``changes.jsonl`` in order (a torn last line, from a kill, skipped;
     any other malformed line is an error naming it)."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        return []
-    records = []
-    for number, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-                raise ValueError("not a change record")
-            if not isinstance(record.get("values"), dict) or not isinstance(record.get("id"), str):
-                raise ValueError("not a change record")
-        except ValueError:
-            if number == len(lines):
-                break  # the line being written when the process was killed
-            raise ConfigError(
-                f"{path}:{number} is not a change record (a JSON object with id, step, values)"
-            ) from None
-        records.append(record)
-    return records
+    return read_records(path, strict=True, check=_is_change, what=CHANGE_RECORD)
+
+
+CHANGE_RECORD = "a change record (a JSON object with id, step, values)"
+
+
+def _is_change(record: dict[str, Any]) -> bool:
+    return (
+        isinstance(record.get("step"), int)
+        and isinstance(record.get("values"), dict)
+        and isinstance(record.get("id"), str)
+    )
+
+
+def _strict_json(record: Any) -> str:
+    return json.dumps(record, allow_nan=False)
 
 
 def fixed_keys(config: Any) -> set[str]:
