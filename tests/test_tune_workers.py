@@ -93,7 +93,7 @@ def test_a_killed_study_restarted_with_the_same_command_loses_and_repeats_no_tri
     command = [
         sys.executable, "-m", "hookloop", "tune", "--recipe", "mlp-regression",
         "--space", str(space), "--trials", str(TRIALS), "--workers", "2",
-        "--out", str(study_dir), "--no-plots", *FAST, *SERVICES_OFF, "train.max_steps=16",
+        "--out", str(study_dir), "--no-plots", *FAST, *SERVICES_OFF, "train.max_steps=48",
     ]  # fmt: skip
     driver = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     # Kill on an observed event: a third of the trials done and both workers running a
