@@ -18,12 +18,12 @@ import dataclasses
 import functools
 import importlib
 import inspect
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from hookloop.callback import Callback
+from hookloop.compat._toolkit import as_list
 from hookloop.compat.hf import accelerator as hf_accelerator
 from hookloop.compat.hf import arguments, reporting
 from hookloop.compat.hf import data as hf_data
@@ -562,13 +562,3 @@ def jit_checkpoint(args: Any) -> Any:
     from transformers.trainer_jit_checkpoint import JITCheckpointCallback
 
     return JITCheckpointCallback()
-
-
-def as_list(callbacks: Any) -> list[Any]:
-    if callbacks is None:
-        return []
-    if isinstance(callbacks, (str, bytes)):
-        raise TypeError(f"callbacks must be callback objects, got the string {callbacks!r}")
-    if isinstance(callbacks, Callback) or not isinstance(callbacks, Iterable):
-        return [callbacks]
-    return list(callbacks)
