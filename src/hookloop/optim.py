@@ -123,3 +123,29 @@ def _construct(cls: type, first: Any, kwargs: dict[str, Any], key: str) -> Any:
         return cls(first, **kwargs)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"{key} {cls.__name__}({', '.join(kwargs)}): {err}") from None
+
+
+def lr_peak(optimizer: torch.optim.Optimizer, scheduler: Any, index: int) -> float:
+    """The learning rate's peak in param group ``index``: the schedule's base rate
+    (``base_lrs``) when it has one, else the group's current rate."""
+    base = getattr(scheduler, "base_lrs", None)
+    if base is not None and index < len(base):
+        return float(base[index])
+    return float(optimizer.param_groups[index]["lr"])
+
+
+def move_lr_peak(optimizer: torch.optim.Optimizer, scheduler: Any, index: int, peak: float) -> None:
+    """Move the peak of a running schedule in param group ``index`` to ``peak``.
+
+    The one way hookloop moves it, for a live ``set lr=`` and for an ``optimizer.lr``
+    override on resume: the current rate is scaled by the same factor as the peak, so a
+    warm-up or a decay goes on from where it is, and the schedule's base rate and the
+    group's ``initial_lr`` (what a scheduler rebuilt on resume starts from) follow.
+    """
+    group, base = optimizer.param_groups[index], getattr(scheduler, "base_lrs", None)
+    old = lr_peak(optimizer, scheduler, index)
+    group["lr"] = group["lr"] * (peak / old) if old else peak
+    if "initial_lr" in group:
+        group["initial_lr"] = peak
+    if base is not None and index < len(base):
+        base[index] = peak

@@ -14,11 +14,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from hookloop.callback import Callback
 from hookloop.config import Config, apply_overrides, load_yaml, read_yaml_file
 from hookloop.errors import ConfigError
+from hookloop.optim import move_lr_peak
 from hookloop.recipes import default_config
 from hookloop.rundir import CONFIG_FILE, RunDir
 from hookloop.rundir import LATEST_FILE as LATEST
@@ -127,8 +126,9 @@ class OptimizerOverrides(Callback):
     """After the checkpoint is restored, apply the optimizer hyperparameters the command changed.
 
     The restored optimizer state would otherwise keep the saved values while
-    config.yaml records the new ones. A LambdaLR schedule (hookloop's own) has
-    its base rates moved too, so the schedule continues from the new peak.
+    config.yaml records the new ones. A new ``lr`` moves the running schedule's peak
+    as a live ``set lr=`` does (:func:`hookloop.optim.move_lr_peak`), so the
+    schedule continues from the new peak.
     """
 
     priority = 0
@@ -143,7 +143,7 @@ class OptimizerOverrides(Callback):
         for key, value in self.changes.items():
             for i, group in enumerate(optimizer.param_groups):
                 if key == "lr":
-                    _set_lr(group, i, float(value), scheduler)
+                    move_lr_peak(optimizer, scheduler, i, float(value))
                 elif key in group:
                     group[key] = tuple(value) if isinstance(value, list) else value
             if ctx.state.is_rank_zero:
@@ -152,12 +152,3 @@ class OptimizerOverrides(Callback):
                     "overrides the restored optimizer state",
                     file=sys.stderr,
                 )
-
-
-def _set_lr(group: dict[str, Any], index: int, lr: float, scheduler: Any) -> None:
-    group["initial_lr"] = lr
-    if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
-        scheduler.base_lrs[index] = lr
-        group["lr"] = lr * scheduler.lr_lambdas[index](scheduler.last_epoch)
-    else:
-        group["lr"] = lr

@@ -55,6 +55,7 @@ from typing import Any
 
 from hookloop.distributed import broadcast_object, rank_info
 from hookloop.journal import Journal, read_records
+from hookloop.optim import lr_peak, move_lr_peak
 from hookloop.requests import register_kind
 from hookloop.rundir import RunDir
 
@@ -304,19 +305,10 @@ class LiveSettings:
         return values[0] if all(v == values[0] for v in values) else values
 
     def _peak(self, index: int) -> float:
-        base = getattr(self.scheduler, "base_lrs", None)
-        if base is not None and index < len(base):
-            return float(base[index])
-        return float(self.optimizer.param_groups[index]["lr"])
+        return lr_peak(self.optimizer, self.scheduler, index)
 
     def _set_peak(self, index: int, value: float) -> None:
-        group, base = self.optimizer.param_groups[index], getattr(self.scheduler, "base_lrs", None)
-        peak = self._peak(index)
-        group["lr"] = group["lr"] * (value / peak) if peak else value
-        if "initial_lr" in group:
-            group["initial_lr"] = value
-        if base is not None and index < len(base):
-            base[index] = value
+        move_lr_peak(self.optimizer, self.scheduler, index, value)
 
     def define(self, key: str, setting: Setting) -> None:
         """Add a settable key, or replace how one is read and written (a dialect whose
