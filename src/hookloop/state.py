@@ -10,6 +10,8 @@ acts on it at a documented point (see :class:`~hookloop.requests.Control`).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
@@ -44,7 +46,9 @@ def _read_only(field: str, doc: str) -> property:
 
 
 class Progress:
-    """The run's counters, written by the loop and by nothing else.
+    """The run's counters. Only its own methods write them, each named for what
+    happened (a step began, an epoch ended, training stopped); the loop and its parts
+    call them, and nothing else assigns a counter (tests/test_engine_faces.py checks).
 
     Callbacks read them through :class:`TrainState` (``ctx.state``), which shows the
     same object read-only. ``step`` counts optimizer steps begun: during every event
@@ -117,6 +121,97 @@ class Progress:
         self.last_eval: dict[str, float] = {}
         self.rewinds: tuple[Rewind, ...] = ()
         self.timers = Timers()
+
+    # -- the only writers: each names what happened in the run -------------------------
+    def place(self, rank: int, local_rank: int, world_size: int) -> None:
+        """Where this process runs (from the launcher)."""
+        self.rank, self.local_rank, self.world_size = rank, local_rank, world_size
+
+    def plan(
+        self, steps_per_epoch: int | None, num_epochs: int | None, max_steps: int | None
+    ) -> None:
+        """The run's budget, as the loop (or a dialect's plan) worked it out."""
+        self.steps_per_epoch, self.num_epochs, self.max_steps = (
+            steps_per_epoch,
+            num_epochs,
+            max_steps,
+        )
+
+    def use_timers(self, timers: Timers) -> None:
+        self.timers = timers
+
+    def start_training(self) -> None:
+        """``train()`` begins: no stop reason yet, not failed."""
+        self.stop_reason, self.failed = None, False
+
+    def set_in_training(self, flag: bool) -> None:
+        """Inside ``train()`` from ``on_train_start`` on (evaluations then count as training's)."""
+        self.in_training = flag
+
+    def begin_step(self, samples: int, flops: float, *, will_log: bool) -> None:
+        """A step begins: counted, with the samples and FLOPs it consumes."""
+        self.step += 1
+        self.epoch_step += 1
+        self.will_log = will_log
+        self.samples += samples
+        self.flops += flops
+
+    def open_update(self, samples: int, flops: float) -> None:
+        """The step computes; until :meth:`close_update` a save records the step before."""
+        self.open_step = (samples, flops)
+
+    def close_update(self) -> None:
+        self.open_step = None
+
+    def at_micro_step(self, index: int) -> None:
+        self.micro_step = index
+
+    def count_skipped(self, *, nonfinite: bool) -> None:
+        """The step's update was skipped (its loss or gradients not finite, when ``nonfinite``)."""
+        self.skipped_steps += 1
+        self.nonfinite_steps += int(nonfinite)
+
+    def add_flops(self, flops: float) -> None:
+        self.flops += flops
+
+    def add_tokens(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def next_epoch(self) -> None:
+        self.epoch += 1
+        self.epoch_step = 0
+
+    def stop(self, reason: str, *, failed: bool = False) -> None:
+        """Training ends, for ``reason`` (a failed run stays failed)."""
+        self.stop_reason = reason
+        self.failed |= failed
+
+    def record_eval(self, metrics: dict[str, float]) -> None:
+        self.last_eval = metrics
+
+    def record_rewinds(self, rewinds: tuple[Rewind, ...]) -> None:
+        self.rewinds = rewinds
+
+    @contextlib.contextmanager
+    def as_of_last_update(self) -> Iterator[None]:
+        """Inside a step before its update, the counters as of the step before (a save
+        asked for then records the state it holds, so a resume runs the step again)."""
+        opened = self.open_step
+        if opened is None:
+            yield
+            return
+        samples, flops = opened
+        self.step, self.epoch_step = self.step - 1, self.epoch_step - 1
+        self.samples, self.flops, self.open_step = self.samples - samples, self.flops - flops, None
+        try:
+            yield
+        finally:
+            self.step, self.epoch_step = self.step + 1, self.epoch_step + 1
+            self.samples, self.flops, self.open_step = (
+                self.samples + samples,
+                self.flops + flops,
+                opened,
+            )
 
     def copy(self) -> Progress:
         """These counters as they are now (the loop goes on changing its own)."""
