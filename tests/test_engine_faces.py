@@ -54,7 +54,6 @@ NOT_YET: dict[str, str] = {
     "counters hookloop/loop/logbook.py": "assigns tokens",
     "counters hookloop/loop/evaluation.py": "assigns last_eval",
     "counters hookloop/checkpoint/checkpointer.py": "turns counters back around a save",
-    "counters hookloop/checkpoint/rewind.py": "assigns rewinds",
     "counters hookloop/compat/hf/parts.py": "assigns the budget and FLOPs",
     "counters hookloop/compat/megatron_bridge/training/native_step.py": "assigns placement",
     "override hookloop/compat/hf/parts.py:HFSchedule": "transformers' flow as a Schedule",

@@ -72,7 +72,7 @@ class Rewinder:
         }
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
-        self.progress.rewinds = tuple(Rewind(**r) for r in saved.get("history", ()))
+        self.progress.record_rewinds(tuple(Rewind(**r) for r in saved.get("history", ())))
         self.pending = [list(p) for p in saved.get("pending", ())]
         self.skipped = {int(e): int(n) for e, n in saved.get("skipped", ())}
         self.lr_factor, self.lr_until = saved.get("lr", (1.0, 0))
@@ -158,7 +158,7 @@ class Rewinder:
 
     def apply(self, rewind: Rewind, history: tuple[Rewind, ...]) -> None:
         """After the restore: the history grows, the skip and the LR factor are planned."""
-        self.progress.rewinds = (*history, rewind)
+        self.progress.record_rewinds((*history, rewind))
         if rewind.batches_skipped:
             self.pending.append([rewind.since_step, rewind.batches_skipped])
             self.pending.sort()
