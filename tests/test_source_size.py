@@ -21,7 +21,6 @@ CHECKED = ("hookloop",)
 NOT_YET = {
     "hookloop/loop/parts.py": "608 lines; the parts' narrow faces replace the Parts record",
     "hookloop/control/dashboard.py": "609 lines, mostly the page's script",
-    "hookloop/diloco/server.py": "__init__: Forgather's 33-parameter constructor",
     "hookloop/compat/megatron_bridge/training/config.py": "validate(); moving onto the loop",
     "hookloop/compat/megatron_bridge/training/checkpointing.py": "save_checkpoint()",
     "hookloop/compat/megatron_bridge/training/eval.py": "evaluate(); moving onto the loop",
