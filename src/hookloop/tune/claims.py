@@ -77,9 +77,9 @@ def recover_interrupted(study: Any, storage: Any) -> list[int]:
     """Mark RUNNING trials whose process is gone FAIL, and enqueue their parameters again.
 
     Call it holding :func:`study_lock`, with the Optuna storage ``study`` was opened on
-    (:func:`open_study_on_storage`). A trial is interrupted when its process ran on this
-    host and is no longer alive, or when it has no process recorded at all (its claimer
-    died holding the lock). Returns their numbers.
+    (:func:`~hookloop.tune.storage.open_study_on_storage`). A trial is interrupted when
+    its process ran on this host and is no longer alive, or when it has no process
+    recorded at all (its claimer died holding the lock). Returns their numbers.
     """
     opt = optuna()
     study_id = storage.get_study_id_from_name(study.study_name)

@@ -39,7 +39,7 @@ def open_study_on_storage(
     """:func:`open_study`, and the Optuna storage it opened the study on.
 
     The driver keeps the storage to recover, fail and beat for trials by id
-    (:func:`recover_interrupted`, :func:`heartbeat`): Optuna's ``Study`` has no public
+    (:mod:`hookloop.tune.claims`): Optuna's ``Study`` has no public
     getter for its storage, so the one hookloop made is handed along instead.
     """
     opt = optuna()
