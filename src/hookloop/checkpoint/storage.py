@@ -222,62 +222,80 @@ def check_manifest(manifest: Any, where: Path) -> dict[str, dict[str, Any]]:
     format 2 manifest must match its own checksum. A violation raises
     :class:`CheckpointError` naming ``where`` and the reason.
     """
-
-    def corrupt(reason: str) -> CheckpointError:
-        return CheckpointError(f"{where} is corrupt: {reason}")
-
     if not isinstance(manifest, dict):
-        raise corrupt(f"expected a JSON object, found {type(manifest).__name__}")
-    unknown = sorted(set(manifest) - _MANIFEST_KEYS)
-    if unknown:
-        raise corrupt(
-            f"unknown field {unknown[0]!r} (allowed: {', '.join(sorted(_MANIFEST_KEYS))})"
-        )
-    version = manifest.get("format")
-    if not _is_int(version):
-        raise corrupt(f"'format' must be an integer, found {version!r}")
-    if version not in READABLE_FORMATS:
-        raise corrupt(
-            f"format version {version} is not one this hookloop reads "
-            f"({', '.join(map(str, READABLE_FORMATS))}); was it written by a newer hookloop?"
-        )
-    if version >= 2 and manifest.get("checksum") != manifest_checksum(manifest):
-        raise corrupt(
-            "its checksum does not match its fields (the manifest was altered since it was "
-            "saved; its step, name or file list cannot be trusted)"
-        )
-    if version < 2 and "checksum" in manifest:
-        raise corrupt("unknown field 'checksum' in a format 1 manifest")
-    if not isinstance(manifest.get("name"), str) or not manifest["name"]:
-        raise corrupt(f"'name' must be a non-empty string, found {manifest.get('name')!r}")
-    for key in ("step", "epoch"):
-        if not _is_int(manifest.get(key)) or manifest[key] < 0:
-            raise corrupt(f"{key!r} must be an integer >= 0, found {manifest.get(key)!r}")
-    if not _is_number(manifest.get("time")):
-        raise corrupt(f"'time' must be a number, found {manifest.get('time')!r}")
-    metric = manifest.get("metric")
-    if metric is not None and (isinstance(metric, bool) or not isinstance(metric, (int, float))):
-        raise corrupt(f"'metric' must be a number or null, found {manifest['metric']!r}")
+        raise _corrupt(where, f"expected a JSON object, found {type(manifest).__name__}")
+    _check_format(manifest, where)
+    _check_identity_fields(manifest, where)
     files = manifest.get("files")
     if not isinstance(files, dict) or not files:
-        raise corrupt(f"'files' must be a non-empty object, found {files!r}")
+        raise _corrupt(where, f"'files' must be a non-empty object, found {files!r}")
     for fname, entry in files.items():
-        parts = fname.split("/")
-        if not fname or fname.startswith("/") or ".." in parts or "" in parts or fname == MANIFEST:
-            raise corrupt(f"file name {fname!r} is not a relative path inside the checkpoint")
-        if not isinstance(entry, dict) or set(entry) != {"size", "sha256"}:
-            raise corrupt(f"entry for {fname!r} must have exactly 'size' and 'sha256'")
-        if not _is_int(entry["size"]) or entry["size"] < 0:
-            raise corrupt(f"size of {fname!r} must be an integer >= 0, found {entry['size']!r}")
-        digest = entry["sha256"]
-        if not isinstance(digest, str) or len(digest) != 64 or not set(digest) <= _SHA256_HEX:
-            raise corrupt(f"sha256 of {fname!r} must be 64 lowercase hex digits")
+        _check_file_entry(fname, entry, where)
     sharded = any(f.startswith(f"{SHARDED_DIR}/") for f in files)
     needed = [STATE_FILE] + ([] if sharded else ["model.safetensors", "optimizer.pt"])
     missing = [f for f in needed if f not in files]
     if missing:
-        raise corrupt(f"it does not list {missing[0]!r}, which every checkpoint holds")
+        raise _corrupt(where, f"it does not list {missing[0]!r}, which every checkpoint holds")
     return files
+
+
+def _corrupt(where: Path, reason: str) -> CheckpointError:
+    return CheckpointError(f"{where} is corrupt: {reason}")
+
+
+def _check_format(manifest: dict[str, Any], where: Path) -> None:
+    """Known fields only, a format this hookloop reads, and (format 2 on) a checksum that
+    matches: checked first, since nothing else in an altered manifest can be trusted."""
+    unknown = sorted(set(manifest) - _MANIFEST_KEYS)
+    if unknown:
+        allowed = ", ".join(sorted(_MANIFEST_KEYS))
+        raise _corrupt(where, f"unknown field {unknown[0]!r} (allowed: {allowed})")
+    version = manifest.get("format")
+    if not _is_int(version):
+        raise _corrupt(where, f"'format' must be an integer, found {version!r}")
+    if version not in READABLE_FORMATS:
+        raise _corrupt(
+            where,
+            f"format version {version} is not one this hookloop reads "
+            f"({', '.join(map(str, READABLE_FORMATS))}); was it written by a newer hookloop?",
+        )
+    if version >= 2 and manifest.get("checksum") != manifest_checksum(manifest):
+        raise _corrupt(
+            where,
+            "its checksum does not match its fields (the manifest was altered since it was "
+            "saved; its step, name or file list cannot be trusted)",
+        )
+    if version < 2 and "checksum" in manifest:
+        raise _corrupt(where, "unknown field 'checksum' in a format 1 manifest")
+
+
+def _check_identity_fields(manifest: dict[str, Any], where: Path) -> None:
+    """What the checkpoint is: its name, step, epoch, time and metric, each of its type."""
+    if not isinstance(manifest.get("name"), str) or not manifest["name"]:
+        raise _corrupt(where, f"'name' must be a non-empty string, found {manifest.get('name')!r}")
+    for key in ("step", "epoch"):
+        if not _is_int(manifest.get(key)) or manifest[key] < 0:
+            raise _corrupt(where, f"{key!r} must be an integer >= 0, found {manifest.get(key)!r}")
+    if not _is_number(manifest.get("time")):
+        raise _corrupt(where, f"'time' must be a number, found {manifest.get('time')!r}")
+    metric = manifest.get("metric")
+    if metric is not None and (isinstance(metric, bool) or not isinstance(metric, (int, float))):
+        raise _corrupt(where, f"'metric' must be a number or null, found {metric!r}")
+
+
+def _check_file_entry(fname: str, entry: Any, where: Path) -> None:
+    """One row of the ``files`` table: a relative path inside the checkpoint (never the
+    manifest itself), with exactly a size and a SHA-256."""
+    parts = fname.split("/")
+    if not fname or fname.startswith("/") or ".." in parts or "" in parts or fname == MANIFEST:
+        raise _corrupt(where, f"file name {fname!r} is not a relative path inside the checkpoint")
+    if not isinstance(entry, dict) or set(entry) != {"size", "sha256"}:
+        raise _corrupt(where, f"entry for {fname!r} must have exactly 'size' and 'sha256'")
+    if not _is_int(entry["size"]) or entry["size"] < 0:
+        raise _corrupt(where, f"size of {fname!r} must be an integer >= 0, found {entry['size']!r}")
+    digest = entry["sha256"]
+    if not isinstance(digest, str) or len(digest) != 64 or not set(digest) <= _SHA256_HEX:
+        raise _corrupt(where, f"sha256 of {fname!r} must be 64 lowercase hex digits")
 
 
 def manifest_checksum(manifest: dict[str, Any]) -> str:

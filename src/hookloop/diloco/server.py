@@ -59,9 +59,10 @@ checkpoint and is tried again after the next round. Bodies are capped at
 
 The parts: :mod:`~hookloop.diloco.rounds` (the weights, the outer optimizer and the
 rounds' barriers), :mod:`~hookloop.diloco.roster` (the workers, their refusals and
-evictions), :mod:`~hookloop.diloco.routes` (the HTTP face), :mod:`~hookloop.diloco.options`
-and :mod:`~hookloop.diloco.admin` (arguments and live changes checked), and this module,
-which decides who may contribute what and runs it all.
+evictions), :mod:`~hookloop.diloco.contributions` (whether a submission is taken),
+:mod:`~hookloop.diloco.routes` (the HTTP face), :mod:`~hookloop.diloco.options` and
+:mod:`~hookloop.diloco.admin` (arguments and live changes checked), and this module,
+which runs it all.
 """
 
 from __future__ import annotations
@@ -76,7 +77,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hookloop.control.bodies import BodyError, check_tree
 from hookloop.control.service import (
     Address,
     Serving,
@@ -84,19 +84,14 @@ from hookloop.control.service import (
     is_loopback,
     one_line,
 )
-from hookloop.diloco import admin, fields, options, storage
+from hookloop.diloco import admin, options, storage
+from hookloop.diloco.contributions import Contributions, worker_id_in
 from hookloop.diloco.membership import Caller
 from hookloop.diloco.options import MAX_HEARTBEAT_TIMEOUT, integer, number
 from hookloop.diloco.roster import ProtocolError, Roster
 from hookloop.diloco.rounds import OuterRounds, RoundFailed
 from hookloop.diloco.routes import CONTROL_ACTIONS, ROUTES, DiLoCoRoutes
-from hookloop.diloco.validate import (
-    MAX_UPDATE_RATIO,
-    check_contribution,
-    check_same_names,
-    check_update_ratio,
-)
-from hookloop.diloco.wire import unpack
+from hookloop.diloco.validate import MAX_UPDATE_RATIO
 
 if TYPE_CHECKING:
     import ssl
@@ -126,6 +121,8 @@ class DiLoCoServer:
     until ``/control/shutdown`` or Ctrl-C; ``address`` and ``port`` say where
     (``port=0`` picks a free one). The keyword-only arguments are hookloop's.
     """
+
+    _started_at: float | None  # when it began serving (None: not yet)
 
     def __init__(
         self,
@@ -164,6 +161,43 @@ class DiLoCoServer:
         self.min_workers = integer("min_workers", min_workers, 1)
         self.host, self.port = options.address(host, port)
         self.output_dir = str(output_dir)
+        self._set_rounds(
+            save_every_n_rounds, save_total_limit, async_mode=async_mode, safetensors=safetensors,
+            dn_buffer_size=dn_buffer_size, dylu_enabled=dylu_enabled,
+            dylu_base_sync_every=dylu_base_sync_every, heartbeat_timeout=heartbeat_timeout,
+            sync_timeout=sync_timeout,
+        )  # fmt: skip
+        self.dashboard_enabled = bool(dashboard_enabled)
+        self._set_admission(
+            token, disable_auth, allow_remote_without_auth, certfile=certfile, keyfile=keyfile,
+            max_refusals=max_refusals, allow_unbound_workers=allow_unbound_workers,
+            max_update_ratio=max_update_ratio, max_payload_mb=max_payload_mb,
+        )  # fmt: skip
+        if outer_optimizer_factory is None:
+            outer_optimizer_factory = options.sgd_factory(outer_lr, outer_momentum, nesterov)
+        self.outer_optimizer_factory = outer_optimizer_factory
+        self._running, self._started_at = False, None
+        self._serving = Serving("DiLoCo")
+        self.load_state(from_checkpoint)
+        if max_payload_mb is None:  # the largest honest body: the model in float64
+            max_payload_mb = math.ceil(self.rounds.model_params * 8 / 2**20) + 64
+        self.max_payload_mb = max_payload_mb
+
+    def _set_rounds(
+        self,
+        save_every_n_rounds: int,
+        save_total_limit: int,
+        *,
+        async_mode: bool,
+        safetensors: bool,
+        dn_buffer_size: int,
+        dylu_enabled: bool,
+        dylu_base_sync_every: int,
+        heartbeat_timeout: float,
+        sync_timeout: float,
+    ) -> None:
+        """Check and keep how rounds run and are saved (Forgather's options, and the
+        barrier's ``sync_timeout``); a bad value is a ``ValueError`` naming it."""
         self.save_every_n_rounds = integer("save_every_n_rounds", save_every_n_rounds, 0)
         self.save_total_limit = integer("save_total_limit", save_total_limit, 0)
         self.async_mode = bool(async_mode)
@@ -174,8 +208,24 @@ class DiLoCoServer:
         self.heartbeat_timeout = number(
             "heartbeat_timeout", heartbeat_timeout, low=0, high=MAX_HEARTBEAT_TIMEOUT
         )
-        self.dashboard_enabled = bool(dashboard_enabled)
         self.sync_timeout = number("sync_timeout", sync_timeout, low=0.001)
+
+    def _set_admission(
+        self,
+        token: str | None,
+        disable_auth: bool,
+        allow_remote_without_auth: bool,
+        *,
+        certfile: str | None,
+        keyfile: str | None,
+        max_refusals: int,
+        allow_unbound_workers: bool,
+        max_update_ratio: float | None,
+        max_payload_mb: int | None,
+    ) -> None:
+        """Check and keep hookloop's own options: who may reach the server (token, TLS,
+        workers without a secret) and what a contribution may be (its size, its norm,
+        refusals before eviction). A bad value is a ``ValueError`` naming it."""
         if max_payload_mb is not None:
             integer("max_payload_mb", max_payload_mb, 1)
         self.max_refusals = integer("max_refusals", max_refusals, 1)
@@ -189,16 +239,6 @@ class DiLoCoServer:
         self.allow_remote_without_auth = allow_remote_without_auth
         options.check_tls_files(certfile, keyfile)
         self.certfile, self.keyfile = certfile, keyfile
-        if outer_optimizer_factory is None:
-            outer_optimizer_factory = options.sgd_factory(outer_lr, outer_momentum, nesterov)
-        self.outer_optimizer_factory = outer_optimizer_factory
-        self._running = False
-        self._serving = Serving("DiLoCo")
-        self._started_at: float | None = None
-        self.load_state(from_checkpoint)
-        if max_payload_mb is None:  # the largest honest body: the model in float64
-            max_payload_mb = math.ceil(self.rounds.model_params * 8 / 2**20) + 64
-        self.max_payload_mb = max_payload_mb
 
     # -- state ------------------------------------------------------------------------
     def _initialize(self, weights: dict[str, torch.Tensor]) -> None:
@@ -214,6 +254,10 @@ class DiLoCoServer:
         self.roster = Roster(
             max_refusals=self.max_refusals, allow_unbound=self.allow_unbound_workers
         )
+        self.contributions = Contributions(
+            self.roster, self.rounds, async_mode=self.async_mode,
+            max_update_ratio=self.max_update_ratio, drop=self.worker_left,
+        )  # fmt: skip
 
     @property
     def outer_optimizer(self) -> torch.optim.Optimizer:
@@ -306,7 +350,7 @@ class DiLoCoServer:
         self, info: dict[str, Any], caller: Caller | None = None
     ) -> dict[str, torch.Tensor]:
         """Admit (or admit again) a worker; its secret is then ``secret_of(worker_id)``."""
-        worker_id = _worker_id(info)
+        worker_id = worker_id_in(info)
         self.roster.admit(worker_id, info, caller or Caller())
         workers = self.roster.workers
         self.num_workers = max(self.num_workers, len(workers))
@@ -351,55 +395,8 @@ class DiLoCoServer:
         return self.roster.sync_every(worker_id, self.dylu_base_sync_every)
 
     # -- contributions --------------------------------------------------------------------
-    def _refuse(self, worker_id: str, error: str, fragment: Any = None) -> ProtocolError:
-        """Count a refused contribution: its sender sits this round out; evicted at the limit."""
-        count = self.roster.refused(worker_id)
-        log.error("diloco: refused (%d/%d): %s", count, self.max_refusals, error)
-        registered = worker_id in self.roster.workers
-        if registered and count >= self.max_refusals:
-            self.roster.evicted[worker_id] = error
-            log.error("diloco: evicting %s after %d refused contributions", worker_id, count)
-            self.worker_left(worker_id)
-        elif not self.async_mode and registered:
-            self.rounds.excuse(worker_id, fragment)  # the others' round goes on without it
-        return ProtocolError(error)
-
-    def _accept(
-        self, body: bytes, caller: Caller | None, *, fragment: bool
-    ) -> tuple[str, Any, dict[str, torch.Tensor]]:
-        try:
-            header, grads = unpack(body)
-            check_tree(header)
-        except (ValueError, RecursionError) as err:
-            raise ProtocolError(f"bad submission body: {one_line(err)}") from None
-        worker_id = _worker_id(header)
-        self.roster.check_not_evicted(worker_id)
-        self.roster.member(worker_id, caller)
-        frag = None
-        if fragment:
-            frag = header.get("fragment_id")
-            if isinstance(frag, bool) or not isinstance(frag, int) or not 0 <= frag < 4096:
-                raise self._refuse(
-                    worker_id, f"fragment_id must be an int in [0, 4096), got {frag!r}", frag
-                )
-        rounds = self.rounds
-        error = check_contribution(worker_id, grads, rounds.view(), fragment=frag)
-        others = (rounds.frag_pending.get(frag) or {}) if frag is not None else {}
-        if error is None and others and not self.async_mode:
-            first = next(iter(others.values()))
-            error = check_same_names(worker_id, frag, set(grads), set(first))
-        if error is None and self.max_update_ratio is not None:
-            error = check_update_ratio(
-                worker_id, grads, rounds.weights_norm(), self.max_update_ratio, fragment=frag
-            )
-        if error is not None:
-            raise self._refuse(worker_id, error, frag)
-        self.roster.refusals.pop(worker_id, None)
-        rounds.excused.get(frag, set()).discard(worker_id)
-        return worker_id, frag, grads
-
     async def submit(self, body: bytes, caller: Caller | None = None) -> dict[str, torch.Tensor]:
-        worker_id, _, grads = self._accept(body, caller, fragment=False)
+        worker_id, _, grads = self.contributions.accept(body, caller, fragment=False)
         info = self.roster.touch(worker_id)
         if info is not None:
             info.sync_round += 1
@@ -416,7 +413,7 @@ class DiLoCoServer:
     async def submit_fragment(
         self, body: bytes, caller: Caller | None = None
     ) -> dict[str, torch.Tensor]:
-        worker_id, frag, grads = self._accept(body, caller, fragment=True)
+        worker_id, frag, grads = self.contributions.accept(body, caller, fragment=True)
         self.roster.touch(worker_id)
         if self.async_mode:
             try:
@@ -436,7 +433,7 @@ class DiLoCoServer:
             raise ProtocolError(f"DiLoCo server error: {err}", 500) from None
 
     def heartbeat(self, data: dict[str, Any], caller: Caller | None = None) -> dict[str, Any]:
-        worker_id = _worker_id(data)
+        worker_id = worker_id_in(data)
         self.roster.check_not_evicted(worker_id)
         self.roster.member(worker_id, caller)
         info = self.roster.touch(worker_id)
@@ -583,10 +580,3 @@ class DiLoCoServer:
         if not self._running:
             raise RuntimeError("the server is not running")
         self._serving.stop(10)
-
-
-def _worker_id(data: dict[str, Any]) -> str:
-    try:
-        return fields.worker_id(data.get("worker_id"))
-    except BodyError as err:
-        raise ProtocolError(str(err)) from None

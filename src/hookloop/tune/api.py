@@ -18,18 +18,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from hookloop.tune.claims import counts, host_name, recover_interrupted, requeue, study_lock
 from hookloop.tune.space import SearchSpace
-from hookloop.tune.study import (
-    DB_FILE,
-    TuneError,
-    TuneSpec,
-    counts,
-    host_name,
-    optuna,
-    recover_interrupted,
-    requeue,
-    study_lock,
-)
+from hookloop.tune.spec import DB_FILE, DIRECTIONS, TuneError, TuneSpec, make_pruner, optuna
+from hookloop.tune.storage import open_study
 
 
 def run(
@@ -53,26 +45,21 @@ def run(
 ) -> Any:
     """Run (or continue) a study and return it as an ``optuna.Study``.
 
-    ``target`` is a recipe (a name, or ``package.module:object``), whose trials are
-    hookloop runs scored by the best ``metric`` (a list of metrics, with ``direction`` one
-    per metric or one for all, makes a multi-objective study: ``study.best_trials`` is its
-    Pareto front); ``space`` (a mapping or a YAML file) is then required, ``overrides``
-    (``KEY=VALUE``) are fixed for every trial and ``constraints`` (``"param_count <=
-    2e6"``) mark trials infeasible. Or ``target`` is ``objective(trial) -> float`` (a
-    sequence of floats, one per ``direction``, for several objectives): with a ``space``,
-    its values are drawn before the call and are in ``trial.params``; without one, the
-    objective asks ``trial.suggest_*`` itself. Raise ``optuna.TrialPruned`` to prune.
-    ``pruner`` defaults to ``median`` (``none`` for several objectives). Raises
-    ``ValueError`` for bad arguments and :class:`TuneError` when every trial fails.
+    ``target`` is a recipe (a name, or ``package.module:object``; ``space``, a mapping or
+    a YAML file, is then required) or a function ``objective(trial) -> float``. The
+    keywords are ``hookloop tune``'s options: docs/tune.md ("From Python") says what
+    each does. Raises ``ValueError`` for bad arguments and :class:`TuneError` when
+    every trial fails.
     """
+    objective = callable(target) and not isinstance(target, str)
     if pruner is None:  # median; none for several objectives (Optuna cannot prune those)
-        objectives = direction if callable(target) and not isinstance(target, str) else metric
-        pruner = "median" if isinstance(_one_or_list(objectives), str) else "none"
+        several = not isinstance(_one_or_list(direction if objective else metric), str)
+        pruner = "none" if several else "median"
     if isinstance(space, (str, Path)):
         from hookloop.tune.cli import read_space
 
         space = read_space(str(space))
-    if callable(target) and not isinstance(target, str):
+    if objective:
         if constraints:
             raise ValueError(
                 "constraints= name a recipe's metrics; an objective function records its "
@@ -82,6 +69,17 @@ def run(
             target, space, trials=trials, out=Path(out), direction=direction,
             storage=storage, study_name=study_name, seed=seed, pruner=pruner,
         )  # fmt: skip
+    spec = _recipe_spec(
+        target, space, trials=trials, overrides=list(overrides), metric=_one_or_list(metric),
+        direction=_one_or_list(direction), storage=storage, study_name=study_name, seed=seed,
+        pruner=pruner, sampler=sampler, sampler_args=dict(sampler_args or {}),
+        constraints=list(constraints),
+    )  # fmt: skip
+    return _run_recipe(spec, Path(out), workers=workers, plots=plots)
+
+
+def _recipe_spec(target: Any, space: Mapping[str, Any] | None, **options: Any) -> TuneSpec:
+    """The study ``hookloop tune`` would run for recipe ``target`` with these options."""
     if not isinstance(target, str):
         raise ValueError(
             f"target must be a recipe name, package.module:object, or a callable "
@@ -89,15 +87,7 @@ def run(
         )
     if space is None:
         raise ValueError("space is required to tune a recipe (config keys to ranges)")
-    return _run_recipe(
-        TuneSpec(
-            recipe=target, space=dict(space), trials=trials, overrides=list(overrides),
-            metric=_one_or_list(metric), direction=_one_or_list(direction), storage=storage,
-            study_name=study_name, seed=seed, pruner=pruner, sampler=sampler,
-            sampler_args=dict(sampler_args or {}), constraints=list(constraints),
-        ),
-        Path(out), workers=workers, plots=plots,
-    )  # fmt: skip
+    return TuneSpec(recipe=target, space=dict(space), **options)
 
 
 def _one_or_list(value: Any) -> Any:
@@ -112,7 +102,6 @@ def _one_or_list(value: Any) -> Any:
 def _run_recipe(spec: TuneSpec, study_dir: Path, *, workers: int, plots: bool) -> Any:
     from hookloop.tune.cli import prepare, run_here, run_workers
     from hookloop.tune.report import finish
-    from hookloop.tune.study import open_study
 
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be an int >= 1, got {workers!r}")
@@ -138,21 +127,9 @@ def _run_objective(
     seed: int,
     pruner: str,
 ) -> Any:
-    from hookloop.tune.study import DIRECTIONS, make_pruner
-
-    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
-        raise ValueError(f"trials must be an int >= 1, got {trials!r}")
-    directions = [direction] if isinstance(direction, str) else list(direction)
-    if not directions or any(d not in DIRECTIONS for d in directions):
-        raise ValueError(
-            f"direction must be 'minimize' or 'maximize', or a list of them (one per "
-            f"objective), got {direction!r}"
-        )
-    if len(directions) > 1 and pruner != "none":
-        raise ValueError(
-            f"pruner {pruner!r} cannot be used with several objectives (Optuna cannot prune "
-            "a multi-objective trial); give pruner='none'"
-        )
+    """Claim, run and record trials of ``objective`` until the study has ``trials``
+    COMPLETE or PRUNED ones (``hookloop tune``'s rules, on a plain function)."""
+    directions = _objective_directions(trials, direction, pruner)
     drawn = SearchSpace(space) if space is not None else None
     opt = optuna()
     out.mkdir(parents=True, exist_ok=True)
@@ -166,7 +143,6 @@ def _run_objective(
         pruner=make_pruner(pruner),
         load_if_exists=True,
     )
-    state = opt.trial.TrialState
     while True:
         with study_lock(out):
             recover_interrupted(study, rdb_storage)
@@ -180,31 +156,61 @@ def _run_objective(
             trial.set_user_attr("host", host_name())
             if drawn is not None:
                 drawn.suggest(trial)
-        try:
-            value = objective(trial)
-        except opt.TrialPruned as err:
-            trial.set_user_attr("prune_reason", str(err) or "pruned")
-            study.tell(trial, state=state.PRUNED)
-            continue
-        except KeyboardInterrupt:
-            trial.set_user_attr("fail_reason", "interrupted by SIGINT")
-            trial.set_user_attr("interrupted", True)
-            study.tell(trial, state=state.FAIL)
-            requeue(study, study.trials[trial.number])
-            raise
-        except Exception as err:  # the trial failed; the study goes on
-            trial.set_user_attr("fail_reason", f"{type(err).__name__}: {err}")
-            trial.set_user_attr("traceback", traceback.format_exc()[-4000:])
-            study.tell(trial, state=state.FAIL)
-            print(f"hookloop tune: trial {trial.number} failed: {err}", file=sys.stderr)
-            continue
-        numbers = _numbers(value, len(directions))
-        if numbers is None:
-            wanted = "a number" if len(directions) == 1 else f"{len(directions)} numbers"
-            trial.set_user_attr("fail_reason", f"the objective returned {value!r}, not {wanted}")
-            study.tell(trial, state=state.FAIL)
-            continue
-        study.tell(trial, numbers if len(directions) > 1 else numbers[0])
+        _run_objective_trial(objective, study, trial, len(directions))
+
+
+def _objective_directions(trials: Any, direction: Any, pruner: str) -> list[str]:
+    """``direction`` as a list (one per objective), once ``trials``, it and ``pruner`` are
+    checked; each bad argument is one ``ValueError``."""
+    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
+        raise ValueError(f"trials must be an int >= 1, got {trials!r}")
+    directions = [direction] if isinstance(direction, str) else list(direction)
+    if not directions or any(d not in DIRECTIONS for d in directions):
+        raise ValueError(
+            f"direction must be 'minimize' or 'maximize', or a list of them (one per "
+            f"objective), got {direction!r}"
+        )
+    if len(directions) > 1 and pruner != "none":
+        raise ValueError(
+            f"pruner {pruner!r} cannot be used with several objectives (Optuna cannot prune "
+            "a multi-objective trial); give pruner='none'"
+        )
+    return directions
+
+
+def _run_objective_trial(
+    objective: Callable[[Any], float], study: Any, trial: Any, objectives: int
+) -> None:
+    """Call ``objective`` on a claimed trial and tell the study how it ended: COMPLETE,
+    PRUNED (``optuna.TrialPruned``), or FAIL with the reason (an exception, or a value
+    that is not ``objectives`` numbers). Ctrl-C fails the trial, queues it again and
+    goes up to the caller."""
+    state = optuna().trial.TrialState
+    try:
+        value = objective(trial)
+    except optuna().TrialPruned as err:
+        trial.set_user_attr("prune_reason", str(err) or "pruned")
+        study.tell(trial, state=state.PRUNED)
+        return
+    except KeyboardInterrupt:
+        trial.set_user_attr("fail_reason", "interrupted by SIGINT")
+        trial.set_user_attr("interrupted", True)
+        study.tell(trial, state=state.FAIL)
+        requeue(study, study.trials[trial.number])
+        raise
+    except Exception as err:  # the trial failed; the study goes on
+        trial.set_user_attr("fail_reason", f"{type(err).__name__}: {err}")
+        trial.set_user_attr("traceback", traceback.format_exc()[-4000:])
+        study.tell(trial, state=state.FAIL)
+        print(f"hookloop tune: trial {trial.number} failed: {err}", file=sys.stderr)
+        return
+    numbers = _numbers(value, objectives)
+    if numbers is None:
+        wanted = "a number" if objectives == 1 else f"{objectives} numbers"
+        trial.set_user_attr("fail_reason", f"the objective returned {value!r}, not {wanted}")
+        study.tell(trial, state=state.FAIL)
+        return
+    study.tell(trial, numbers if objectives > 1 else numbers[0])
 
 
 def _numbers(value: Any, count: int) -> list[float] | None:

@@ -28,6 +28,7 @@ from hookloop.distributed import (
 )
 from hookloop.result import ExitCode
 from hookloop.tune import credentials
+from hookloop.tune.claims import counts
 from hookloop.tune.console import (
     VERBOSITY_ENV,
     echo_new,
@@ -37,19 +38,10 @@ from hookloop.tune.console import (
     verbosity_for_workers,
     worker_log,
 )
-from hookloop.tune.study import (
-    DIRECTIONS,
-    PRUNERS,
-    SAMPLERS,
-    Interrupts,
-    StudyInterrupted,
-    TuneError,
-    TuneSpec,
-    counts,
-    is_study_dir,
-    open_study,
-    work,
-)
+from hookloop.tune.driver import work
+from hookloop.tune.interrupts import Interrupts, StudyInterrupted
+from hookloop.tune.spec import DIRECTIONS, PRUNERS, SAMPLERS, TuneError, TuneSpec, is_study_dir
+from hookloop.tune.storage import open_study
 
 
 def add_tune_command(subparsers: Any) -> argparse.ArgumentParser:

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from hookloop.tune.study import CONSTRAINT_ATTR, optuna
+from hookloop.tune.spec import CONSTRAINT_ATTR, optuna
 
 #: Optuna's verbosity (a ``logging`` level number) in the study's worker processes.
 VERBOSITY_ENV = "HOOKLOOP_TUNE_OPTUNA_VERBOSITY"

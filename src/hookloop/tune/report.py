@@ -24,17 +24,17 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from hookloop.tune.study import (
+from hookloop.tune.spec import (
     BEST_CONFIG_FILE,
     CONSTRAINT_ATTR,
     TuneSpec,
     constraint_values,
     feasible,
-    open_study,
     optuna,
     trial_dir,
     trials_set_constraints,
 )
+from hookloop.tune.storage import open_study
 
 #: Where the config of each trial on the Pareto front goes (several metrics).
 PARETO_DIR = "pareto"

@@ -54,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     from hookloop.tune.console import apply_worker_verbosity
-    from hookloop.tune.study import StudyInterrupted, TuneError, work
+    from hookloop.tune.driver import work
+    from hookloop.tune.interrupts import StudyInterrupted
+    from hookloop.tune.spec import TuneError
 
     apply_worker_verbosity()  # the driver's Optuna verbosity (quiet for `hookloop tune`)
     try:
