@@ -450,7 +450,7 @@ def _stepper(
         trained=trained,
         compute=compute,
         micro_step=micro_step,
-        rules=UpdateRules.of(cfg, clipping),
+        rules=UpdateRules(clipping, cfg),
         events=events,
         progress=progress,
         rewinder=rewinder,

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from hookloop.config import TrainConfig
 from hookloop.distributed import agree_flags, full_tensor, local_shards, no_gradient_sync
 from hookloop.loop.records import Compute, Events, LoopTiming, Trained
 from hookloop.precision import Precision
@@ -91,34 +92,19 @@ class Clipping:
 @dataclass(frozen=True)
 class UpdateRules:
     """How the step treats its gradients and when it leaves the update out: the
-    :class:`Clipping`; ``skip_nonfinite`` (skip an update whose loss or gradient is NaN
-    or Inf) and ``max_skipped_steps`` (fail once that many were skipped); ``count_zeros``
-    (count zero gradient elements on a log step); ``fsdp`` (the parameters are DTensors,
-    so checks read each rank's slice)."""
+    :class:`Clipping` (the config's ``clip_grad_norm``, or a dialect's), and ``train``'s
+    skip rule (``skip_nonfinite``, ``max_skipped_steps``), zero count
+    (``log_num_zeros_in_grad``) and ``parallel``, read as they stand at each step."""
 
     clipping: Clipping
-    skip_nonfinite: bool = True
-    max_skipped_steps: int | None = None
-    count_zeros: bool = False
-    fsdp: bool = False
-
-    @classmethod
-    def of(cls, config: Any, clipping: Clipping) -> UpdateRules:
-        """The rules ``train`` (a :class:`~hookloop.config.TrainConfig`) sets, with ``clipping``."""
-        return cls(
-            clipping,
-            skip_nonfinite=config.skip_nonfinite,
-            max_skipped_steps=config.max_skipped_steps,
-            count_zeros=config.log_num_zeros_in_grad,
-            fsdp=config.parallel == "fsdp",
-        )
+    train: TrainConfig
 
 
 class Stepper:
     """Runs one optimizer step over a group of micro-batches (see the module doc).
 
     ``tokens`` (the step's token count, pattern 2) and ``zeros`` (zero gradient
-    elements, counted on a log step when ``rules.count_zeros``) are left for the log
+    elements, counted on a log step when ``train.log_num_zeros_in_grad``) are left for the log
     book as device tensors; ``lr_used`` is the learning rate the last update applied
     (read before the scheduler stepped). A scheduler whose ``step`` takes a metric
     (:func:`steps_on_a_metric`) is stepped by whoever has the metric, not here.
@@ -139,7 +125,7 @@ class Stepper:
         self.model, self.train_model = trained.model, trained.train_model
         self.optimizer, self.scheduler = trained.optimizer, trained.scheduler
         self.precision, self.device = compute.precision, compute.device
-        self.micro_step, self.rules, self.clipping = micro_step, rules, rules.clipping
+        self.micro_step, self.clipping, self.config = micro_step, rules.clipping, rules.train
         self.ctx, self.hooks, self.fire = events.ctx, events.hooks, events.fire
         self.control = events.control
         self.progress, self.rewinder = progress, rewinder
@@ -224,8 +210,8 @@ class Stepper:
                 self.model.parameters(), clipping.max_norm, foreach=clipping.foreach
             )
             grad_norm = full_tensor(norm)  # under fsdp a replicated DTensor: callbacks get a tensor
-        if self.progress.will_log and self.rules.count_zeros:
-            sharded = self.rules.fsdp and self.progress.world_size > 1
+        if self.progress.will_log and self.config.log_num_zeros_in_grad:
+            sharded = self.config.parallel == "fsdp" and self.progress.world_size > 1
             self.zeros = count_zeros(gradients(optimizer), sharded=sharded)
         self._prepare_time = self.clock() - started
         return reducer.result(), grad_norm
@@ -235,16 +221,16 @@ class Stepper:
         """Apply the update unless a callback or a non-finite value says skip; step the
         scheduler; clear the gradients. Returns whether the update was skipped."""
         started = self.clock()
-        rules, st, precision = self.rules, self.progress, self.precision
+        cfg, st, precision = self.config, self.progress, self.precision
         self.lr_used = self.optimizer.param_groups[0]["lr"]
         control = self.control
         skip = control.skip_requested
         if skip:
             control.skip_requested = False
-        if not skip and rules.skip_nonfinite and precision.scaler is None:
+        if not skip and cfg.skip_nonfinite and precision.scaler is None:
             # The one host read per step this option costs. (With fp16 the GradScaler
             # does its own inf check and skips the update itself.)
-            sharded = st.world_size > 1 or rules.fsdp  # DTensor gradients
+            sharded = st.world_size > 1 or cfg.parallel == "fsdp"  # DTensor gradients
             skip = self.finite.step_nonfinite(
                 loss_dict["loss"], grad_norm, self.optimizer, sharded=sharded
             )
@@ -267,7 +253,7 @@ class Stepper:
         return skip
 
     def _skipped(self) -> None:
-        st, limit = self.progress, self.rules.max_skipped_steps
+        st, limit = self.progress, self.config.max_skipped_steps
         st.skipped_steps += 1
         if limit is not None and st.skipped_steps >= limit:
             raise FloatingPointError(

@@ -41,6 +41,7 @@ from hookloop.compat.megatron_bridge.training.microbatches import (
 )
 from hookloop.compat.megatron_bridge.training.state import GlobalState
 from hookloop.compat.megatron_bridge.training.train_support import chunk_device
+from hookloop.config import TrainConfig
 from hookloop.distributed import rank_info
 from hookloop.loop.records import Compute, Events, LoopTiming, Trained
 from hookloop.loop.stepper import Clipping, MicroStep, Stepper, UpdateRules
@@ -146,7 +147,10 @@ def megatron_stepper(
         compute=Compute(micro_step.forward, None, precision, device),
         micro_step=micro_step,
         # The skip rule is Megatron's (run_step), not the native loss-and-gradient check.
-        rules=UpdateRules(Clipping(clip if clip > 0 else None), skip_nonfinite=False),
+        rules=UpdateRules(
+            Clipping(clip if clip > 0 else None),
+            TrainConfig(skip_nonfinite=False, max_skipped_steps=None),
+        ),
         # Megatron-Bridge has no micro-step events: the Stepper fires none.
         events=Events(CallbackContext(), collections.defaultdict(tuple), _no_event),
         progress=progress,
