@@ -27,7 +27,7 @@ import torch
 from hookloop.callback import Callback
 from hookloop.callbacks.defaults import default_callbacks as build_defaults
 from hookloop.loop import trainer as loop
-from hookloop.loop.parts import as_config, as_manager
+from hookloop.loop.inputs import as_config, as_manager
 from hookloop.manager import CallbackManager
 
 __all__ = ["Trainer", "with_default_callbacks"]

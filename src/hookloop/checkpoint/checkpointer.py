@@ -1,10 +1,9 @@
 """The loop's one handle on checkpoints: the :class:`Checkpointer`.
 
-It is built once with what it needs (the run's checkpoint managers, a function that
-names the state a checkpoint holds, the context and a ``fire`` callable for the
-events, the run's counters) and the loop asks it, at defined points, to save
-(on the loop's thread or in the background), to resume, and to roll back a
-divergence. It fires ``on_checkpoint_save`` once a save is committed and
+It is built once with what it needs (the run's checkpoint managers, the contents a
+checkpoint holds, the run's event channel, the run's counters) and the loop asks it,
+at defined points, to save (on the loop's thread or in the background), to resume,
+and to roll back a divergence. It fires ``on_checkpoint_save`` once a save is committed and
 ``on_checkpoint_load`` once a state is restored, and never sees the Trainer.
 """
 
@@ -12,10 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from hookloop.checkpoint.background import BackgroundSaves, HostCopy, PendingSave
 from hookloop.checkpoint.local import find_resume, restore
@@ -37,40 +36,75 @@ class SaveLog(Protocol):
     def restart_at(self, step: int) -> None: ...
 
 
+class Contents(Protocol):
+    """What a checkpoint holds (the loop's
+    :class:`~hookloop.loop.contents.CheckpointContents`): ``named(strict=)``, every state
+    by name (the names are the file format); the model it saves, and the run's rewinds
+    (the state named ``rewind``), which a rollback consults."""
+
+    @property
+    def model(self) -> Any: ...
+
+    @property
+    def rewind(self) -> Rewinder: ...
+
+    def named(self, *, strict: bool) -> dict[str, Any]: ...
+
+
+class EventChannel(Protocol):
+    """The run's events as the checkpointer fires them (the loop's
+    :class:`~hookloop.loop.records.Events`)."""
+
+    @property
+    def ctx(self) -> CallbackContext: ...
+
+    def emit(self, event: str) -> None: ...
+
+
+class CheckpointStores(NamedTuple):
+    """A run's checkpoint managers: ``persistent`` (None: the run writes no checkpoints)
+    and ``local`` (``checkpoint.local_every``; None: none)."""
+
+    persistent: CheckpointManager | None
+    local: CheckpointManager | None
+
+
 class Checkpointer:
     """Saves, resumes and rewinds one run (see the module doc).
 
-    ``persistent`` is the run's :class:`CheckpointManager` (None: the run writes no
-    checkpoints), ``local`` the manager of its local checkpoints (``checkpoint.local_every``).
-    ``named_state()`` returns what a checkpoint holds, by name (the names are the file
-    format). ``announce_repeats``: a save asked for at a step already saved fires
-    ``on_checkpoint_save`` again for that checkpoint (transformers' Trainer saves a step
-    twice when a step save and an epoch save fall on it).
+    ``stores`` are the run's checkpoint managers; ``contents`` is what a checkpoint
+    holds, and ``config`` the run's config, written beside it. ``announce_repeats``: a
+    save asked for at a step already saved fires ``on_checkpoint_save`` again for that
+    checkpoint (transformers' Trainer saves a step twice when a step save and an epoch
+    save fall on it).
     """
 
     def __init__(
         self,
-        persistent: CheckpointManager | None,
-        local: CheckpointManager | None,
+        stores: CheckpointStores,
         *,
-        named_state: Callable[[], dict[str, Any]],
-        ctx: CallbackContext,
-        fire: Callable[[str], None],
-        progress: Progress,
-        rewinder: Rewinder,
-        log: SaveLog,
+        contents: Contents,
         config: Any,
-        model: Any,
+        events: EventChannel,
+        progress: Progress,
+        log: SaveLog,
         timer: Any,
         announce_repeats: bool = False,
     ) -> None:
-        self.persistent, self.local = persistent, local
-        self.named_state, self.ctx, self.fire = named_state, ctx, fire
-        self.progress, self.rewinder, self.log = progress, rewinder, log
-        self.config, self.model, self.timer = config, model, timer
+        self.persistent, self.local = stores
+        self.contents, self.config = contents, config
+        self.ctx, self.fire = events.ctx, events.emit
+        self.progress, self.rewinder, self.log = progress, contents.rewind, log
+        self.model, self.timer = contents.model, timer
         self.announce_repeats = announce_repeats
         self.last_path: Path | None = None  # the newest checkpoint announced
         self._saves, self._host_copy = BackgroundSaves(), HostCopy()
+
+    def named_state(self) -> dict[str, Any]:
+        """Everything a checkpoint of this run holds, by name (strict about callbacks'
+        states when the persistent manager is: ``checkpoint.strict``)."""
+        persistent = self.persistent
+        return self.contents.named(strict=persistent.strict if persistent is not None else False)
 
     def attach(self, persistent: CheckpointManager | None, local: CheckpointManager | None) -> None:
         """Checkpoint managers for a run that had none (a resume asked for later)."""

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from hookloop.precision import Precision
-from hookloop.state import CallbackContext, Progress, TrainState
+from hookloop.loop.records import Compute, Events
+from hookloop.state import Progress
 from hookloop.step import LossReducer, to_float
 
 
@@ -33,26 +33,16 @@ class Evaluation:
         self,
         *,
         model: torch.nn.Module,
-        forward: Callable[..., Any],
-        precision: Precision,
-        state: TrainState,
+        compute: Compute,
+        events: Events,
         progress: Progress,
-        ctx: CallbackContext,
-        hooks: dict[str, tuple[Any, ...]],
-        fire: Callable[[str, CallbackContext], None],
         max_batches: int | None,
-        device: torch.device,
         non_loss_data_func: Callable[[Any], Any] | None = None,
     ) -> None:
-        self.model, self.forward, self.precision = model, forward, precision
-        self.state, self.progress, self.ctx, self.hooks, self.fire = (
-            state,
-            progress,
-            ctx,
-            hooks,
-            fire,
-        )
-        self.max_batches, self.device = max_batches, device
+        self.model, self.forward, self.state = model, compute.forward, compute.state
+        self.precision, self.device = compute.precision, compute.device
+        self.ctx, self.hooks, self.fire = events.ctx, events.hooks, events.fire
+        self.progress, self.max_batches = progress, max_batches
         self.non_loss_data_func = non_loss_data_func
 
     def run(self, loader: Iterable[Any], kind: str) -> dict[str, float]:

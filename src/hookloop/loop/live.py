@@ -55,9 +55,11 @@ from typing import Any
 
 from hookloop.distributed import broadcast_object, rank_info
 from hookloop.journal import Journal, read_records
+from hookloop.loop.records import Trained
 from hookloop.optim import lr_peak, move_lr_peak
 from hookloop.requests import register_kind
 from hookloop.rundir import RunDir
+from hookloop.state import RunInfo
 
 register_kind("set", "change live settings (learning rate, clipping, cadences, ...)")
 
@@ -180,25 +182,25 @@ class LiveSettings:
     def __init__(
         self,
         *,
-        optimizer: Any,
-        scheduler: Any,
+        trained: Trained,
         config: Any,
         clipping: Any,
-        checkpointer: Any,
+        persistent: Any,
         callbacks: Any,
         control: Any,
         progress: Any,
-        run_dir: RunDir | None,
-        has_eval: bool,
+        run: RunInfo,
     ) -> None:
-        self.optimizer, self.scheduler, self.config = optimizer, scheduler, config
-        self.clipping, self.checkpointer, self.callbacks = clipping, checkpointer, callbacks
-        self.control, self.progress, self.run_dir, self.has_eval = (
-            control,
-            progress,
-            run_dir,
-            has_eval,
-        )
+        """``persistent``: the run's checkpoint manager (None: no checkpoints, so no
+        ``save_every``); ``run``: the run's facts (its directory, whether it has
+        evaluation data). A run without a directory of its own records its changes in
+        the run its checkpoints belong to."""
+        self.optimizer, self.scheduler, self.config = trained.optimizer, trained.scheduler, config
+        self.clipping, self.persistent, self.callbacks = clipping, persistent, callbacks
+        self.control, self.progress, self.has_eval = control, progress, run.has_eval_data
+        self.run_dir: RunDir | None = run.dir
+        if self.run_dir is None and persistent is not None:
+            self.run_dir = RunDir.of_checkpoint(persistent.storage.root)
         #: Every change applied so far (and restored from the checkpoint), oldest first.
         self.history: list[dict[str, Any]] = []
         #: A run whose changes ``hookloop train --replay`` re-applies from scratch.
@@ -208,7 +210,7 @@ class LiveSettings:
 
     # -- what can change --------------------------------------------------------------
     def _loop_settings(self) -> dict[str, Setting]:
-        cfg, ck = self.config.train, self.checkpointer
+        cfg, persistent = self.config.train, self.persistent
         settings: dict[str, Setting] = {}
         for key in OPTIMIZER_KEYS:
             groups = self.optimizer.param_groups
@@ -240,7 +242,6 @@ class LiveSettings:
                 lambda v: setattr(cfg, "eval_every", v),
                 lambda k, v: interval(k, v, off=None),
             )
-        persistent = ck.persistent if ck is not None else None
         if persistent is not None:
             policy = persistent.policy
             settings["save_every"] = Setting(

@@ -11,13 +11,13 @@ A dialect logs its own keys (:meth:`LogBook.log`), through the same :meth:`LogBo
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from hookloop.distributed import all_reduce_mean
-from hookloop.state import CallbackContext, Progress, SaveTiming
+from hookloop.loop.records import Events
+from hookloop.state import Progress, SaveTiming
 from hookloop.step import read_back, to_float
 from hookloop.timers import per_step_ms
 
@@ -33,12 +33,10 @@ class LogBook:
         optimizer: torch.optim.Optimizer,
         config: Any,
         device: torch.device,
-        ctx: CallbackContext,
-        hooks: dict[str, tuple[Any, ...]],
-        fire: Callable[[str, CallbackContext], None],
+        events: Events,
     ) -> None:
         self.progress, self.optimizer, self.config = progress, optimizer, config
-        self.ctx, self.hooks, self.fire = ctx, hooks, fire
+        self.ctx, self.hooks, self.fire = events.ctx, events.hooks, events.fire
         self.window = LossWindow(device)  # a named checkpoint state: ``log_pending``
         self.keep_all = bool(config.log_every)  # every step's losses, or only the latest
         self.pending_tokens: list[Any] = []  # token counts not yet read back from the device

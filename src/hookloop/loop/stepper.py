@@ -22,16 +22,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from hookloop.config import TrainConfig
 from hookloop.distributed import agree_flags, full_tensor, local_shards, no_gradient_sync
+from hookloop.loop.records import Compute, Events, LoopTiming, Trained
 from hookloop.precision import Precision
-from hookloop.requests import Control
-from hookloop.state import CallbackContext, Progress
+from hookloop.state import Progress
 from hookloop.step import LossReducer, count_zeros
 
 _NULL_CONTEXT = contextlib.nullcontext()  # reusable: entering it does nothing
@@ -86,52 +89,52 @@ class Clipping:
         self.foreach = foreach
 
 
+@dataclass(frozen=True)
+class UpdateRules:
+    """How the step treats its gradients and when it leaves the update out: the
+    :class:`Clipping` (the config's ``clip_grad_norm``, or a dialect's), and ``train``'s
+    skip rule (``skip_nonfinite``, ``max_skipped_steps``), zero count
+    (``log_num_zeros_in_grad``) and ``parallel``, read as they stand at each step."""
+
+    clipping: Clipping
+    train: TrainConfig
+
+
 class Stepper:
     """Runs one optimizer step over a group of micro-batches (see the module doc).
 
     ``tokens`` (the step's token count, pattern 2) and ``zeros`` (zero gradient
-    elements, counted on a log step when ``train.log_num_zeros_in_grad``) are left for
-    the log book as device tensors; ``lr_used`` is the learning rate the last update
-    applied (read before the scheduler stepped).
+    elements, counted on a log step when ``train.log_num_zeros_in_grad``) are left for the log
+    book as device tensors; ``lr_used`` is the learning rate the last update applied
+    (read before the scheduler stepped). A scheduler whose ``step`` takes a metric
+    (:func:`steps_on_a_metric`) is stepped by whoever has the metric, not here.
     """
 
     def __init__(
         self,
         *,
-        model: torch.nn.Module,
-        train_model: Any,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any,
-        precision: Precision,
+        trained: Trained,
+        compute: Compute,
         micro_step: MicroStep,
-        clipping: Clipping,
+        rules: UpdateRules,
+        events: Events,
         progress: Progress,
-        control: Control,
-        ctx: CallbackContext,
-        hooks: dict[str, tuple[Any, ...]],
-        fire: Callable[[str, CallbackContext], None],
         rewinder: Any,
-        config: Any,
-        device: torch.device,
-        timers: tuple[Any, Any],
-        clock: Callable[[], float],
-        steps_scheduler: bool = True,
+        timing: LoopTiming,
     ) -> None:
-        self.model, self.train_model = model, train_model
-        self.optimizer, self.scheduler, self.precision = optimizer, scheduler, precision
-        self.micro_step, self.clipping = micro_step, clipping
-        self.progress, self.control, self.ctx, self.hooks, self.fire = (
-            progress,
-            control,
-            ctx,
-            hooks,
-            fire,
-        )
-        self.rewinder, self.config, self.device = rewinder, config, device
-        self.fb_timer, self.opt_timer = timers
-        self.clock = clock
-        self.steps_scheduler = steps_scheduler  # False: a metric-driven one, stepped elsewhere
-        self.finite = FiniteCheck(device)
+        self.model, self.train_model = trained.model, trained.train_model
+        self.optimizer, self.scheduler = trained.optimizer, trained.scheduler
+        self.precision, self.device = compute.precision, compute.device
+        self.micro_step, self.clipping, self.config = micro_step, rules.clipping, rules.train
+        self.ctx, self.hooks, self.fire = events.ctx, events.hooks, events.fire
+        self.control = events.control
+        self.progress, self.rewinder = progress, rewinder
+        self.fb_timer = timing.timers["forward-backward"]
+        self.opt_timer = timing.timers["optimizer"]
+        self.clock = timing.clock
+        # False: a metric-driven scheduler (ReduceLROnPlateau), stepped after evaluations.
+        self.steps_scheduler = not steps_on_a_metric(self.scheduler)
+        self.finite = FiniteCheck(self.device)
         self.tokens: torch.Tensor | None = None
         self.zeros: torch.Tensor | None = None
         self.lr_used: Any = None
@@ -258,6 +261,21 @@ class Stepper:
                 f"gradient, or skip requests), reaching train.max_skipped_steps={limit}; "
                 f"last at step {st.step}"
             )
+
+
+def steps_on_a_metric(scheduler: Any) -> bool:
+    """Whether ``scheduler.step`` takes a metric (``ReduceLROnPlateau``, transformers'
+    ``GreedyLR``): stepped after evaluations, not once a step."""
+    if scheduler is None:
+        return False
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        return True
+    try:
+        params = list(inspect.signature(scheduler.step).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    first = params[0] if params else None
+    return first is not None and first.name == "metrics" and first.default is first.empty
 
 
 def gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -32,16 +32,8 @@ import torch
 from hookloop.callback import Callback
 from hookloop.config import Config, TrainConfig
 from hookloop.loop.actions import handler_of
-from hookloop.loop.parts import (
-    Dialect,
-    Inputs,
-    as_config,
-    as_manager,
-    build_parts,
-    check_flops,
-    check_inputs,
-    checkpoint_managers,
-)
+from hookloop.loop.inputs import Inputs, as_config, as_manager, check_flops, check_inputs
+from hookloop.loop.parts import Dialect, build_parts, checkpoint_managers
 from hookloop.manager import CallbackManager
 from hookloop.result import TrainResult, is_abort
 from hookloop.rundir import RunDir
@@ -120,11 +112,12 @@ class Trainer:
             non_loss_data_func=non_loss_data_func,
             collate_fn=collate_fn,
         )
-        self.parts = p = build_parts(given, dialect)
+        p, schedule = build_parts(given, dialect)
+        self.parts = p
         self.config, self.callbacks, self.ctx = config, manager, p.ctx
         self.progress, self.state, self.control = p.progress, p.state, p.control
         self.model, self.optimizer = p.model, p.optimizer
-        self.stepper, self.schedule, self.logbook = p.stepper, p.schedule, p.logbook
+        self.stepper, self.schedule, self.logbook = p.stepper, schedule, p.logbook
         self.evaluation, self.checkpointer = p.evaluation, p.checkpointer
         self.resume = resume
         self.ctx.trainer = self
@@ -453,7 +446,8 @@ class Trainer:
         a run built without ``out_dir`` goes on saving in the run ``target`` belongs to."""
         self.resume = target
         if self.checkpoints is None:
-            self.checkpointer.attach(*checkpoint_managers(self.parts, self.out_dir, target))
+            stores = checkpoint_managers(self.config, self.parts.dialect, self.out_dir, target)
+            self.checkpointer.attach(*stores)
 
     def _run_dir(self) -> RunDir | None:
         """The run directory train() locks: ``out_dir``, or the one the checkpoints are in."""

@@ -29,7 +29,9 @@ from hookloop.compat.hf.evaluation import ignored_keys
 from hookloop.compat.hf.loss import HFLoss
 from hookloop.compat.hf.types import eval_key
 from hookloop.loop.evaluation import Evaluation
-from hookloop.loop.parts import steps_on_a_metric
+from hookloop.loop.records import Compute, Events
+from hookloop.loop.stepper import steps_on_a_metric
+from hookloop.state import Progress
 from hookloop.step import move_to
 
 
@@ -39,8 +41,21 @@ class HFEvaluation(Evaluation):
     ``metric_key_prefix`` and ``ignore_keys`` for the pass being run (None: ``"eval"``
     and, in training, ``train(ignore_keys_for_eval=)``, else the model config's)."""
 
-    def __init__(self, *, session: Any, hf_loss: HFLoss, compute_metrics: Any, **parts: Any):
-        super().__init__(**parts)
+    def __init__(
+        self,
+        *,
+        session: Any,
+        hf_loss: HFLoss,
+        compute_metrics: Any,
+        model: torch.nn.Module,
+        compute: Compute,
+        events: Events,
+        progress: Progress,
+        max_batches: int | None,
+    ) -> None:
+        super().__init__(
+            model=model, compute=compute, events=events, progress=progress, max_batches=max_batches
+        )
         self.session, self.hf_loss, self.compute_metrics = session, hf_loss, compute_metrics
         self.prefix: str | None = None
         self.ignore_keys: list[str] | None = None

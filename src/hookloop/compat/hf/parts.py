@@ -41,18 +41,16 @@ from hookloop.compat.hf import flow, layout
 from hookloop.compat.hf import optim as hf_optim
 from hookloop.compat.hf.evaluation_loop import HFEvaluation
 from hookloop.compat.hf.loss import HFLoss
+from hookloop.config import CheckpointConfig, TrainConfig
 from hookloop.loop.evaluation import Evaluation
 from hookloop.loop.live import LiveSettings, Setting, SettingError
 from hookloop.loop.logbook import LogBook
-from hookloop.loop.parts import (
-    Dialect,
-    Parts,
-    evaluation_inputs,
-    live_inputs,
-)
+from hookloop.loop.parts import Dialect, Parts, native_evaluation
 from hookloop.loop.parts import plan_budget as native_budget
+from hookloop.loop.records import Compute, Events, Trained
 from hookloop.loop.schedule import Action, Schedule, abort, passed_through
-from hookloop.loop.stepper import Clipping, MicroStep
+from hookloop.loop.stepper import Clipping, MicroStep, Stepper
+from hookloop.state import Progress
 from hookloop.step import move_to, to_float
 
 
@@ -111,24 +109,24 @@ def plan_of(args: Any, loader: Any, grad_accum: int) -> Plan:
     return Plan(batches, per_epoch, math.ceil(epochs * per_epoch), math.ceil(epochs))
 
 
-def plan_budget(p: Parts, *, session: Any) -> None:
+def plan_budget(train: Any, config: TrainConfig, progress: Progress, *, session: Any) -> None:
     """HF's budget on the loop's counters; HF's ``epoch`` then counts micro-batches."""
-    k = p.config.train.grad_accum
-    if p.loaders.train is None:
-        native_budget(p)
+    k = config.grad_accum
+    if train is None:
+        native_budget(train, config, progress)
         return
-    plan = plan_of(session.args, p.loaders.train, k)
+    plan = plan_of(session.args, train, k)
     if not plan.batches:  # a stream: max_steps decides (checked there)
-        native_budget(p)
+        native_budget(train, config, progress)
         return
-    st = p.progress
+    st = progress
     st.steps_per_epoch, st.max_steps, st.num_epochs = (
         plan.steps_per_epoch,
         plan.max_steps,
         plan.num_epochs,
     )
     session.state.count_epochs_in_batches(plan.batches, k)
-    session.train_samples = samples_of(session.args, p.loaders.train, plan, k * st.world_size)
+    session.train_samples = samples_of(session.args, train, plan, k * st.world_size)
 
 
 def samples_of(args: Any, loader: Any, plan: Plan, groups: int) -> float:
@@ -226,21 +224,23 @@ class HFMicroStep(MicroStep):
             self.reducer.add((self.step_loss, {}))
 
 
-def _micro_step(p: Parts, *, hf_loss: HFLoss | None, session: Any) -> MicroStep:
+def _micro_step(
+    compute: Compute, progress: Progress, *, hf_loss: HFLoss | None, session: Any
+) -> MicroStep:
     if hf_loss is None:
-        return MicroStep(p.forward, p.state, p.precision)
+        return MicroStep(compute.forward, compute.state, compute.precision)
     return HFMicroStep(
-        p.forward,
-        p.state,
-        p.precision,
+        compute.forward,
+        compute.state,
+        compute.precision,
         hf_loss=hf_loss,
-        device=p.device,
-        progress=p.progress,
+        device=compute.device,
+        progress=progress,
         session=session,
     )
 
 
-def _clipping(p: Parts, *, session: Any) -> Clipping:
+def _clipping(*, session: Any) -> Clipping:
     """HF clips to ``max_grad_norm`` and always measures the norm (unclipped when 0),
     leaving ``foreach`` to torch."""
     limit = hf_optim.arg(session.args, "max_grad_norm", 1.0)
@@ -259,11 +259,10 @@ _INTERVALS = {
 _ARGUMENTS = {"lr": "learning_rate", "weight_decay": "weight_decay", "eps": "adam_epsilon"}
 
 
-def _live(p: Parts, *, session: Any) -> LiveSettings:
+def _live(live: LiveSettings, *, session: Any) -> LiveSettings:
     """Live settings as transformers' Trainer keeps them: the cadences are the
     ``*_steps`` of TrainingArguments and TrainerState (with a ``"steps"`` strategy), and
     ``trainer.args`` follows every optimizer change."""
-    live = LiveSettings(**live_inputs(p))
     args, state = session.args, session.state
     if args is None:
         return live
@@ -312,8 +311,20 @@ class HFLogBook(LogBook):
     ``learning_rate`` (the rate the last step used) and ``epoch``; and, at the end, HF's
     summary log (kept as ``session.summary``)."""
 
-    def __init__(self, *, session: Any, rate: Any, **parts: Any) -> None:
-        super().__init__(**parts)
+    def __init__(
+        self,
+        *,
+        session: Any,
+        rate: Any,
+        progress: Progress,
+        optimizer: torch.optim.Optimizer,
+        config: TrainConfig,
+        device: torch.device,
+        events: Events,
+    ) -> None:
+        super().__init__(
+            progress=progress, optimizer=optimizer, config=config, device=device, events=events
+        )
         self.session = session
         self.rate = rate  # () -> the learning rate the last update used (None before one)
         #: A subclass's ``Trainer.log(logs)``: each log goes through it (its ``super().log``
@@ -380,17 +391,17 @@ class HFLogBook(LogBook):
         self.emit(summary)
 
 
-def _logbook(p: Parts, *, session: Any) -> LogBook:
+def _logbook(
+    stepper: Stepper, events: Events, progress: Progress, config: TrainConfig, *, session: Any
+) -> LogBook:
     return HFLogBook(
         session=session,
-        rate=lambda: p.stepper.lr_used if p.stepper is not None else None,
-        progress=p.progress,
-        optimizer=p.optimizer,
-        config=p.config.train,
-        device=p.device,
-        ctx=p.ctx,
-        hooks=p.callbacks.index,
-        fire=p.callbacks.fire,
+        rate=lambda: stepper.lr_used,
+        progress=progress,
+        optimizer=stepper.optimizer,
+        config=config,
+        device=stepper.device,
+        events=events,
     )
 
 
@@ -398,15 +409,29 @@ def _logbook(p: Parts, *, session: Any) -> LogBook:
 
 
 def _evaluation(
-    p: Parts, *, session: Any, hf_loss: HFLoss | None, compute_metrics: Any
+    trained: Trained,
+    compute: Compute,
+    events: Events,
+    progress: Progress,
+    max_batches: int | None,
+    *,
+    session: Any,
+    hf_loss: HFLoss | None,
+    compute_metrics: Any,
 ) -> Evaluation:
-    common = evaluation_inputs(p)
     if hf_loss is None:
-        return Evaluation(**common)
+        return native_evaluation(trained, compute, events, progress, max_batches)
     evaluation = HFEvaluation(
-        session=session, hf_loss=hf_loss, compute_metrics=compute_metrics, **common
+        session=session,
+        hf_loss=hf_loss,
+        compute_metrics=compute_metrics,
+        model=trained.model,
+        compute=compute,
+        events=events,
+        progress=progress,
+        max_batches=max_batches,
     )
-    evaluation.scheduler = p.scheduler
+    evaluation.scheduler = trained.scheduler
     return evaluation
 
 
@@ -420,9 +445,11 @@ class HFSaves(CheckpointManager):
         return (stop_reason or "").startswith("signal")
 
 
-def _checkpoints(p: Parts, root: Path, resuming: bool, *, session: Any) -> CheckpointManager:
+def _checkpoints(
+    config: CheckpointConfig, root: Path, resuming: bool, *, session: Any
+) -> CheckpointManager:
     """As HF: an output_dir that already holds checkpoints is trained into again."""
-    manager = HFSaves.from_config(p.config.checkpoint, root, resuming=True)
+    manager = HFSaves.from_config(config, root, resuming=True)
     manager.policy = layout.HFRetention(
         **dataclasses.asdict(manager.policy), best_step=lambda: session.state.best_global_step
     )

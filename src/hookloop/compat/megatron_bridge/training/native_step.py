@@ -43,9 +43,9 @@ from hookloop.compat.megatron_bridge.training.state import GlobalState
 from hookloop.compat.megatron_bridge.training.train_support import chunk_device
 from hookloop.config import TrainConfig
 from hookloop.distributed import rank_info
-from hookloop.loop.stepper import Clipping, MicroStep, Stepper
+from hookloop.loop.records import Compute, Events, LoopTiming, Trained
+from hookloop.loop.stepper import Clipping, MicroStep, Stepper, UpdateRules
 from hookloop.precision import Precision
-from hookloop.requests import Control
 from hookloop.state import CallbackContext, Progress
 from hookloop.step import LossReducer
 
@@ -140,25 +140,25 @@ def megatron_stepper(
     progress.rank, progress.local_rank, progress.world_size = rank_info()
     timers = global_state.timers
     clip = global_state.cfg.optimizer.clip_grad
+    micro_step = MegatronMicroStep(forward, data_iterator, precision, microbatches(global_state))
+    scheduler = stepped_scheduler(scheduler, global_state.cfg.train.global_batch_size)
     return Stepper(
-        model=model,
-        train_model=model,
-        optimizer=optimizer,
-        scheduler=stepped_scheduler(scheduler, global_state.cfg.train.global_batch_size),
-        precision=precision,
-        micro_step=MegatronMicroStep(forward, data_iterator, precision, microbatches(global_state)),
-        clipping=Clipping(clip if clip > 0 else None),
+        trained=Trained(model, model, optimizer, scheduler),
+        compute=Compute(micro_step.forward, None, precision, device),
+        micro_step=micro_step,
+        # The skip rule is Megatron's (run_step), not the native loss-and-gradient check.
+        rules=UpdateRules(
+            Clipping(clip if clip > 0 else None),
+            TrainConfig(skip_nonfinite=False, max_skipped_steps=None),
+        ),
+        # Megatron-Bridge has no micro-step events: the Stepper fires none.
+        events=Events(CallbackContext(), collections.defaultdict(tuple), _no_event),
         progress=progress,
-        control=Control(),
-        ctx=CallbackContext(),
-        hooks=collections.defaultdict(tuple),  # no micro-step events in Megatron-Bridge
-        fire=_no_event,
         rewinder=Rewinder(progress, 1),
-        # The skip rule is Megatron's (below), not the native loss-and-gradient check.
-        config=TrainConfig(skip_nonfinite=False, max_skipped_steps=None),
-        device=device,
-        timers=(timers("forward-backward"), timers("optimizer")),
-        clock=time.perf_counter,
+        timing=LoopTiming(
+            time.perf_counter,
+            {name: timers(name) for name in ("forward-backward", "optimizer")},
+        ),
     )
 
 
