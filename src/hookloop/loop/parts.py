@@ -7,8 +7,8 @@ exactly what it needs: the :class:`~hookloop.loop.stepper.Stepper`, the
 :class:`~hookloop.loop.evaluation.Evaluation`, the
 :class:`~hookloop.checkpoint.checkpointer.Checkpointer` and the
 :class:`~hookloop.loop.schedule.Schedule`. A :class:`Dialect` replaces any of them
-(transformers' Trainer brings its own schedule, micro-step, log, evaluation and
-checkpoint retention); each replacement is built from the same :class:`Parts` the
+(transformers' Trainer brings its own flow for the schedule, micro-step, log,
+evaluation and checkpoint retention); each replacement is built from the same :class:`Parts` the
 native one is.
 """
 
@@ -37,7 +37,7 @@ from hookloop.gcpolicy import GCPolicy
 from hookloop.loop.evaluation import Evaluation
 from hookloop.loop.live import LiveSettings
 from hookloop.loop.logbook import LogBook
-from hookloop.loop.schedule import Schedule, StopSignals
+from hookloop.loop.schedule import NATIVE_FLOW, Flow, Schedule, StopSignals
 from hookloop.loop.stepper import Clipping, MicroStep, Stepper
 from hookloop.manager import CallbackManager
 from hookloop.optim import build_optimizer, build_scheduler
@@ -78,7 +78,8 @@ class Dialect:
     logbook: Callable[[Parts], LogBook] | None = None
     evaluation: Callable[[Parts], Evaluation] | None = None
     checkpoints: Callable[[Parts, Path, bool], CheckpointManager] | None = None
-    schedule: Callable[[Parts], Schedule] | None = None
+    #: The decisions the dialect's flow makes differently (the native Schedule takes it).
+    flow: Callable[[Parts], Flow] | None = None
     live: Callable[[Parts], LiveSettings] | None = None
     #: A save asked for at a step already saved announces that checkpoint again.
     announce_repeated_saves: bool = False
@@ -186,7 +187,7 @@ def build_parts(given: Inputs, dialect: Dialect | None = None) -> Parts:
     p.evaluation.non_loss_data_func = given.non_loss_data_func
     p.stepper = _stepper(p)
     p.checkpointer = _checkpointer(p, persistent, local)
-    p.schedule = (dialect.schedule or _schedule)(p)
+    p.schedule = _schedule(p)
     p.live = p.ctx.settings = (dialect.live or _live)(p)
     return p
 
@@ -536,6 +537,7 @@ def _live(p: Parts) -> LiveSettings:
 
 
 def _schedule(p: Parts) -> Schedule:
+    """The one schedule, with the dialect's :class:`~hookloop.loop.schedule.Flow` if any."""
     return Schedule(
         config=p.config.train,
         progress=p.progress,
@@ -544,6 +546,7 @@ def _schedule(p: Parts) -> Schedule:
         device=p.device,
         has_eval=p.loaders.eval is not None,
         checkpointer=p.checkpointer,
+        flow=NATIVE_FLOW if p.dialect.flow is None else p.dialect.flow(p),
     )
 
 

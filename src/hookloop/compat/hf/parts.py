@@ -3,7 +3,7 @@
 When ``TrainingArguments`` decide a dialect run, :func:`dialect` hands the loop
 (:class:`hookloop.Trainer`) these in place of the native parts:
 
-- :class:`~hookloop.compat.hf.schedule.HFSchedule`: HF's flow, decided from the
+- :class:`~hookloop.compat.hf.schedule.HFFlow`: HF's flow, decided from the
   flags ``DefaultFlowCallback`` sets (:mod:`hookloop.compat.hf.schedule`).
 - :func:`plan_budget`: an epoch is ``ceil(batches / gradient_accumulation_steps)``
   steps; ``num_train_epochs`` may be fractional; ``epoch`` counts micro-batches.
@@ -35,7 +35,7 @@ from hookloop.compat.hf import flow, layout
 from hookloop.compat.hf import optim as hf_optim
 from hookloop.compat.hf.evaluation_loop import HFEvaluation
 from hookloop.compat.hf.loss import HFLoss
-from hookloop.compat.hf.schedule import schedule_of
+from hookloop.compat.hf.schedule import flow_of
 from hookloop.loop.evaluation import Evaluation
 from hookloop.loop.live import LiveSettings, Setting, SettingError
 from hookloop.loop.logbook import LogBook
@@ -63,7 +63,7 @@ def dialect(session: Any, hf_loss: HFLoss | None, compute_metrics: Any) -> Diale
             _evaluation, session=session, hf_loss=hf_loss, compute_metrics=compute_metrics
         ),
         checkpoints=functools.partial(_checkpoints, session=session),
-        schedule=functools.partial(schedule_of, session=session),
+        flow=functools.partial(flow_of, session=session),
         live=functools.partial(_live, session=session),
         announce_repeated_saves=True,  # a step save and an epoch save: on_save fires twice
         steps_metric_scheduler=True,  # ReduceLROnPlateau after evaluations, as HF
