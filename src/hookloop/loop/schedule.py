@@ -99,10 +99,10 @@ class Flow:
     """The decisions a dialect's flow makes differently from ``train.*``; each field left
     at its default is the native decision.
 
-    ``decide(schedule)`` replaces the plan at a step's end: the flow looks at every step's
-    end, plans the epoch's end the same way (then stops at the epoch or step budget), and
-    the budget alone ends no epoch's training; ``train.eval_at_epoch_end``'s evaluation
-    before ``on_epoch_end`` is then the flow's to plan.
+    ``decide(schedule)`` replaces the plan at a step's end. With it the schedule looks at
+    every step's end, plans an epoch's end the same way and then stops at the epoch or
+    step budget (a budget spent mid-epoch sets no stop reason of its own), and leaves
+    ``train.eval_at_epoch_end``'s evaluation before ``on_epoch_end`` to the flow.
     """
 
     #: ``on_epoch_start`` also when an epoch is resumed mid-way.
@@ -115,7 +115,8 @@ class Flow:
     logs_also: Callable[[], bool] | None = None
     #: The plan at a step's (and an epoch's) end in place of the native one.
     decide: Callable[[Schedule], Iterator[Action]] | None = None
-    #: Read after each step: whether the epoch ends there.
+    #: Read after each step: whether the epoch ends there (with ``closes_every_epoch``;
+    #: without it the epoch goes on where it was left, as after a resume).
     epoch_stop: Callable[[], bool] | None = None
     #: Training ends (not by an abort), before the last save and ``on_train_end``.
     finish: Callable[[], None] | None = None
