@@ -56,9 +56,6 @@ NOT_YET: dict[str, str] = {
     "counters hookloop/checkpoint/checkpointer.py": "turns counters back around a save",
     "counters hookloop/compat/hf/parts.py": "assigns the budget and FLOPs",
     "counters hookloop/compat/megatron_bridge/training/native_step.py": "assigns placement",
-    "override hookloop/compat/hf/parts.py:HFSchedule": "transformers' flow as a Schedule",
-    "override hookloop/compat/hpo/builtins.py:HpoCheckpointPolicy": "the HPO trainer's saves",
-    "arguments hookloop/compat/hf/parts.py:HFSchedule": "**parts: the native Schedule's inputs",
 }
 
 

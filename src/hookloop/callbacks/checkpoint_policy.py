@@ -14,12 +14,15 @@ or the best checkpoint saved here may be rotated out by newer ones; the callback
 warns at the start of training when that can happen.
 
 Running at priority 95, after every decider, a save requested here reflects
-the fully evaluated state of its step or epoch.
+the fully evaluated state of its step or epoch. A subclass that saves elsewhere (the
+HPO trainer's ``CheckpointCallback``) changes the two save points, :meth:`epoch_ended`
+and :meth:`evaluated`, not the events.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 from hookloop.callback import Callback
@@ -102,18 +105,29 @@ class CheckpointPolicy(Callback):
             ctx.control.request_save()
 
     def on_epoch_end(self, ctx: CallbackContext) -> None:
+        self.epoch_ended(ctx)
+
+    def on_eval_end(self, ctx: CallbackContext) -> None:
+        if ctx.state.in_training and ctx.metrics is not None:
+            self.evaluated(ctx, ctx.metrics)
+
+    # -- the save points: what a subclass that saves elsewhere changes -----------------
+    def epoch_ended(self, ctx: CallbackContext) -> None:
+        """An epoch ended: every ``every_n_epochs``-th asks for a save."""
         if self.every_n_epochs and (ctx.state.epoch + 1) % self.every_n_epochs == 0:
             ctx.control.request_save()
 
-    def on_eval_end(self, ctx: CallbackContext) -> None:
-        if self.monitor is None or not ctx.state.in_training or ctx.metrics is None:
+    def evaluated(self, ctx: CallbackContext, metrics: Mapping[str, Any]) -> None:
+        """An evaluation in training ended with ``metrics``: a new best of ``monitor`` asks
+        for a save, which becomes the best checkpoint."""
+        if self.monitor is None:
             return
-        value = as_float(ctx.metrics.get(self.monitor))
+        value = as_float(metrics.get(self.monitor))
         if value is None:
             self._warn_once(
                 "missing",
                 f"CheckpointPolicy: monitor {self.monitor!r} is not among the evaluation "
-                f"metrics {sorted(ctx.metrics or {})}; no best checkpoint is kept",
+                f"metrics {sorted(metrics or {})}; no best checkpoint is kept",
             )
             return
         if self.tracker.update(value):

@@ -14,8 +14,8 @@ event channel, the trained objects, how a batch is computed, the timing). The
 :class:`~hookloop.loop.schedule.Schedule` is built last, from it.
 
 A :class:`Dialect` replaces any of them (transformers' Trainer brings its own
-schedule, micro-step, log, evaluation and checkpoint retention); each factory is given
-what the native part is built from.
+flow for the schedule, micro-step, log, evaluation and checkpoint retention); each
+factory is given what the native part is built from.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from hookloop.loop.inputs import Inputs
 from hookloop.loop.live import LiveSettings
 from hookloop.loop.logbook import LogBook
 from hookloop.loop.records import Compute, Events, LoopTiming, Trained
-from hookloop.loop.schedule import Schedule, StopSignals
+from hookloop.loop.schedule import NATIVE_FLOW, Flow, Schedule, StopSignals
 from hookloop.loop.stepper import Clipping, MicroStep, Stepper, UpdateRules, steps_on_a_metric
 from hookloop.manager import CallbackManager
 from hookloop.optim import build_optimizer, build_scheduler
@@ -67,7 +67,8 @@ class Dialect:
       the rate the last update used);
     - ``evaluation(trained, compute, events, progress, max_batches)``;
     - ``checkpoints(checkpoint_config, root, resuming)``: the persistent manager;
-    - ``schedule(parts)``: the flow over the loop's boundaries, from the parts built;
+    - ``flow(parts)``: the decisions the dialect's flow makes differently, which the
+      native Schedule takes (from the parts built);
     - ``live(settings)``: the native live settings, with the dialect's own keys.
     """
 
@@ -77,7 +78,7 @@ class Dialect:
     logbook: Callable[[Stepper, Events, Progress, TrainConfig], LogBook] | None = None
     evaluation: Callable[[Trained, Compute, Events, Progress, int | None], Evaluation] | None = None
     checkpoints: Callable[[CheckpointConfig, Path, bool], CheckpointManager] | None = None
-    schedule: Callable[[Parts], Schedule] | None = None
+    flow: Callable[[Parts], Flow] | None = None
     live: Callable[[LiveSettings], LiveSettings] | None = None
     #: A save asked for at a step already saved announces that checkpoint again.
     announce_repeated_saves: bool = False
@@ -227,7 +228,7 @@ def build_parts(given: Inputs, dialect: Dialect | None = None) -> tuple[Parts, S
         StopSignals(), GCPolicy(cfg.gc_every, around_eval=cfg.gc_eval),
         stepper, logbook, evaluation, checkpointer, live, dialect,
     )  # fmt: skip
-    return parts, (dialect.schedule or _schedule)(parts)
+    return parts, _schedule(parts)
 
 
 def _compute(given: Inputs, progress: Progress, device: torch.device) -> Compute:
@@ -512,6 +513,7 @@ def _live(
 
 
 def _schedule(p: Parts) -> Schedule:
+    """The one schedule, with the dialect's :class:`~hookloop.loop.schedule.Flow` if any."""
     return Schedule(
         config=p.config.train,
         progress=p.progress,
@@ -520,6 +522,7 @@ def _schedule(p: Parts) -> Schedule:
         device=p.device,
         has_eval=p.loaders.eval is not None,
         checkpointer=p.checkpointer,
+        flow=NATIVE_FLOW if p.dialect.flow is None else p.dialect.flow(p),
     )
 
 

@@ -9,20 +9,30 @@ a generator, so after an action has run (a log whose handler asked to stop, say)
 it looks at the requests again before deciding the rest. The loop carries each
 action out with one handler per kind (:meth:`hookloop.loop.trainer.Trainer.act`).
 
-A dialect brings its own schedule (transformers' Trainer decides through the flags
-its ``DefaultFlowCallback`` sets); the loop and its handlers stay the same.
+The loop asks one question at each boundary: :meth:`Schedule.opens_epoch` as an
+epoch opens, :meth:`Schedule.will_log` as a step begins, :meth:`Schedule.at_step_end`
+(a plan) and :meth:`Schedule.at_epoch_end` (given why the steps ended, an
+:class:`EpochEnd`: an :class:`EpochPlan`), and :meth:`Schedule.finish`.
+
+A dialect changes none of its methods: it gives the schedule a :class:`Flow`, the few
+decisions its system makes differently (transformers' Trainer decides from the flags
+its ``DefaultFlowCallback`` sets, opens every epoch, steps a partial group, ...). The
+loop and its handlers stay the same.
 """
 
 from __future__ import annotations
 
+import enum
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from hookloop.requests import BUILT_IN_KINDS, KINDS, NO_REQUESTS, Control, Requests
+from hookloop.result import is_abort
 from hookloop.state import Progress
 
 #: One step of a plan: a request kind (or ``save_local``) and its values.
@@ -57,21 +67,75 @@ class StopSignals:
         return restore
 
 
-class Schedule:
-    """The native schedule: ``train.log_every``, ``eval_every``, ``eval_at_epoch_end``,
-    the checkpoint intervals, ``exit_interval``, ``exit_duration_minutes``, the step and
-    epoch budget, and whatever callbacks requested.
+class EpochEnd(enum.Enum):
+    """Why an epoch's steps ended: what the loop tells :meth:`Schedule.at_epoch_end`."""
 
-    Read after every step, so kept as plain attributes: ``next_boundary`` (the next step
-    whose end has something on the schedule), and three policies a dialect may change:
-    ``opens_every_epoch`` (``on_epoch_start`` also when resuming mid-epoch),
-    ``steps_partial_group`` (an epoch's last, short accumulation group is stepped,
-    not dropped), ``ends_epochs_early`` (a request may end an epoch; see :meth:`epoch_stop`).
+    BUDGET = "budget"  # the step budget is spent
+    EXHAUSTED = "exhausted"  # the epoch's data ran out
+    STOPPED = "stopped"  # a plan's action left the epoch: a stop, an abort or a rewind
+    EPOCH_STOP = "epoch_stop"  # the flow ended the epoch early (:attr:`Flow.epoch_stop`)
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """What the loop does at an epoch's end, in this order."""
+
+    #: Why training ends, when the epoch ended by spending the step budget (None: it goes on,
+    #: or the plan's actions decide).
+    stop_reason: str | None
+    #: Whether the epoch gets its end; False: left mid-epoch, no epoch-end events, so a
+    #: longer resume stays exact.
+    closes: bool
+    #: Whether an evaluation runs before ``on_epoch_end`` (``train.eval_at_epoch_end``).
+    evaluates_first: bool
+    #: Whether the epoch counter moves on after ``on_epoch_end``.
+    advances: bool
+    #: The plan after ``on_epoch_end`` (a generator: it reads the requests filed during it).
+    actions: Iterator[Action]
+
+
+@dataclass(frozen=True)
+class Flow:
+    """The decisions a dialect's flow makes differently from ``train.*``; each field left
+    at its default is the native decision.
+
+    ``decide(schedule)`` replaces the plan at a step's end. With it the schedule looks at
+    every step's end, plans an epoch's end the same way and then stops at the epoch or
+    step budget (a budget spent mid-epoch sets no stop reason of its own), and leaves
+    ``train.eval_at_epoch_end``'s evaluation before ``on_epoch_end`` to the flow.
     """
 
-    opens_every_epoch = False
-    steps_partial_group = False
-    ends_epochs_early = False
+    #: ``on_epoch_start`` also when an epoch is resumed mid-way.
+    opens_every_epoch: bool = False
+    #: An epoch's last, short accumulation group is stepped, not dropped.
+    steps_partial_group: bool = False
+    #: An epoch left mid-way (a stop, the budget, an early end; not an abort) still ends.
+    closes_every_epoch: bool = False
+    #: More steps that log than ``train.log_every`` and the requests say.
+    logs_also: Callable[[], bool] | None = None
+    #: The plan at a step's (and an epoch's) end in place of the native one.
+    decide: Callable[[Schedule], Iterator[Action]] | None = None
+    #: Read after each step: whether the epoch ends there (with ``closes_every_epoch``;
+    #: without it the epoch goes on where it was left, as after a resume).
+    epoch_stop: Callable[[], bool] | None = None
+    #: Training ends (not by an abort), before the last save and ``on_train_end``.
+    finish: Callable[[], None] | None = None
+
+
+#: The native flow: ``train.*`` decides everything.
+NATIVE_FLOW = Flow()
+
+
+class Schedule:
+    """The schedule: ``train.log_every``, ``eval_every``, ``eval_at_epoch_end``, the
+    checkpoint intervals, ``exit_interval``, ``exit_duration_minutes``, the step and epoch
+    budget, and whatever callbacks requested; a dialect's :class:`Flow` changes a few of
+    these decisions.
+
+    Read after every step, so kept as plain attributes: ``next_boundary`` (the next step
+    whose end has something on the schedule), ``skip_steps`` (``train.iterations_to_skip``)
+    and ``flow``.
+    """
 
     def __init__(
         self,
@@ -83,18 +147,15 @@ class Schedule:
         device: Any,
         has_eval: bool,
         checkpointer: Any,
+        flow: Flow = NATIVE_FLOW,
     ) -> None:
         self.config, self.progress, self.control, self.signals = config, progress, control, signals
         self.device, self.has_eval, self.checkpointer = device, has_eval, checkpointer
+        self.flow = flow
         self.next_boundary = 0
-        self.last_eval_step = -1  # the step of the latest evaluation in training
+        self.last_eval_step = -1  # the step of the latest evaluation the schedule planned
         self.started = time.monotonic()
         self.skip_steps: frozenset[int] = frozenset()
-
-    # -- the budget ---------------------------------------------------------------
-    def budget_reason(self) -> str | None:
-        """Why training ends when the step budget is spent (None: the epoch's end decides)."""
-        return "max_steps" if self.config.max_steps else "max_epochs"
 
     # -- through the run ----------------------------------------------------------
     def begin(self) -> None:
@@ -102,6 +163,10 @@ class Schedule:
         self.started = time.monotonic()
         self.skip_steps = frozenset(self.config.iterations_to_skip)
         self.next_boundary = 0  # the first boundary works out when the next is due
+
+    def opens_epoch(self) -> bool:
+        """Whether the epoch starting now fires ``on_epoch_start`` (not a resumed one)."""
+        return self.progress.epoch_step == 0 or self.flow.opens_every_epoch
 
     def will_log(self) -> bool:
         """Whether the step beginning now ends with a log: scheduled, or asked for before it.
@@ -113,14 +178,22 @@ class Schedule:
         every, st = self.config.log_every, self.progress
         if every and st.step % every == 0:
             return True
-        return st.world_size == 1 and self.control.log_requested
+        if st.world_size == 1 and self.control.log_requested:
+            return True
+        logs_also = self.flow.logs_also
+        return logs_also is not None and logs_also()
 
     def plan_next(self) -> None:
         """Work out ``next_boundary`` again (after every boundary that acts, so an interval
         a callback changes mid-run applies from then on). Every step with several ranks
-        (they agree on requests at each boundary) or with a time limit to watch."""
+        (they agree on requests at each boundary), with a time limit to watch, or when
+        the flow decides."""
         cfg, step = self.config, self.progress.step
-        if self.progress.world_size > 1 or cfg.exit_duration_minutes is not None:
+        if (
+            self.progress.world_size > 1
+            or cfg.exit_duration_minutes is not None
+            or self.flow.decide is not None
+        ):
             self.next_boundary = step + 1
             return
         intervals = [cfg.log_every, cfg.exit_interval, *self.checkpointer.intervals()]
@@ -141,9 +214,20 @@ class Schedule:
             self.signals.caught = requests.signal  # a signal caught on another rank stops this one
         return requests
 
+    def finish(self) -> None:
+        """Training ends (not by an abort), before the last save and ``on_train_end``."""
+        if self.flow.finish is not None:
+            self.flow.finish()
+
     # -- the plans ----------------------------------------------------------------
     def at_step_end(self) -> Iterator[Action]:
-        """A step's end: log, evaluate, then a rewind, a stop or a save (see the module doc)."""
+        """A step's end: the plan (the flow's, or log, evaluate, then a rewind, a stop or
+        a save; see the module doc), then when the next boundary is due."""
+        decide = self.flow.decide
+        yield from self._step_plan() if decide is None else decide(self)
+        self.plan_next()
+
+    def _step_plan(self) -> Iterator[Action]:
         cfg, st = self.config, self.progress
         requests = self.take_requests()
         yield from passed_through(requests)
@@ -157,6 +241,7 @@ class Schedule:
         every = cfg.eval_every
         if self.has_eval and (requests.evaluate or (every and st.step % every == 0)):
             yield "evaluate", {}
+            self.last_eval_step = st.step
             ran = True
         if ran:  # a log or eval handler may have asked to stop (e.g. early stopping)
             later = self.take_requests()
@@ -178,27 +263,41 @@ class Schedule:
         elif self.checkpointer.local_due(st.step):
             yield "save_local", {}
 
-    def evaluates_before_epoch_end(self) -> bool:
-        """Whether the epoch's end evaluates before ``on_epoch_end`` (``eval_at_epoch_end``,
-        unless an evaluation already ran at this step)."""
-        return (
-            self.has_eval
+    def at_epoch_end(self, ended: EpochEnd) -> EpochPlan:
+        """The epoch's steps ended so: whether and how the epoch ends (see
+        :class:`EpochPlan`). Natively an epoch ends when its data ran out, or when the
+        budget ran out exactly at its end; it evaluates first with ``eval_at_epoch_end``,
+        unless an evaluation already ran at this step."""
+        st, flow = self.progress, self.flow
+        budget = ended is EpochEnd.BUDGET and st.stop_reason is None and flow.decide is None
+        complete = ended is EpochEnd.EXHAUSTED or st.epoch_step == st.steps_per_epoch
+        if flow.closes_every_epoch:
+            closes = not is_abort(st.stop_reason)
+        else:
+            closes = ended is EpochEnd.EXHAUSTED or (ended is EpochEnd.BUDGET and complete)
+        evaluates = (
+            closes
+            and flow.decide is None
+            and self.has_eval
             and self.config.eval_at_epoch_end
-            and self.last_eval_step != self.progress.step
+            and self.last_eval_step != st.step
+        )
+        if evaluates:
+            self.last_eval_step = st.step
+        epoch_stop = flow.epoch_stop
+        stopped_early = epoch_stop is not None and ended is not EpochEnd.STOPPED and epoch_stop()
+        reason = None
+        if budget:
+            reason = "max_steps" if self.config.max_steps else "max_epochs"
+        return EpochPlan(
+            stop_reason=reason,
+            closes=closes,
+            evaluates_first=evaluates,
+            advances=complete or stopped_early,
+            actions=self._after_epoch_end() if flow.decide is None else self._decided_epoch_end(),
         )
 
-    def closes_epoch(self, ended: str) -> bool:
-        """Whether an epoch whose steps ended so (``exhausted``, ``budget``, ``stopped``,
-        ``epoch_stop``) gets its end: the data ran out, or the budget ran out exactly at
-        the epoch's end (mid-epoch, there is no epoch end: a longer resume stays exact)."""
-        st = self.progress
-        return ended == "exhausted" or (ended == "budget" and st.epoch_step == st.steps_per_epoch)
-
-    def advances_epoch(self, ended: str) -> bool:
-        """Whether the epoch counter moves on after ``on_epoch_end``."""
-        return True
-
-    def at_epoch_end(self) -> Iterator[Action]:
+    def _after_epoch_end(self) -> Iterator[Action]:
         """After ``on_epoch_end``: what was filed during it (early stopping on the
         evaluation, say). A log or evaluation asked for here waits for the next step."""
         st = self.progress
@@ -218,12 +317,15 @@ class Schedule:
         if requests.save and self.checkpointer.persistent is not None:
             yield "save", {}  # also after the last epoch
 
-    def epoch_stop(self) -> bool:
-        """Whether the epoch ends after this step (read only with ``ends_epochs_early``)."""
-        return False
-
-    def finish(self) -> None:
-        """Training ends (not by an abort), before the last save and ``on_train_end``."""
+    def _decided_epoch_end(self) -> Iterator[Action]:
+        """After ``on_epoch_end`` in a flow that decides: its plan, then the budget."""
+        st, decide = self.progress, self.flow.decide
+        assert decide is not None
+        yield from decide(self)
+        if st.stop_reason is None and st.num_epochs is not None and st.epoch >= st.num_epochs:
+            yield "stop", {"reason": "max_epochs"}
+        if st.stop_reason is None and st.max_steps is not None and st.step >= st.max_steps:
+            yield "stop", {"reason": "max_steps"}
 
     # -- helpers ------------------------------------------------------------------
     def stop_reason(self, requests: Requests) -> str | None:

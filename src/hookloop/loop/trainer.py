@@ -3,7 +3,8 @@
 Read it top to bottom: ``train()`` → ``_run_epoch()`` → ``_run_steps()`` →
 ``_train_step()``, then ``act()`` on the plan the schedule makes at each step's end.
 The loop owns every decision (when to log, evaluate, save, stop) through its
-schedule; callbacks observe through ``ctx`` and ask through ``ctx.control``.
+schedule, which it asks one question at each boundary; callbacks observe through
+``ctx`` and ask through ``ctx.control``.
 Switch every callback off and the model still trains.
 
 The loop is composed of parts, built once by :func:`hookloop.loop.parts.build_parts`:
@@ -34,6 +35,7 @@ from hookloop.config import Config, TrainConfig
 from hookloop.loop.actions import handler_of
 from hookloop.loop.inputs import Inputs, as_config, as_manager, check_flops, check_inputs
 from hookloop.loop.parts import Dialect, build_parts, checkpoint_managers
+from hookloop.loop.schedule import EpochEnd
 from hookloop.manager import CallbackManager
 from hookloop.result import TrainResult, is_abort
 from hookloop.rundir import RunDir
@@ -251,39 +253,38 @@ class Trainer:
         batches = p.rewinder.reposition(  # less what rewinds skipped in it
             p.position.epoch(st.epoch, st.epoch_step), st.epoch, self.train_loader
         )
-        if st.epoch_step == 0 or schedule.opens_every_epoch:
+        if schedule.opens_epoch():
             p.fire("on_epoch_start")
-        ended = self._run_steps(batches)
-        if ended == "budget" and st.stop_reason is None:
-            st.stop_reason = schedule.budget_reason()
-        if not schedule.closes_epoch(ended):
+        plan = schedule.at_epoch_end(self._run_steps(batches))
+        if plan.stop_reason is not None:
+            st.stop_reason = plan.stop_reason  # the step budget is spent
+        if not plan.closes:
             return  # stopped mid-epoch: no epoch-end events
-        if schedule.evaluates_before_epoch_end():
+        if plan.evaluates_first:
             self._evaluate_in_training()
         p.fire("on_epoch_end")
-        if schedule.advances_epoch(ended):
+        if plan.advances:
             st.epoch += 1
             st.epoch_step = 0
-        self.act(schedule.at_epoch_end())
+        self.act(plan.actions)
 
-    def _run_steps(self, batches: Iterator[Any]) -> str:
-        """Steps until something ends them; returns what: ``"budget"`` (the step budget is
-        spent), ``"exhausted"`` (the epoch's data), ``"stopped"`` or ``"epoch_stop"``."""
+    def _run_steps(self, batches: Iterator[Any]) -> EpochEnd:
+        """Steps until something ends them; returns what (an :class:`EpochEnd`)."""
         st, p, k = self.progress, self.parts, self.config.train.grad_accum
         schedule, control, checkpointer = self.schedule, self.control, self.checkpointer
         signals = p.signals
         clock, data_timer, rewinder, gc = p.clock, p.timers["data-iterator"], p.rewinder, p.gc
-        partial_ok = schedule.steps_partial_group
+        partial_ok, epoch_stop = schedule.flow.steps_partial_group, schedule.flow.epoch_stop
         while True:
             if st.max_steps is not None and st.step >= st.max_steps:
-                return "budget"
+                return EpochEnd.BUDGET
             fetching = clock()
             if rewinder.pending and rewinder.skip_due(st.step):
                 rewinder.skip(batches, st.epoch)  # the data after a divergence
             group = list(itertools.islice(batches, k))
             data_timer.add(clock() - fetching)
             if len(group) < k and not (partial_ok and group):
-                return "exhausted"  # the epoch's data ran out; a partial group is dropped
+                return EpochEnd.EXHAUSTED  # the data ran out; a partial group is dropped
             self._train_step(group)
             if gc.every is not None:
                 gc.after_step(st.step)
@@ -298,14 +299,12 @@ class Trainer:
             ):
                 if checkpointer.busy:  # a background save that has committed: its event now
                     checkpointer.collect(wait=False)
-                left = self.act(schedule.at_step_end())
-                schedule.plan_next()
-                if left:
-                    return "stopped"
-            if schedule.ends_epochs_early and schedule.epoch_stop():
-                return "epoch_stop"
+                if self.act(schedule.at_step_end()):
+                    return EpochEnd.STOPPED
+            if epoch_stop is not None and epoch_stop():
+                return EpochEnd.EPOCH_STOP
             if len(group) < k:
-                return "exhausted"
+                return EpochEnd.EXHAUSTED
 
     def _train_step(self, group: list[Any]) -> None:
         """One optimizer step over the micro-batches of ``group``, firing its events."""
@@ -406,7 +405,6 @@ class Trainer:
         self.evaluate()
         gc.at_eval()
         timer.stop()
-        self.schedule.last_eval_step = self.progress.step
         self.model.train()
 
     def evaluate(self, data: Iterable[Any] | None = None) -> dict[str, float]:

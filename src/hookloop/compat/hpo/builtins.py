@@ -383,33 +383,34 @@ class HpoCheckpointPolicy(CheckpointPolicy):
             )
         super().on_train_start(ctx)
 
-    def on_eval_end(self, ctx: CallbackContext) -> None:
+    def evaluated(self, ctx: CallbackContext, metrics: Mapping[str, Any]) -> None:
+        """With a manager or ``checkpoint_dir``, the value is kept for the epoch's end,
+        which decides; without, a new best asks the run for a save (the native way)."""
         if self.checkpoint_manager is not None:
-            if ctx.state.in_training and ctx.metrics is not None:
-                self._epoch_value = as_float(ctx.metrics.get("eval_loss"))
-                self._epoch_metrics = dict(ctx.metrics)
+            self._epoch_value = as_float(metrics.get("eval_loss"))
+            self._epoch_metrics = dict(metrics)
             return
         if self.checkpoint_dir is None:
-            super().on_eval_end(ctx)
+            super().evaluated(ctx, metrics)
             return
-        if self.monitor is None or not ctx.state.in_training or ctx.metrics is None:
+        if self.monitor is None:
             return
-        value = as_float(ctx.metrics.get(self.monitor))
+        value = as_float(metrics.get(self.monitor))
         if value is None and not self._missing_warned:
             self._missing_warned = True
             warnings.warn(
                 f"CheckpointCallback: monitor {self.monitor!r} is not among the evaluation "
-                f"metrics {sorted(ctx.metrics)}; only the periodic checkpoints are saved",
+                f"metrics {sorted(metrics)}; only the periodic checkpoints are saved",
                 stacklevel=2,
             )
         if value is not None:
             self._epoch_value = value
 
-    def on_train_step_end(self, ctx: CallbackContext) -> None:
-        if self.checkpoint_manager is None:
-            super().on_train_step_end(ctx)
-
-    def on_epoch_end(self, ctx: CallbackContext) -> None:
+    def epoch_ended(self, ctx: CallbackContext) -> None:
+        """The HPO trainer's save point: ``maybe_save`` of its manager, or a save to
+        ``checkpoint_dir`` when due or a new best; without either, the native request.
+        (The run's saves and ``every_n_steps`` are then this callback's only without them:
+        neither form marks a best for the run's checkpoints nor saves by steps.)"""
         if self.checkpoint_manager is not None:
             trainer = ctx.trainer
             peers = trainer.callbacks.callbacks if trainer is not None else ()
@@ -417,15 +418,10 @@ class HpoCheckpointPolicy(CheckpointPolicy):
             self.manager_save(ctx, ctx.state.epoch, value, self._epoch_metrics, peers)
             return
         if self.checkpoint_dir is None:
-            super().on_epoch_end(ctx)
+            super().epoch_ended(ctx)
             return
         value, self._epoch_value = self._epoch_value, None
         self.save_epoch(self._run_state(ctx), ctx.state.epoch, value)
-
-    def on_checkpoint_save(self, ctx: CallbackContext) -> None:
-        # the run's saves are this callback's only without checkpoint_dir or a manager
-        if self.checkpoint_dir is None and self.checkpoint_manager is None:
-            super().on_checkpoint_save(ctx)
 
     def _run_state(self, ctx: CallbackContext) -> dict[str, Any]:
         from hookloop.checkpoint import CallbackStates
