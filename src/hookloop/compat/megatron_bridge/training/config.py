@@ -406,11 +406,6 @@ class ConfigContainer(Section):
     def to_native(self, world_size: int = 1) -> hc.Config:
         """The :class:`hookloop.Config` that runs this container on ``world_size`` ranks."""
         self.validate(world_size)
-        if self.train.iterations_to_skip:
-            raise ValueError(
-                "train.iterations_to_skip is honoured by training.train.train(); pretrain() and "
-                "finetune() run hookloop's loop, which trains every step: leave it empty there"
-            )
         t, o, s = self.train, self.optimizer, self.scheduler
         native = hc.Config(
             recipe="gpt-stdlib",
@@ -443,6 +438,8 @@ class ConfigContainer(Section):
                 eval_max_batches=t.eval_iters,
                 exit_interval=t.exit_interval,
                 exit_duration_minutes=t.exit_duration_in_mins,
+                # Megatron counts the steps done before a step; hookloop numbers it from 1
+                iterations_to_skip=[index + 1 for index in t.iterations_to_skip],
             ),
             checkpoint=hc.CheckpointConfig(
                 every=self.checkpoint.save_interval,

@@ -48,7 +48,8 @@ STEP_EVENTS = frozenset({"on_train_step_start", "on_train_step_end"})
 def exited(stop_reason: str | None) -> bool:
     """Whether training ended on an exit condition, after which Megatron-Bridge exits."""
     return stop_reason is not None and (
-        stop_reason in ("exit_interval", "exit_duration") or stop_reason.startswith("signal ")
+        stop_reason in ("exit_interval", "exit_duration", "straggler")
+        or stop_reason.startswith("signal ")
     )
 
 
@@ -109,8 +110,9 @@ class NativeEvents:
         state.refresh(
             ctx.state,
             in_step=in_step,
-            has_valid=ctx.run.has_eval_data,
-            has_test=ctx.run.has_test_data,
+            # data the loop holds; training.train validates on its own iterator
+            has_valid=ctx.run.has_eval_data or None,
+            has_test=ctx.run.has_test_data or None,
         )
         return state
 

@@ -112,6 +112,16 @@ class SteppedByIncrement:
     def step(self) -> None:
         self.scheduler.step(increment=self.increment)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The scheduler's own state (none when it keeps none), for a checkpoint."""
+        save = getattr(self.scheduler, "state_dict", None)
+        return save() if save is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        load = getattr(self.scheduler, "load_state_dict", None)
+        if load is not None:
+            load(state)
+
 
 def stepped_scheduler(scheduler: Any, increment: int) -> Any:
     """``scheduler`` as the Stepper steps it: by ``increment`` when its ``step`` takes one
