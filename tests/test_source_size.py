@@ -25,10 +25,6 @@ NOT_YET = {
     "hookloop/diloco/server.py": "__init__: Forgather's 33-parameter constructor",
     "hookloop/tune/study.py": "1,160 lines: the study, its trials and its drivers in one",
     "hookloop/tune/api.py": "run() and _run_objective(): signature and docstring of a public API",
-    "hookloop/compat/megatron_bridge/training/config.py": "validate(); moving onto the loop",
-    "hookloop/compat/megatron_bridge/training/checkpointing.py": "save_checkpoint()",
-    "hookloop/compat/megatron_bridge/training/eval.py": "evaluate(); moving onto the loop",
-    "hookloop/compat/megatron_bridge/training/train.py": "the second loop; moving onto the loop",
 }
 
 MAX_FILE_LINES = 600

@@ -25,7 +25,6 @@ in :mod:`.megatron_core`, the progress-log ones in :mod:`.progress`.
 
 from __future__ import annotations
 
-import gc
 import logging
 import sys
 import time
@@ -55,8 +54,10 @@ from hookloop.compat.megatron_bridge.training.progress import (
 from hookloop.compat.megatron_bridge.training.state import GlobalState
 from hookloop.compat.megatron_bridge.training.train_loop import (
     MegatronStepWork,
+    NonLossData,
     StepPlaceholders,
     build_trainer,
+    post_training_step_callbacks,
     run_callbacks,
 )
 from hookloop.compat.megatron_bridge.training.train_loop import (
@@ -122,12 +123,7 @@ def train(
     cfg = check_train_inputs(
         global_state, optimizer, checkpointing_context, callback_manager, model
     )
-    for name, fn in (
-        ("process_non_loss_data_func", process_non_loss_data_func),
-        ("non_loss_data_func", non_loss_data_func),
-    ):
-        if fn is not None and not callable(fn):
-            raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
+    non_loss_data = _check_non_loss_data(process_non_loss_data_func, non_loss_data_func)
     step_func = bind_step(forward_step_func, global_state)
     manager = callback_manager if callback_manager is not None else CallbackManager()
     manager.native_events.share(global_state)
@@ -138,13 +134,7 @@ def train(
     ts.do_valid = ts.do_valid or valid_data_iterator is not None
     global_state.job_start_flops = ts.floating_point_operations_so_far
     work = MegatronStepWork(
-        global_state,
-        model,
-        step_func,
-        valid_data_iterator,
-        (process_non_loss_data_func, non_loss_data_func),
-        manager,
-        post_training_step_callbacks,
+        global_state, model, step_func, valid_data_iterator, non_loss_data, manager
     )
     added = run_callbacks(global_state, work)
     for callback in added:
@@ -161,13 +151,26 @@ def train(
         if interval_time.active:
             interval_time.stop()
         global_state.refresh(trainer.state)
-    writer = global_state.tensorboard_logger
+    _end(result.stop_reason, global_state)
+
+
+def _end(stop_reason: str | None, state: GlobalState) -> None:
+    """After the loop: the writer flushed; after an exit condition, the process ended."""
+    writer = state.tensorboard_logger
     if writer is not None:
         writer.flush()
-    if exited(result.stop_reason):
-        barrier_and_log(_exit_message(result.stop_reason, global_state))
-        _finish_train(global_state)
+    if exited(stop_reason):
+        barrier_and_log(_exit_message(stop_reason, state))
+        _finish_train(state)
         sys.exit(0)
+
+
+def _check_non_loss_data(process: Any, produce: Any) -> NonLossData:
+    """``(process_non_loss_data_func, non_loss_data_func)``, each callable or None."""
+    for name, fn in (("process_non_loss_data_func", process), ("non_loss_data_func", produce)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
+    return process, produce
 
 
 def _exit_message(reason: str | None, state: GlobalState) -> str:
@@ -215,43 +218,6 @@ def _step_with(stepper: Stepper, global_state: GlobalState) -> TrainStepResult:
     stepper.optimizer.zero_grad(set_to_none=True)  # as Megatron-Bridge, before the step
     loss_dict, skipped_iter, grad_norm = run_step(stepper)
     return (loss_dict, skipped_iter, False, False, 0, grad_norm, None)
-
-
-def post_training_step_callbacks(
-    model: list[torch.nn.Module],
-    num_floating_point_operations_since_last_log_event: float,
-    straggler_timer: Any,
-    iteration: int,
-    prof: torch.profiler.profile | None,
-    config: Any,
-    should_toggle_forward_pre_hook: bool,
-    nsys_nvtx_context: Any = None,
-) -> None:
-    """What runs after each step: a CUDA sync every ``train.train_sync_interval`` steps,
-    the straggler report every ``logger.log_interval`` steps (with a ``straggler_timer``
-    and ``config.straggler.log_straggler``), one profiler step, and a garbage collection
-    every ``train.manual_gc_interval`` steps with ``train.manual_gc``. Settings the
-    config does not have are off; ``nsys_nvtx_context`` (Nsight ranges) is not used.
-    """
-    check_chunks(model)
-    train_cfg = getattr(config, "train", None)
-    sync_interval = getattr(train_cfg, "train_sync_interval", None)
-    if sync_interval and iteration % sync_interval == 0 and torch.cuda.is_available():
-        torch.cuda.synchronize()
-    straggler = getattr(config, "straggler", None)
-    log_interval = getattr(getattr(config, "logger", None), "log_interval", 0)
-    if (
-        straggler_timer is not None
-        and getattr(straggler, "log_straggler", False)
-        and log_interval
-        and iteration % log_interval == 0
-    ):
-        straggler_timer.report(num_floating_point_operations_since_last_log_event, log_interval)
-    if prof is not None:
-        prof.step()
-    gc_interval = getattr(train_cfg, "manual_gc_interval", 0)
-    if getattr(train_cfg, "manual_gc", False) and gc_interval and iteration % gc_interval == 0:
-        gc.collect()
 
 
 def save_checkpoint_and_time(
@@ -319,7 +285,6 @@ def checkpoint_and_decide_exit(
     step is a multiple of ``train.exit_interval``. Returns True when the loop should exit.
     """
     cfg = state.cfg
-    step = state.train_state.step
 
     def save() -> None:
         save_checkpoint_and_time(
@@ -339,30 +304,33 @@ def checkpoint_and_decide_exit(
             save()
         barrier_and_log("exiting program after receiving SIGTERM.")
         return True
-    saved = False
     interval = cfg.checkpoint.save_interval
-    if cfg.checkpoint.save and interval and step % interval == 0:
+    saved = bool(cfg.checkpoint.save and interval and state.train_state.step % interval == 0)
+    if saved:
         save()
-        saved = True
+    message = _exit_condition(state, model)
+    if message is None:
+        return False
+    if cfg.checkpoint.save and not saved:
+        save()
+    barrier_and_log(message)
+    return True
+
+
+def _exit_condition(state: GlobalState, model: list[torch.nn.Module]) -> str | None:
+    """What :func:`checkpoint_and_decide_exit` logs for the exit that holds (None: none):
+    ``train.exit_duration_in_mins`` passed on any rank, ``train.exit_interval``, a straggler."""
+    cfg, step = state.cfg, state.train_state.step
     minutes = cfg.train.exit_duration_in_mins
     train_time = (time.time() - state.start_time) / 60.0
     if minutes and agreed(train_time > minutes, model):
-        if cfg.checkpoint.save and not saved:
-            save()
-        barrier_and_log(f"exiting program after {train_time} minutes")
-        return True
+        return f"exiting program after {train_time} minutes"
     exit_interval = cfg.train.exit_interval
     if exit_interval and step % exit_interval == 0:
-        if cfg.checkpoint.save and not saved:
-            save()
-        barrier_and_log(f"exiting program at iteration {step}")
-        return True
+        return f"exiting program at iteration {step}"
     if check_nvrx_straggler_detection(state.nvrx_straggler_manager):
-        if cfg.checkpoint.save and not saved:
-            save()
-        barrier_and_log("Exiting program due to straggler detection.")
-        return True
-    return False
+        return "Exiting program due to straggler detection."
+    return None
 
 
 def _finish_train(global_state: GlobalState) -> None:

@@ -88,6 +88,43 @@ def dummy_train_step(global_state: GlobalState, train_data_iterator: DataIterato
             ) from None
 
 
+def post_training_step_callbacks(
+    model: list[torch.nn.Module],
+    num_floating_point_operations_since_last_log_event: float,
+    straggler_timer: Any,
+    iteration: int,
+    prof: torch.profiler.profile | None,
+    config: Any,
+    should_toggle_forward_pre_hook: bool,
+    nsys_nvtx_context: Any = None,
+) -> None:
+    """What runs after each step: a CUDA sync every ``train.train_sync_interval`` steps,
+    the straggler report every ``logger.log_interval`` steps (with a ``straggler_timer``
+    and ``config.straggler.log_straggler``), one profiler step, and a garbage collection
+    every ``train.manual_gc_interval`` steps with ``train.manual_gc``. Settings the
+    config does not have are off; ``nsys_nvtx_context`` (Nsight ranges) is not used.
+    """
+    check_chunks(model)
+    train_cfg = getattr(config, "train", None)
+    sync_interval = getattr(train_cfg, "train_sync_interval", None)
+    if sync_interval and iteration % sync_interval == 0 and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    straggler = getattr(config, "straggler", None)
+    log_interval = getattr(getattr(config, "logger", None), "log_interval", 0)
+    if (
+        straggler_timer is not None
+        and getattr(straggler, "log_straggler", False)
+        and log_interval
+        and iteration % log_interval == 0
+    ):
+        straggler_timer.report(num_floating_point_operations_since_last_log_event, log_interval)
+    if prof is not None:
+        prof.step()
+    gc_interval = getattr(train_cfg, "manual_gc_interval", 0)
+    if getattr(train_cfg, "manual_gc", False) and gc_interval and iteration % gc_interval == 0:
+        gc.collect()
+
+
 class StepPlaceholders:
     """The train data the loop draws: one placeholder per micro-batch (its leading
     dimension the micro-batch size, so the loop counts the samples), endlessly.
@@ -123,7 +160,7 @@ class MegatronStepWork(Callback):
     Before the update: with ``optimizer.clip_grad`` > 0 a non-finite gradient norm
     skips it. After the step: ``train_state`` counts it, the step is logged
     (:func:`~.loggers.log_training_step`), validation runs every ``train.eval_interval``
-    steps, then ``post_step`` (Megatron-Bridge's ``post_training_step_callbacks``), then
+    steps, then :func:`post_training_step_callbacks`, then
     a stop is asked when ``train.exit_duration_in_mins`` has passed since
     ``state.start_time`` or a straggler was detected.
     """
@@ -138,11 +175,10 @@ class MegatronStepWork(Callback):
         valid_data_iterator: DataIterator,
         non_loss_data: NonLossData,
         manager: CallbackManager,
-        post_step: Callable[..., None],
     ) -> None:
         self.global_state, self.model, self.step_func = global_state, model, step_func
         self.valid_data_iterator, self.non_loss_data = valid_data_iterator, non_loss_data
-        self.manager, self.post_step = manager, post_step
+        self.manager = manager
         self.interval_losses = IntervalLosses()
         cfg = global_state.cfg
         self.clips = cfg.optimizer.clip_grad > 0
@@ -167,7 +203,9 @@ class MegatronStepWork(Callback):
         interval = cfg.train.eval_interval
         if ts.do_valid and interval and ts.step % interval == 0:
             self.validate()
-        self.post_step(self.model, self.flops_since_log, None, ts.step, None, cfg, False, None)
+        post_training_step_callbacks(
+            self.model, self.flops_since_log, None, ts.step, None, cfg, False, None
+        )
         reason = self.exit_reason()
         if reason is not None:
             ctx.control.request_stop(reason)
