@@ -29,11 +29,11 @@ from hookloop.compat.megatron_bridge.training.callbacks import (
 from hookloop.compat.megatron_bridge.training.loggers import write_validation_scalars
 from hookloop.compat.megatron_bridge.training.microbatches import (
     forward_passes,
-    num_microbatches,
+    microbatches,
 )
 from hookloop.compat.megatron_bridge.training.state import GlobalState
 from hookloop.compat.megatron_bridge.training.train_support import agreed, chunk_device
-from hookloop.distributed import all_reduce_sum, is_distributed, rank_info
+from hookloop.distributed import all_reduce_sum, is_distributed
 
 logger = logging.getLogger("megatron.bridge.training.eval")
 
@@ -110,12 +110,7 @@ def _iterations(
 ) -> dict[str, torch.Tensor] | None:
     """``cfg.train.eval_iters`` iterations of one global batch: each loss's
     ``[sum, count]`` on this rank (None: the time limit passed meanwhile)."""
-    cfg = state.cfg.train
-    count = num_microbatches(
-        global_batch_size=cfg.global_batch_size,
-        micro_batch_size=cfg.micro_batch_size,
-        data_parallel_size=rank_info()[2],
-    )
+    cfg, count = state.cfg.train, microbatches(state)
     what = "test_data_iterator" if kind == "test" else "valid_data_iterator"
     sums: dict[str, torch.Tensor] = {}
     for iteration in range(1, cfg.eval_iters + 1):

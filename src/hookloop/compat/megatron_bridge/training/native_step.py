@@ -34,7 +34,7 @@ import torch
 
 from hookloop.checkpoint.rewind import Rewinder
 from hookloop.compat.megatron_bridge.training.microbatches import (
-    num_microbatches,
+    microbatches,
     ran_out_of_data,
     reduce_loss_dicts,
     split_loss,
@@ -186,16 +186,6 @@ def run_step(stepper: Stepper) -> StepOutcome:
         grad_norm = None
     skipped = stepper.update(loss_dict, norm)
     return loss_dict, int(skipped), grad_norm
-
-
-def microbatches(global_state: GlobalState) -> int:
-    """Micro-batches per step on each rank, for the run's batch sizes and ranks."""
-    cfg = global_state.cfg.train
-    return num_microbatches(
-        global_batch_size=cfg.global_batch_size,
-        micro_batch_size=cfg.micro_batch_size,
-        data_parallel_size=rank_info()[2],
-    )
 
 
 def _no_event(event: str, ctx: CallbackContext) -> None:

@@ -48,6 +48,7 @@ from hookloop.compat.megatron_bridge.training.megatron_core import (
 from hookloop.compat.megatron_bridge.training.native_events import exited
 from hookloop.compat.megatron_bridge.training.native_step import megatron_stepper, run_step
 from hookloop.compat.megatron_bridge.training.progress import (
+    MegatronBridgeProgressLog,
     compute_throughputs_and_append_to_progress_log,
     get_start_time_from_progress_log,
 )
@@ -58,7 +59,6 @@ from hookloop.compat.megatron_bridge.training.train_loop import (
     StepPlaceholders,
     build_trainer,
     post_training_step_callbacks,
-    run_callbacks,
 )
 from hookloop.compat.megatron_bridge.training.train_loop import (
     dummy_train_step as _dummy_train_step,
@@ -136,7 +136,9 @@ def train(
     work = MegatronStepWork(
         global_state, model, step_func, valid_data_iterator, non_loss_data, manager
     )
-    added = run_callbacks(global_state, work)
+    added: list[Any] = [work]
+    if cfg.logger.log_progress:
+        added.append(MegatronBridgeProgressLog(global_state, async_save=cfg.checkpoint.async_save))
     for callback in added:
         manager.native.add(callback)
     interval_time = global_state.timers("interval-time")

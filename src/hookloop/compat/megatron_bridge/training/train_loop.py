@@ -41,13 +41,11 @@ from hookloop.compat.megatron_bridge.training.megatron_core import (
     check_chunks,
     check_nvrx_straggler_detection,
 )
-from hookloop.compat.megatron_bridge.training.microbatches import num_microbatches
+from hookloop.compat.megatron_bridge.training.microbatches import microbatches
 from hookloop.compat.megatron_bridge.training.native_step import (
     MegatronMicroStep,
-    microbatches,
     stepped_scheduler,
 )
-from hookloop.compat.megatron_bridge.training.progress import MegatronBridgeProgressLog
 from hookloop.compat.megatron_bridge.training.state import GlobalState
 from hookloop.compat.megatron_bridge.training.train_support import chunk_device
 from hookloop.config import Config
@@ -72,12 +70,7 @@ def dummy_train_step(global_state: GlobalState, train_data_iterator: DataIterato
     """Draw one step's micro-batches from ``train_data_iterator`` and drop them."""
     if train_data_iterator is None:
         return
-    cfg = global_state.cfg.train
-    count = num_microbatches(
-        global_batch_size=cfg.global_batch_size,
-        micro_batch_size=cfg.micro_batch_size,
-        data_parallel_size=rank_info()[2],
-    )
+    count = microbatches(global_state)
     for index in range(count):
         try:
             next(train_data_iterator)
@@ -240,8 +233,6 @@ class MegatronStepWork(Callback):
             self.valid_data_iterator,
             self.model,
             state.cfg.model,
-            verbose=False,
-            write_to_tensorboard=True,
             process_non_loss_data_func=process,
             non_loss_data_func=produce,
             callback_manager=self.manager,
@@ -318,12 +309,3 @@ def build_trainer(
     data.progress = trainer.progress
     global_state.refresh(trainer.state)  # state.timers are the loop's from here on
     return trainer
-
-
-def run_callbacks(global_state: GlobalState, work: MegatronStepWork) -> list[Callback]:
-    """The native callbacks of one run: the step work, and ``progress.txt`` when asked."""
-    cfg = global_state.cfg
-    found: list[Callback] = [work]
-    if cfg.logger.log_progress:
-        found.append(MegatronBridgeProgressLog(global_state, async_save=cfg.checkpoint.async_save))
-    return found
