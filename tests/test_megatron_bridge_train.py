@@ -471,6 +471,30 @@ def test_a_megatron_style_scheduler_steps_by_the_global_batch_after_each_update(
     assert scheduler.increments == [cfg.train.global_batch_size]  # not after a skipped update
 
 
+def test_train_steps_a_megatron_style_scheduler_and_callbacks_see_it_as_given(tmp_path):
+    cfg = tiny_gpt_pretrain_config(train_iters=3, eval_interval=None, save=str(tmp_path))
+    cfg.checkpoint.save_interval = 3  # a checkpoint holds the scheduler too
+    run = setup_run(cfg)
+    scheduler = IncrementScheduler()
+    seen: list[Any] = []
+    manager = CallbackManager()
+    manager.register("on_train_step_end", lambda ctx: seen.append(ctx.scheduler))
+    mb_train.train(
+        forward_step,
+        run["model"],
+        run["optimizer"],
+        scheduler,
+        byte_batches(1),
+        None,
+        run["global_state"],
+        {},
+        callback_manager=manager,
+    )
+    assert scheduler.increments == [cfg.train.global_batch_size] * 3
+    assert seen == [scheduler] * 3
+    assert (tmp_path / "checkpoints" / "step-00000003").is_dir()
+
+
 def _step_kwargs(run: dict[str, Any]) -> dict[str, Any]:
     keys = ("model", "optimizer", "scheduler", "global_state")
     return {key: run[key] for key in keys}

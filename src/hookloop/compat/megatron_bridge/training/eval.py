@@ -27,12 +27,13 @@ from hookloop.compat.megatron_bridge.training.callbacks import (
     should_fire,
 )
 from hookloop.compat.megatron_bridge.training.loggers import write_validation_scalars
+from hookloop.compat.megatron_bridge.training.megatron_core import chunk_device
 from hookloop.compat.megatron_bridge.training.microbatches import (
     forward_passes,
     microbatches,
 )
 from hookloop.compat.megatron_bridge.training.state import GlobalState
-from hookloop.compat.megatron_bridge.training.train_support import agreed, chunk_device
+from hookloop.compat.megatron_bridge.training.train_support import agreed
 from hookloop.distributed import all_reduce_sum, is_distributed
 
 logger = logging.getLogger("megatron.bridge.training.eval")

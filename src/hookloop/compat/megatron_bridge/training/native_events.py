@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from hookloop.compat.megatron_bridge.training.native_step import users_scheduler
 from hookloop.compat.megatron_bridge.training.state import GlobalState
 from hookloop.manager import CallbackManager as NativeCallbackManager
 from hookloop.state import CallbackContext as NativeContext
@@ -124,7 +125,7 @@ class NativeEvents:
             user_state=self.dialect.user_state,
         )
         if event in TRAINING_EVENTS:
-            context.optimizer, context.scheduler = ctx.optimizer, ctx.scheduler
+            context.optimizer, context.scheduler = ctx.optimizer, users_scheduler(ctx.scheduler)
         if event == "on_train_step_end":
             context.skipped_iter = bool(ctx.skipped_iter)
             context.loss_dict = _own_keys(ctx.loss_dict or {})

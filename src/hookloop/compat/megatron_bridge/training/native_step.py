@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from hookloop.checkpoint.rewind import Rewinder
+from hookloop.compat.megatron_bridge.training.megatron_core import chunk_device
 from hookloop.compat.megatron_bridge.training.microbatches import (
     microbatches,
     ran_out_of_data,
@@ -40,7 +41,6 @@ from hookloop.compat.megatron_bridge.training.microbatches import (
     split_loss,
 )
 from hookloop.compat.megatron_bridge.training.state import GlobalState
-from hookloop.compat.megatron_bridge.training.train_support import chunk_device
 from hookloop.config import TrainConfig
 from hookloop.distributed import rank_info
 from hookloop.loop.stepper import Clipping, MicroStep, Stepper
@@ -132,6 +132,11 @@ def stepped_scheduler(scheduler: Any, increment: int) -> Any:
     except (TypeError, ValueError):  # a builtin without a signature: torch's own kind
         takes_increment = False
     return SteppedByIncrement(scheduler, increment) if takes_increment else scheduler
+
+
+def users_scheduler(scheduler: Any) -> Any:
+    """The scheduler the user gave, which callbacks see (not the Stepper's view of it)."""
+    return scheduler.scheduler if isinstance(scheduler, SteppedByIncrement) else scheduler
 
 
 def megatron_stepper(

@@ -232,6 +232,7 @@ class GlobalState:
             self.close_loggers()
             self._writers = self._given_writers
             self._signal_handler = None
+            self._native_config = None  # that of the config before
         self._cfg = value
         if value is not None:
             self._set_signal_handler()  # reads train.exit_signal, as Megatron-Bridge's

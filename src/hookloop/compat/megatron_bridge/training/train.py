@@ -70,7 +70,6 @@ from hookloop.compat.megatron_bridge.training.train_support import (
     manual_gc,
 )
 from hookloop.compat.megatron_bridge.training.utils.log_utils import barrier_and_log
-from hookloop.loop.stepper import Stepper
 
 __all__ = [
     "_dummy_train_step",
@@ -210,15 +209,10 @@ def train_step(
         step_func, data_iterator, chunks[0], optimizer, scheduler, global_state
     )
     try:
-        return _step_with(stepper, global_state)
+        optimizer.zero_grad(set_to_none=True)  # as Megatron-Bridge, before the step
+        loss_dict, skipped_iter, grad_norm = run_step(stepper)
     finally:
         stepper.release()
-
-
-def _step_with(stepper: Stepper, global_state: GlobalState) -> TrainStepResult:
-    """One global batch through the native ``stepper``, as :func:`train_step` returns it."""
-    stepper.optimizer.zero_grad(set_to_none=True)  # as Megatron-Bridge, before the step
-    loss_dict, skipped_iter, grad_norm = run_step(stepper)
     return (loss_dict, skipped_iter, False, False, 0, grad_norm, None)
 
 

@@ -40,6 +40,7 @@ from hookloop.compat.megatron_bridge.training.loggers import IntervalLosses, log
 from hookloop.compat.megatron_bridge.training.megatron_core import (
     check_chunks,
     check_nvrx_straggler_detection,
+    chunk_device,
 )
 from hookloop.compat.megatron_bridge.training.microbatches import microbatches
 from hookloop.compat.megatron_bridge.training.native_step import (
@@ -47,7 +48,6 @@ from hookloop.compat.megatron_bridge.training.native_step import (
     stepped_scheduler,
 )
 from hookloop.compat.megatron_bridge.training.state import GlobalState
-from hookloop.compat.megatron_bridge.training.train_support import chunk_device
 from hookloop.config import Config
 from hookloop.distributed import rank_info
 from hookloop.loop import Trainer
