@@ -347,7 +347,8 @@ class GlobalState:
 
         The loop counts a step as soon as it begins; Megatron-Bridge after its update.
         So inside a step the step, its samples and its FLOPs are taken back out
-        (the per-step share, exact for a constant batch size).
+        (the per-step share, exact for a constant batch size). The steps
+        ``train.iterations_to_skip`` lists count as skipped samples, without FLOPs.
         """
         ts, step, samples, flops = self._train_state, native.step, native.samples, native.flops
         step_samples, step_flops = (samples // step, flops / step) if step else (0, 0.0)

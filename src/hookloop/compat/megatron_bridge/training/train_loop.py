@@ -62,7 +62,7 @@ NonLossData = tuple[
     Callable[[Any], Any] | None,  # non_loss_data_func
 ]
 
-#: The stop reasons of the exits this module asks for, and what Megatron-Bridge logs.
+#: The stop reasons of the exits :class:`MegatronStepWork` asks for.
 DURATION, STRAGGLER = "exit_duration", "straggler"
 
 
