@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import gc
 import inspect
+import os
 import re
+import signal
 import sys
 from collections.abc import Iterator
 from types import ModuleType, SimpleNamespace
@@ -248,6 +250,111 @@ def test_exit_interval_saves_and_exits_the_process_without_on_train_end(tmp_path
     assert first_job_start(tmp_path / "progress.txt", 1) is not None
 
 
+def test_a_skipped_iteration_adds_no_floating_point_operations():
+    states = {}
+    for skip in ([], [1]):
+        cfg = tiny_gpt_pretrain_config(train_iters=3, eval_interval=None)
+        cfg.train.iterations_to_skip = skip
+        states[len(skip)] = run_train(cfg, [])["global_state"].train_state
+    trained, skipped = states[0], states[1]
+    assert skipped.floating_point_operations_so_far == pytest.approx(
+        trained.floating_point_operations_so_far * 2 / 3
+    )
+
+
+def test_train_catches_the_configured_exit_signal_and_leaves_sigterm_alone(tmp_path):
+    cfg = tiny_gpt_pretrain_config(train_iters=6, eval_interval=None, save=str(tmp_path))
+    cfg.train.exit_signal_handler = True
+    cfg.train.exit_signal = int(signal.SIGUSR1)
+    sigterm_before = signal.getsignal(signal.SIGTERM)
+    seen: list[Any] = []
+    manager = recorder(seen)
+
+    def signal_at_step_one(ctx: Any) -> None:
+        if ctx.state.train_state.step == 1:
+            seen.append(("SIGTERM handler", signal.getsignal(signal.SIGTERM) is sigterm_before))
+            os.kill(os.getpid(), signal.SIGUSR1)  # as a job scheduler warning the job
+
+    manager.register("on_train_step_end", signal_at_step_one)
+    run = setup_run(cfg)
+    with pytest.raises(SystemExit) as info:
+        mb_train.train(
+            forward_step,
+            run["model"],
+            run["optimizer"],
+            run["scheduler"],
+            byte_batches(1),
+            None,
+            run["global_state"],
+            {},
+            callback_manager=manager,
+        )
+    assert info.value.code == 0
+    assert ("SIGTERM handler", True) in seen  # only the configured signal is taken over
+    assert seen[-1] == ("on_checkpoint_save", 2) and ("on_train_end", 2) not in seen
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == ["step-00000002"]
+
+
+def test_the_time_limit_counts_from_the_global_states_start_time(tmp_path):
+    cfg = tiny_gpt_pretrain_config(train_iters=6, eval_interval=None, save=str(tmp_path))
+    cfg.train.exit_duration_in_mins = 1.0
+    run = setup_run(cfg)
+    run["global_state"].start_time -= 120.0  # the job started two minutes ago
+    events: list[Any] = []
+    with pytest.raises(SystemExit):
+        mb_train.train(
+            forward_step,
+            run["model"],
+            run["optimizer"],
+            run["scheduler"],
+            byte_batches(1),
+            None,
+            run["global_state"],
+            {},
+            callback_manager=recorder(events),
+        )
+    assert run["global_state"].train_state.step == 1  # the first step ends past the limit
+    assert events[-1] == ("on_checkpoint_save", 1)
+
+
+def test_native_requests_reach_train_a_save_a_live_learning_rate_and_a_stop(tmp_path):
+    """``training.train`` runs hookloop's loop: a native callback's requests are agreed and
+    carried out there (a save, a live ``set``, a stop, which ends training normally)."""
+    cfg = tiny_gpt_pretrain_config(train_iters=6, eval_interval=None, save=str(tmp_path))
+    events: list[Any] = []
+    manager = recorder(events)
+
+    def ask(ctx: Any) -> None:
+        step = ctx.state.step
+        if step == 1:
+            ctx.control.request_save()
+        elif step == 2:
+            ctx.control.request("set", **{"0" * 20: {"values": {"lr": 0.125}, "client": "t"}})
+        elif step == 3:
+            ctx.control.request_stop("enough")
+
+    manager.native.register("on_train_step_end", ask)
+    run = setup_run(cfg)
+    mb_train.train(
+        forward_step,
+        run["model"],
+        run["optimizer"],
+        None,
+        byte_batches(1),
+        None,
+        run["global_state"],
+        {},
+        callback_manager=manager,
+    )
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == [
+        "step-00000001",
+        "step-00000003",  # a stop saves, as the loop does
+    ]
+    assert run["optimizer"].param_groups[0]["lr"] == 0.125
+    assert events[-1] == ("on_train_end", 3)
+    assert run["global_state"].train_state.step == 3
+
+
 def test_train_step_returns_megatron_bridges_seven_values_and_updates_the_model():
     cfg = tiny_gpt_pretrain_config()
     run = setup_run(cfg)
@@ -362,6 +469,30 @@ def test_a_megatron_style_scheduler_steps_by_the_global_batch_after_each_update(
     step, data = linear_step([torch.randn(4, 3) for _ in range(2)], scale=float("inf"))
     assert mb_train.train_step(step, data, [model], optimizer, scheduler, state)[1] == 1
     assert scheduler.increments == [cfg.train.global_batch_size]  # not after a skipped update
+
+
+def test_train_steps_a_megatron_style_scheduler_and_callbacks_see_it_as_given(tmp_path):
+    cfg = tiny_gpt_pretrain_config(train_iters=3, eval_interval=None, save=str(tmp_path))
+    cfg.checkpoint.save_interval = 3  # a checkpoint holds the scheduler too
+    run = setup_run(cfg)
+    scheduler = IncrementScheduler()
+    seen: list[Any] = []
+    manager = CallbackManager()
+    manager.register("on_train_step_end", lambda ctx: seen.append(ctx.scheduler))
+    mb_train.train(
+        forward_step,
+        run["model"],
+        run["optimizer"],
+        scheduler,
+        byte_batches(1),
+        None,
+        run["global_state"],
+        {},
+        callback_manager=manager,
+    )
+    assert scheduler.increments == [cfg.train.global_batch_size] * 3
+    assert seen == [scheduler] * 3
+    assert (tmp_path / "checkpoints" / "step-00000003").is_dir()
 
 
 def _step_kwargs(run: dict[str, Any]) -> dict[str, Any]:

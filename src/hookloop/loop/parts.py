@@ -21,6 +21,7 @@ factory is given what the native part is built from.
 from __future__ import annotations
 
 import functools
+import signal
 from collections.abc import Callable, Iterable, Mapping, Sized
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +81,9 @@ class Dialect:
     checkpoints: Callable[[CheckpointConfig, Path, bool], CheckpointManager] | None = None
     flow: Callable[[Parts], Flow] | None = None
     live: Callable[[LiveSettings], LiveSettings] | None = None
+    #: The signals the loop catches to finish the step, save and exit (None: SIGTERM
+    #: and SIGINT; Megatron-Bridge's ``train.exit_signal`` alone).
+    stop_signals: tuple[int, ...] | None = None
     #: A save asked for at a step already saved announces that checkpoint again.
     announce_repeated_saves: bool = False
     #: The dialect steps a metric-driven LR scheduler (``ReduceLROnPlateau``) after its
@@ -225,7 +229,8 @@ def build_parts(given: Inputs, dialect: Dialect | None = None) -> tuple[Parts, S
     parts = Parts(
         config, callbacks, progress, trained, compute, events, timing,
         loaders, open_loader, given.out_dir, given.resume, position, rewinder,
-        StopSignals(), GCPolicy(cfg.gc_every, around_eval=cfg.gc_eval),
+        StopSignals(dialect.stop_signals or (signal.SIGTERM, signal.SIGINT)),
+        GCPolicy(cfg.gc_every, around_eval=cfg.gc_eval),
         stepper, logbook, evaluation, checkpointer, live, dialect,
     )  # fmt: skip
     return parts, _schedule(parts)

@@ -43,10 +43,13 @@ class StopSignals:
     """SIGTERM and SIGINT set ``caught``; the loop finishes the step, saves and exits.
 
     A second SIGINT raises KeyboardInterrupt at once, for a user who means it.
+    ``signals`` names the signals taken over instead (Megatron-Bridge's
+    ``train.exit_signal``, say); it may be changed until :meth:`install`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT)) -> None:
         self.caught: int | None = None
+        self.signals: tuple[int, ...] = tuple(signals)
 
     def install(self) -> Callable[[], None] | None:
         """Take over the two signals (main thread only); returns what puts them back."""
@@ -58,7 +61,7 @@ class StopSignals:
                 raise KeyboardInterrupt
             self.caught = signum
 
-        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        previous = {s: signal.signal(s, on_signal) for s in self.signals}
 
         def restore() -> None:
             for s, handler in previous.items():

@@ -62,20 +62,7 @@ def save_checkpoint(
         pg_collection=pg_collection,
         module_name=module_name,
     )
-    save = state.cfg.checkpoint.save
-    if save is None:
-        raise ValueError("saving a checkpoint needs cfg.checkpoint.save (the run directory)")
-    if checkpointing_context is None:
-        checkpointing_context = {}
-    if not isinstance(checkpointing_context, dict):
-        raise TypeError(
-            "checkpointing_context must be a dict (start with {}) or None, got "
-            f"{type(checkpointing_context).__name__}"
-        )
-    manager = checkpointing_context.get(MANAGER_KEY)
-    if manager is None:
-        manager = CheckpointManager(RunDir(save).checkpoints, SavePolicy(keep_last=None))
-        checkpointing_context[MANAGER_KEY] = manager
+    manager = _run_manager(state, checkpointing_context)
     named: dict[str, Any] = {"model": model[0], "optimizer": optimizer}
     if hasattr(opt_param_scheduler, "state_dict"):
         named["scheduler"] = opt_param_scheduler
@@ -94,6 +81,25 @@ def save_checkpoint(
         )
         context.checkpoint_path = path
         callback_manager.fire("on_checkpoint_save", context)
+
+
+def _run_manager(state: GlobalState, checkpointing_context: Any) -> CheckpointManager:
+    """The run's CheckpointManager, kept in ``checkpointing_context`` (made on first use)."""
+    save = state.cfg.checkpoint.save
+    if save is None:
+        raise ValueError("saving a checkpoint needs cfg.checkpoint.save (the run directory)")
+    if checkpointing_context is None:
+        checkpointing_context = {}
+    if not isinstance(checkpointing_context, dict):
+        raise TypeError(
+            "checkpointing_context must be a dict (start with {}) or None, got "
+            f"{type(checkpointing_context).__name__}"
+        )
+    manager = checkpointing_context.get(MANAGER_KEY)
+    if manager is None:
+        manager = CheckpointManager(RunDir(save).checkpoints, SavePolicy(keep_last=None))
+        checkpointing_context[MANAGER_KEY] = manager
+    return manager
 
 
 def _refuse_megatron_core_arguments(**given: Any) -> None:

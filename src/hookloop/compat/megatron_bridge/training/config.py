@@ -223,7 +223,33 @@ class ConfigContainer(Section):
         A ``train.train_samples`` run gets its ``train.train_iters`` here, as in
         Megatron-Bridge.
         """
-        t, m, o = self.train, self.model, self.optimizer
+        self._check_counts()
+        self._check_iterations()
+        self._check_schedule()
+        t = self.train
+        skip = t.iterations_to_skip
+        if not isinstance(skip, (list, tuple)) or any(
+            isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in skip
+        ):
+            raise ValueError(
+                f"train.iterations_to_skip must be a list of step numbers (ints >= 0), got {skip!r}"
+            )
+        _int_at_least(self.rng, "seed", "rng", 0)
+        per_step = t.micro_batch_size * world_size
+        if t.global_batch_size % per_step:
+            raise ValueError(
+                f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
+                f"train.micro_batch_size x data-parallel ranks ({t.micro_batch_size} x "
+                f"{world_size} = {per_step})"
+            )
+        self._check_model_and_optimizer()
+        self._check_exits_and_outputs()
+        self.split_weights()
+        return self
+
+    def _check_counts(self) -> None:
+        """The sizes, counts and intervals: ints of at least 1 (some may be None or 0)."""
+        t = self.train
         for where, name in (
             ("train", "global_batch_size"),
             ("train", "micro_batch_size"),
@@ -246,23 +272,10 @@ class ConfigContainer(Section):
         ):
             if getattr(getattr(self, where), name) is not None:
                 _int_at_least(getattr(self, where), name, where, 1, none_ok=True)
-        self._check_iterations()
-        self._check_schedule()
-        skip = t.iterations_to_skip
-        if not isinstance(skip, (list, tuple)) or any(
-            isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in skip
-        ):
-            raise ValueError(
-                f"train.iterations_to_skip must be a list of step numbers (ints >= 0), got {skip!r}"
-            )
-        _int_at_least(self.rng, "seed", "rng", 0)
-        per_step = t.micro_batch_size * world_size
-        if t.global_batch_size % per_step:
-            raise ValueError(
-                f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
-                f"train.micro_batch_size x data-parallel ranks ({t.micro_batch_size} x "
-                f"{world_size} = {per_step})"
-            )
+
+    def _check_model_and_optimizer(self) -> None:
+        """The model's shape and dropout; the optimizer's kind, rates and clipping."""
+        m, o = self.model, self.optimizer
         if m.hidden_size % m.num_attention_heads:
             raise ValueError(
                 f"model.hidden_size ({m.hidden_size}) must be divisible by "
@@ -278,9 +291,6 @@ class ConfigContainer(Section):
             raise ValueError(f"optimizer.min_lr must lie in [0, optimizer.lr], got {o.min_lr!r}")
         if not _number(o.clip_grad) or o.clip_grad < 0:
             raise ValueError(f"optimizer.clip_grad must be >= 0 (0: off), got {o.clip_grad!r}")
-        self._check_exits_and_outputs()
-        self.split_weights()
-        return self
 
     def _check_iterations(self) -> None:
         """``train_iters`` or ``train_samples`` (then ``train_iters`` from it), not both."""
@@ -406,11 +416,6 @@ class ConfigContainer(Section):
     def to_native(self, world_size: int = 1) -> hc.Config:
         """The :class:`hookloop.Config` that runs this container on ``world_size`` ranks."""
         self.validate(world_size)
-        if self.train.iterations_to_skip:
-            raise ValueError(
-                "train.iterations_to_skip is honoured by training.train.train(); pretrain() and "
-                "finetune() run hookloop's loop, which trains every step: leave it empty there"
-            )
         t, o, s = self.train, self.optimizer, self.scheduler
         native = hc.Config(
             recipe="gpt-stdlib",
@@ -443,6 +448,8 @@ class ConfigContainer(Section):
                 eval_max_batches=t.eval_iters,
                 exit_interval=t.exit_interval,
                 exit_duration_minutes=t.exit_duration_in_mins,
+                # Megatron counts the steps done before a step; hookloop numbers it from 1
+                iterations_to_skip=[index + 1 for index in t.iterations_to_skip],
             ),
             checkpoint=hc.CheckpointConfig(
                 every=self.checkpoint.save_interval,

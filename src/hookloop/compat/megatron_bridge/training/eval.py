@@ -27,13 +27,14 @@ from hookloop.compat.megatron_bridge.training.callbacks import (
     should_fire,
 )
 from hookloop.compat.megatron_bridge.training.loggers import write_validation_scalars
+from hookloop.compat.megatron_bridge.training.megatron_core import chunk_device
 from hookloop.compat.megatron_bridge.training.microbatches import (
     forward_passes,
-    num_microbatches,
+    microbatches,
 )
 from hookloop.compat.megatron_bridge.training.state import GlobalState
-from hookloop.compat.megatron_bridge.training.train_support import agreed, chunk_device
-from hookloop.distributed import all_reduce_sum, is_distributed, rank_info
+from hookloop.compat.megatron_bridge.training.train_support import agreed
+from hookloop.distributed import all_reduce_sum, is_distributed
 
 logger = logging.getLogger("megatron.bridge.training.eval")
 
@@ -64,11 +65,6 @@ def evaluate(
     _refuse_pipeline_arguments(p2p_communicator, pg_collection)
     cfg = state.cfg.train
     kind = "test" if is_test else "eval"
-    count = num_microbatches(
-        global_batch_size=cfg.global_batch_size,
-        micro_batch_size=cfg.micro_batch_size,
-        data_parallel_size=rank_info()[2],
-    )
     if verbose:
         logger.info("Evaluating on %d samples", cfg.eval_iters * cfg.global_batch_size)
     timer = state.timers("evaluate", log_level=0)
@@ -76,23 +72,14 @@ def evaluate(
     _fire(callback_manager, f"on_{kind}_start", state, model)
     for chunk in model:
         chunk.eval()
-    sums: dict[str, torch.Tensor] = {}
     try:
         with torch.no_grad():
-            for iteration in range(1, cfg.eval_iters + 1):
-                if verbose:
-                    logger.info("Evaluating iter %d/%d", iteration, cfg.eval_iters)
-                _fire(callback_manager, f"on_{kind}_step_start", state, model)
-                what = "test_data_iterator" if is_test else "valid_data_iterator"
-                loss_dicts = forward_passes(
-                    forward_step_func, data_iterator, model[0], count, what=what
-                )
-                _fire(callback_manager, f"on_{kind}_step_end", state, model)
-                _accumulate(sums, loss_dicts)
-                state.train_state.consumed_valid_samples += cfg.global_batch_size
-                if _time_is_up(state, model):
-                    logger.info("Exiting during evaluation, timelimit reached")
-                    return None, None, True
+            sums = _iterations(
+                state, forward_step_func, data_iterator, model, kind, verbose, callback_manager
+            )
+            if sums is None:
+                logger.info("Exiting during evaluation, timelimit reached")
+                return None, None, True
         non_loss_data = non_loss_data_func(model) if non_loss_data_func is not None else None
     finally:
         for chunk in model:
@@ -111,6 +98,33 @@ def evaluate(
         context.non_loss_data = non_loss_data
         callback_manager.fire(f"on_{kind}_end", context)
     return total_loss_dict, non_loss_data, False
+
+
+def _iterations(
+    state: GlobalState,
+    forward_step_func: ForwardStep,
+    data_iterator: Iterator[Any] | None,
+    model: list[torch.nn.Module],
+    kind: str,
+    verbose: bool,
+    callback_manager: CallbackManager | None,
+) -> dict[str, torch.Tensor] | None:
+    """``cfg.train.eval_iters`` iterations of one global batch: each loss's
+    ``[sum, count]`` on this rank (None: the time limit passed meanwhile)."""
+    cfg, count = state.cfg.train, microbatches(state)
+    what = "test_data_iterator" if kind == "test" else "valid_data_iterator"
+    sums: dict[str, torch.Tensor] = {}
+    for iteration in range(1, cfg.eval_iters + 1):
+        if verbose:
+            logger.info("Evaluating iter %d/%d", iteration, cfg.eval_iters)
+        _fire(callback_manager, f"on_{kind}_step_start", state, model)
+        loss_dicts = forward_passes(forward_step_func, data_iterator, model[0], count, what=what)
+        _fire(callback_manager, f"on_{kind}_step_end", state, model)
+        _accumulate(sums, loss_dicts)
+        state.train_state.consumed_valid_samples += cfg.global_batch_size
+        if _time_is_up(state, model):
+            return None
+    return sums
 
 
 def evaluate_and_print_results(

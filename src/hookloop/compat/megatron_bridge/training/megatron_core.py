@@ -123,3 +123,9 @@ def check_nvrx_straggler_detection(nvrx_straggler_manager: Any) -> bool:
         return False
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     return bool(nvrx_straggler_manager.check_stragglers(rank))
+
+
+def chunk_device(model: list[Any]) -> torch.device:
+    """The device of the first parameter of ``model``'s first chunk (CPU without one)."""
+    first = next(model[0].parameters(), None) if model else None
+    return first.device if isinstance(first, torch.Tensor) else torch.device("cpu")

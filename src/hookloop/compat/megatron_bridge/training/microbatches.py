@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from hookloop.distributed import all_reduce_sum
+from hookloop.distributed import all_reduce_sum, rank_info
 
 #: What ``loss_func(output)`` may return, for error messages.
 LOSS_PATTERNS = "(loss, loss_dict) or (loss, num_tokens, loss_dict)"
@@ -44,6 +44,16 @@ def num_microbatches(
             f"train.micro_batch_size x data-parallel ranks ({per_step})"
         )
     return global_batch_size // per_step
+
+
+def microbatches(global_state: Any) -> int:
+    """Micro-batches per step on each rank, for the run's batch sizes and ranks."""
+    cfg = global_state.cfg.train
+    return num_microbatches(
+        global_batch_size=cfg.global_batch_size,
+        micro_batch_size=cfg.micro_batch_size,
+        data_parallel_size=rank_info()[2],
+    )
 
 
 def forward_passes(

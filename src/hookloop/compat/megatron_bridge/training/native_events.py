@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from hookloop.compat.megatron_bridge.training.native_step import users_scheduler
 from hookloop.compat.megatron_bridge.training.state import GlobalState
 from hookloop.manager import CallbackManager as NativeCallbackManager
 from hookloop.state import CallbackContext as NativeContext
@@ -48,7 +49,8 @@ STEP_EVENTS = frozenset({"on_train_step_start", "on_train_step_end"})
 def exited(stop_reason: str | None) -> bool:
     """Whether training ended on an exit condition, after which Megatron-Bridge exits."""
     return stop_reason is not None and (
-        stop_reason in ("exit_interval", "exit_duration") or stop_reason.startswith("signal ")
+        stop_reason in ("exit_interval", "exit_duration", "straggler")
+        or stop_reason.startswith("signal ")
     )
 
 
@@ -109,8 +111,9 @@ class NativeEvents:
         state.refresh(
             ctx.state,
             in_step=in_step,
-            has_valid=ctx.run.has_eval_data,
-            has_test=ctx.run.has_test_data,
+            # data the loop holds; training.train validates on its own iterator
+            has_valid=ctx.run.has_eval_data or None,
+            has_test=ctx.run.has_test_data or None,
         )
         return state
 
@@ -122,7 +125,7 @@ class NativeEvents:
             user_state=self.dialect.user_state,
         )
         if event in TRAINING_EVENTS:
-            context.optimizer, context.scheduler = ctx.optimizer, ctx.scheduler
+            context.optimizer, context.scheduler = ctx.optimizer, users_scheduler(ctx.scheduler)
         if event == "on_train_step_end":
             context.skipped_iter = bool(ctx.skipped_iter)
             context.loss_dict = _own_keys(ctx.loss_dict or {})

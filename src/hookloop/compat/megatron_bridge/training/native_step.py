@@ -33,14 +33,14 @@ from typing import Any
 import torch
 
 from hookloop.checkpoint.rewind import Rewinder
+from hookloop.compat.megatron_bridge.training.megatron_core import chunk_device
 from hookloop.compat.megatron_bridge.training.microbatches import (
-    num_microbatches,
+    microbatches,
     ran_out_of_data,
     reduce_loss_dicts,
     split_loss,
 )
 from hookloop.compat.megatron_bridge.training.state import GlobalState
-from hookloop.compat.megatron_bridge.training.train_support import chunk_device
 from hookloop.config import TrainConfig
 from hookloop.distributed import rank_info
 from hookloop.loop.records import Compute, Events, LoopTiming, Trained
@@ -112,6 +112,16 @@ class SteppedByIncrement:
     def step(self) -> None:
         self.scheduler.step(increment=self.increment)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The scheduler's own state (none when it keeps none), for a checkpoint."""
+        save = getattr(self.scheduler, "state_dict", None)
+        return save() if save is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        load = getattr(self.scheduler, "load_state_dict", None)
+        if load is not None:
+            load(state)
+
 
 def stepped_scheduler(scheduler: Any, increment: int) -> Any:
     """``scheduler`` as the Stepper steps it: by ``increment`` when its ``step`` takes one
@@ -122,6 +132,11 @@ def stepped_scheduler(scheduler: Any, increment: int) -> Any:
     except (TypeError, ValueError):  # a builtin without a signature: torch's own kind
         takes_increment = False
     return SteppedByIncrement(scheduler, increment) if takes_increment else scheduler
+
+
+def users_scheduler(scheduler: Any) -> Any:
+    """The scheduler the user gave, which callbacks see (not the Stepper's view of it)."""
+    return scheduler.scheduler if isinstance(scheduler, SteppedByIncrement) else scheduler
 
 
 def megatron_stepper(
@@ -176,16 +191,6 @@ def run_step(stepper: Stepper) -> StepOutcome:
         grad_norm = None
     skipped = stepper.update(loss_dict, norm)
     return loss_dict, int(skipped), grad_norm
-
-
-def microbatches(global_state: GlobalState) -> int:
-    """Micro-batches per step on each rank, for the run's batch sizes and ranks."""
-    cfg = global_state.cfg.train
-    return num_microbatches(
-        global_batch_size=cfg.global_batch_size,
-        micro_batch_size=cfg.micro_batch_size,
-        data_parallel_size=rank_info()[2],
-    )
 
 
 def _no_event(event: str, ctx: CallbackContext) -> None:

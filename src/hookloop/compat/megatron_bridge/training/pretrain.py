@@ -148,6 +148,11 @@ def resolve(
     """The native config, run directory and resume target of ``config`` on this world size."""
     if isinstance(config, ConfigContainer):
         native = config.to_native(world_size=rank_info()[2])
+        if config.train.iterations_to_skip:
+            raise ValueError(
+                "train.iterations_to_skip is honoured by training.train.train(); pretrain() and "
+                "finetune() read their data from a recipe, each step's: leave it empty there"
+            )
         ck = config.checkpoint
         out_dir = out_dir if out_dir is not None else (ck.save or ck.load)
         if resume is None and ck.load is not None:

@@ -30,7 +30,6 @@ from typing import Any
 from hookloop.callbacks.progress_log import (
     SAVED_CHECKPOINT,
     SAVING_ASYNC,
-    STARTING_JOB,
     TIME_FORMAT,
     ProgressLog,
     first_job_start,
@@ -98,13 +97,6 @@ def append_to_progress_log(
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:  # one write per line: a kill loses at most that line
         f.write(f"{stamp}\tJob ID: {job}\t# GPUs: {world_size}\t{message}\n")
-
-
-def log_job_start(state: GlobalState) -> None:
-    """The ``Starting job`` line, stamped when ``state`` was made (its ``start_time``)."""
-    save = _save_dir(state.cfg)
-    if save is not None:
-        append_to_progress_log(save, STARTING_JOB, when=state.start_time)
 
 
 def get_start_time_from_progress_log(cfg: Any) -> tuple[datetime, float]:

@@ -232,6 +232,7 @@ class GlobalState:
             self.close_loggers()
             self._writers = self._given_writers
             self._signal_handler = None
+            self._native_config = None  # that of the config before
         self._cfg = value
         if value is not None:
             self._set_signal_handler()  # reads train.exit_signal, as Megatron-Bridge's
@@ -240,6 +241,10 @@ class GlobalState:
     def native_config(self) -> Any:
         """The hookloop Config the loop runs (``cfg`` itself unless cfg is a ConfigContainer)."""
         return self._cfg if self._native_config is None else self._native_config
+
+    @native_config.setter
+    def native_config(self, value: Any) -> None:
+        self._native_config = value
 
     @property
     def train_state(self) -> TrainState:
@@ -342,15 +347,17 @@ class GlobalState:
 
         The loop counts a step as soon as it begins; Megatron-Bridge after its update.
         So inside a step the step, its samples and its FLOPs are taken back out
-        (the per-step share, exact for a constant batch size).
+        (the per-step share, exact for a constant batch size). The steps
+        ``train.iterations_to_skip`` lists count as skipped samples, without FLOPs.
         """
         ts, step, samples, flops = self._train_state, native.step, native.samples, native.flops
+        step_samples, step_flops = (samples // step, flops / step) if step else (0, 0.0)
         if in_step and step > 0:
-            samples -= samples // step
-            flops -= flops / step
-            step -= 1
+            samples, flops, step = samples - step_samples, flops - step_flops, step - 1
+        skipped = self._skipped_before(step)  # read their data, trained nothing
         ts.step, ts.consumed_train_samples = step, samples
-        ts.floating_point_operations_so_far = flops
+        ts.skipped_train_samples = skipped * step_samples
+        ts.floating_point_operations_so_far = flops - skipped * step_flops
         ts.do_train = True
         if has_valid is not None:
             ts.do_valid = has_valid
@@ -358,6 +365,11 @@ class GlobalState:
             ts.do_test = has_test
         if self._timers.native is not native.timers:
             self._timers = Timers(native.timers)
+
+    def _skipped_before(self, step: int) -> int:
+        """How many of the first ``step`` steps ``train.iterations_to_skip`` lists."""
+        listed = getattr(getattr(self._cfg, "train", None), "iterations_to_skip", None) or ()
+        return sum(1 for index in listed if index < step)
 
     def __repr__(self) -> str:
         return f"GlobalState(train_state={self._train_state!r})"

@@ -1,45 +1,40 @@
 """Megatron-Bridge's ``training.train``: its training loop over objects you built yourself.
 
-``pretrain()``/``finetune()`` build everything from a config and run hookloop's loop;
-:func:`train` is for code that builds its own model, optimizer, scheduler and data
-iterators and calls Megatron-Bridge's loop directly, with the design documents'
-signatures. The loop is Megatron-Bridge's: each iteration skips a step listed in
+``pretrain()``/``finetune()`` build everything from a config; :func:`train` is for code
+that builds its own model, optimizer, scheduler and data iterators and calls
+Megatron-Bridge's loop directly, with the design documents' signatures. It runs
+hookloop's own loop (:mod:`.train_loop` builds it): each step skips a step listed in
 ``cfg.train.iterations_to_skip`` (reading its data), or fires ``on_train_step_start``,
-runs :func:`train_step`, fires ``on_train_step_end`` and counts the step, its samples
-and FLOPs in ``global_state.train_state``; validates every ``cfg.train.eval_interval``
-steps; runs :func:`post_training_step_callbacks`; saves and decides whether to exit
-(:func:`checkpoint_and_decide_exit`). An exit condition ends the process with
-``SystemExit`` and no ``on_train_end``, as in Megatron-Bridge.
+steps, fires ``on_train_step_end`` and counts the step, its samples and FLOPs in
+``global_state.train_state``; validates every ``cfg.train.eval_interval`` steps; runs
+:func:`post_training_step_callbacks`; saves every ``cfg.checkpoint.save_interval``
+steps; and stops on an exit condition (the exit signal, ``exit_duration_in_mins``
+since ``state.start_time``, ``exit_interval``), saving first, then ends the process
+with ``SystemExit`` and no ``on_train_end``, as Megatron-Bridge does. The loop's
+requests (a stop, a save) are agreed across ranks, and its live settings apply.
 
 The objects are plain torch ones: ``model`` is a list of one ``torch.nn.Module``
 (several chunks are pipeline stages, which need Megatron-Core); ``optimizer`` a torch
-optimizer, clipped by ``cfg.optimizer.clip_grad``; ``scheduler`` a torch LR scheduler
-(or None); ``global_state`` the dialect's :class:`GlobalState` of a
-:class:`ConfigContainer`. The functions that only act on Megatron-Core objects
-(forward pre-hooks, mxfp8 buffers) live in :mod:`.megatron_core`; the progress-log
-ones in :mod:`.progress`; both are importable from here under Megatron-Bridge's names.
+optimizer, clipped by ``cfg.optimizer.clip_grad``; ``scheduler`` a torch LR scheduler,
+one with Megatron's ``step(increment)``, or None; ``global_state`` the dialect's
+:class:`GlobalState` of a :class:`ConfigContainer`. The other functions here are the
+pieces Megatron-Bridge's own loop is made of, for code that calls them directly;
+those that only act on Megatron-Core objects (forward pre-hooks, mxfp8 buffers) live
+in :mod:`.megatron_core`, the progress-log ones in :mod:`.progress`.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
 from typing import Any
 
 import torch
 
-from hookloop.compat.megatron_bridge.training.callbacks import (
-    CallbackContext,
-    CallbackManager,
-    should_fire,
-)
+from hookloop.compat.megatron_bridge.training.callbacks import CallbackManager
 from hookloop.compat.megatron_bridge.training.checkpointing import save_checkpoint
-from hookloop.compat.megatron_bridge.training.eval import evaluate_and_print_results
-from hookloop.compat.megatron_bridge.training.loggers import IntervalLosses, log_training_step
 from hookloop.compat.megatron_bridge.training.megatron_core import (
     check_chunks,
     check_nvrx_straggler_detection,
@@ -50,14 +45,24 @@ from hookloop.compat.megatron_bridge.training.megatron_core import (
 from hookloop.compat.megatron_bridge.training.megatron_core import (
     handle_mxfp8_param_buffer_copy as _handle_mxfp8_param_buffer_copy,
 )
-from hookloop.compat.megatron_bridge.training.microbatches import num_microbatches
+from hookloop.compat.megatron_bridge.training.native_events import exited
 from hookloop.compat.megatron_bridge.training.native_step import megatron_stepper, run_step
 from hookloop.compat.megatron_bridge.training.progress import (
+    MegatronBridgeProgressLog,
     compute_throughputs_and_append_to_progress_log,
     get_start_time_from_progress_log,
-    log_job_start,
 )
 from hookloop.compat.megatron_bridge.training.state import GlobalState
+from hookloop.compat.megatron_bridge.training.train_loop import (
+    MegatronStepWork,
+    NonLossData,
+    StepPlaceholders,
+    build_trainer,
+    post_training_step_callbacks,
+)
+from hookloop.compat.megatron_bridge.training.train_loop import (
+    dummy_train_step as _dummy_train_step,
+)
 from hookloop.compat.megatron_bridge.training.train_support import (
     agreed,
     bind_step,
@@ -65,9 +70,6 @@ from hookloop.compat.megatron_bridge.training.train_support import (
     manual_gc,
 )
 from hookloop.compat.megatron_bridge.training.utils.log_utils import barrier_and_log
-from hookloop.distributed import rank_info
-from hookloop.loop.stepper import Stepper
-from hookloop.recipes.gpt import flops_per_sample
 
 __all__ = [
     "_dummy_train_step",
@@ -120,197 +122,67 @@ def train(
     cfg = check_train_inputs(
         global_state, optimizer, checkpointing_context, callback_manager, model
     )
-    for name, fn in (
-        ("process_non_loss_data_func", process_non_loss_data_func),
-        ("non_loss_data_func", non_loss_data_func),
-    ):
-        if fn is not None and not callable(fn):
-            raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
-    loop = _Loop(
-        bind_step(forward_step_func, global_state),
-        model,
-        optimizer,
-        scheduler,
-        global_state,
-        checkpointing_context,
-        callback_manager,
-    )
+    non_loss_data = _check_non_loss_data(process_non_loss_data_func, non_loss_data_func)
+    step_func = bind_step(forward_step_func, global_state)
+    manager = callback_manager if callback_manager is not None else CallbackManager()
+    manager.native_events.share(global_state)
+    data = StepPlaceholders(global_state, train_data_iterator)
+    trainer = build_trainer(global_state, step_func, model, optimizer, scheduler, data, manager)
     ts = global_state.train_state
     ts.do_train = True
     ts.do_valid = ts.do_valid or valid_data_iterator is not None
     global_state.job_start_flops = ts.floating_point_operations_so_far
+    work = MegatronStepWork(
+        global_state, model, step_func, valid_data_iterator, non_loss_data, manager
+    )
+    added: list[Any] = [work]
     if cfg.logger.log_progress:
-        log_job_start(global_state)
-    for chunk in model:
-        chunk.train()
+        added.append(MegatronBridgeProgressLog(global_state, async_save=cfg.checkpoint.async_save))
+    for callback in added:
+        manager.native.add(callback)
     interval_time = global_state.timers("interval-time")
     interval_time.reset()  # a previous call that raised may have left it running
     interval_time.start()
-    loop.fire("on_train_start")
-    handler = global_state.signal_handler if cfg.train.exit_signal_handler else None
-    with handler if handler is not None else nullcontext(), manual_gc(cfg.train):
-        should_exit, exit_code = loop.run(
-            train_data_iterator,
-            valid_data_iterator,
-            process_non_loss_data_func,
-            non_loss_data_func,
-        )
-    interval_time.stop()
-    writer = global_state.tensorboard_logger
+    try:
+        with manual_gc(cfg.train):
+            result = trainer.train()
+    finally:
+        for callback in added:
+            manager.native.remove(callback)
+        if interval_time.active:
+            interval_time.stop()
+        global_state.refresh(trainer.state)
+    _end(result.stop_reason, global_state)
+
+
+def _end(stop_reason: str | None, state: GlobalState) -> None:
+    """After the loop: the writer flushed; after an exit condition, the process ended."""
+    writer = state.tensorboard_logger
     if writer is not None:
         writer.flush()
-    if should_exit:
-        _finish_train(global_state)
-        sys.exit(exit_code)
-    loop.fire("on_train_end")
+    if exited(stop_reason):
+        barrier_and_log(_exit_message(stop_reason, state))
+        _finish_train(state)
+        sys.exit(0)
 
 
-class _Loop:
-    """The objects of one :func:`train` call, and its iterations."""
+def _check_non_loss_data(process: Any, produce: Any) -> NonLossData:
+    """``(process_non_loss_data_func, non_loss_data_func)``, each callable or None."""
+    for name, fn in (("process_non_loss_data_func", process), ("non_loss_data_func", produce)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
+    return process, produce
 
-    def __init__(
-        self,
-        step_func: Callable[..., Any],
-        model: list[torch.nn.Module],
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any,
-        state: GlobalState,
-        checkpointing_context: dict[str, Any],
-        callback_manager: CallbackManager | None,
-    ) -> None:
-        self.step_func, self.model, self.optimizer, self.scheduler = (
-            step_func,
-            model,
-            optimizer,
-            scheduler,
-        )
-        self.state, self.checkpointing_context = state, checkpointing_context
-        self.callback_manager = callback_manager
-        cfg = state.cfg
-        self.flops_per_batch = cfg.train.global_batch_size * flops_per_sample(
-            cfg.gpt_config(), sum(p.numel() for p in model[0].parameters())
-        )
 
-    def fire(self, event: str) -> None:
-        _fire(self.callback_manager, event, self.state, self.model, self.optimizer, self.scheduler)
-
-    def run(
-        self,
-        train_data_iterator: DataIterator,
-        valid_data_iterator: DataIterator,
-        process_non_loss_data_func: Callable[[Any, int, Any], Any] | None,
-        non_loss_data_func: Callable[[Any], Any] | None,
-    ) -> tuple[bool, int]:
-        """Iterate until the budget is spent or an exit holds: ``(should_exit, exit_code)``.
-
-        Every step goes through one native Stepper (:mod:`.native_step`)."""
-        stepper = megatron_stepper(
-            self.step_func,
-            train_data_iterator,
-            self.model[0],
-            self.optimizer,
-            self.scheduler,
-            self.state,
-        )
-        try:
-            return self._iterate(
-                stepper,
-                train_data_iterator,
-                valid_data_iterator,
-                process_non_loss_data_func,
-                non_loss_data_func,
-            )
-        finally:
-            stepper.release()  # a finished run holds no autograd graph
-
-    def _iterate(
-        self,
-        stepper: Stepper,
-        train_data_iterator: DataIterator,
-        valid_data_iterator: DataIterator,
-        process_non_loss_data_func: Callable[[Any, int, Any], Any] | None,
-        non_loss_data_func: Callable[[Any], Any] | None,
-    ) -> tuple[bool, int]:
-        state, manager = self.state, self.callback_manager
-        ts, train_cfg = state.train_state, state.cfg.train
-        objects = (self.model, self.optimizer, self.scheduler)
-        flops_since_log, should_exit, exit_code = 0.0, False, 0
-        interval_losses = IntervalLosses()
-        while ts.step < train_cfg.train_iters:
-            if _should_skip_and_handle_iteration(state, train_data_iterator):
-                continue
-            self.fire("on_train_step_start")
-            loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, grad_norm, _ = (
-                _step_with(stepper, state)
-            )
-            if should_fire(manager, "on_train_step_end"):
-                assert manager is not None
-                context = _context(manager, state, *objects)
-                context.loss_dict, context.grad_norm = loss_dict, grad_norm
-                context.skipped_iter = bool(skipped_iter)
-                manager.fire("on_train_step_end", context)
-            flops = ts.floating_point_operations_so_far
-            if should_checkpoint:
-                save_checkpoint_and_time(
-                    state, *objects, flops, self.checkpointing_context, callback_manager=manager
-                )
-            if should_exit:
-                break
-            ts.step += 1
-            ts.consumed_train_samples += train_cfg.global_batch_size
-            ts.floating_point_operations_so_far += self.flops_per_batch
-            flops_since_log += self.flops_per_batch
-            log_training_step(
-                state, loss_dict, grad_norm, self.optimizer, interval_losses, bool(skipped_iter)
-            )
-            interval = train_cfg.eval_interval
-            if ts.do_valid and interval and ts.step % interval == 0:
-                self._validate(valid_data_iterator, process_non_loss_data_func, non_loss_data_func)
-            post_training_step_callbacks(
-                self.model, flops_since_log, None, ts.step, None, state.cfg, False, None
-            )
-            should_exit = checkpoint_and_decide_exit(
-                state,
-                *objects,
-                ts.floating_point_operations_so_far,
-                self.checkpointing_context,
-                train_data_iterator,
-                callback_manager=manager,
-            )
-            if should_exit:
-                break
-        return should_exit, exit_code
-
-    def _validate(
-        self,
-        valid_data_iterator: DataIterator,
-        process_non_loss_data_func: Callable[[Any, int, Any], Any] | None,
-        non_loss_data_func: Callable[[Any], Any] | None,
-    ) -> None:
-        """One validation pass, the ``interval-time`` timer paused meanwhile (and, with
-        ``train.manual_gc`` and ``manual_gc_eval``, a collection before and after)."""
-        interval_time = self.state.timers("interval-time")
-        interval_time.stop()
-        train_cfg = self.state.cfg.train
-        collect = train_cfg.manual_gc and train_cfg.manual_gc_eval
-        if collect:
-            gc.collect()  # everything, before validation
-        evaluate_and_print_results(
-            self.state,
-            f"iteration {self.state.train_state.step}",
-            self.step_func,
-            valid_data_iterator,
-            self.model,
-            self.state.cfg.model,
-            verbose=False,
-            write_to_tensorboard=True,
-            process_non_loss_data_func=process_non_loss_data_func,
-            non_loss_data_func=non_loss_data_func,
-            callback_manager=self.callback_manager,
-        )
-        if collect:
-            gc.collect(generation=0)  # what validation made and dropped
-        interval_time.start()
+def _exit_message(reason: str | None, state: GlobalState) -> str:
+    """What Megatron-Bridge logs when an exit condition ends training."""
+    if reason == "exit_duration":
+        return f"exiting program after {(time.time() - state.start_time) / 60.0} minutes"
+    if reason == "exit_interval":
+        return f"exiting program at iteration {state.train_state.step}"
+    if reason == "straggler":
+        return "Exiting program due to straggler detection."
+    return f"exiting program after receiving {(reason or '').partition(' ')[2]}."
 
 
 def train_step(
@@ -337,53 +209,11 @@ def train_step(
         step_func, data_iterator, chunks[0], optimizer, scheduler, global_state
     )
     try:
-        return _step_with(stepper, global_state)
+        optimizer.zero_grad(set_to_none=True)  # as Megatron-Bridge, before the step
+        loss_dict, skipped_iter, grad_norm = run_step(stepper)
     finally:
         stepper.release()
-
-
-def _step_with(stepper: Stepper, global_state: GlobalState) -> TrainStepResult:
-    """One global batch through the native ``stepper``, as :func:`train_step` returns it."""
-    stepper.optimizer.zero_grad(set_to_none=True)  # as Megatron-Bridge, before the step
-    loss_dict, skipped_iter, grad_norm = run_step(stepper)
     return (loss_dict, skipped_iter, False, False, 0, grad_norm, None)
-
-
-def post_training_step_callbacks(
-    model: list[torch.nn.Module],
-    num_floating_point_operations_since_last_log_event: float,
-    straggler_timer: Any,
-    iteration: int,
-    prof: torch.profiler.profile | None,
-    config: Any,
-    should_toggle_forward_pre_hook: bool,
-    nsys_nvtx_context: Any = None,
-) -> None:
-    """What runs after each step: a CUDA sync every ``train.train_sync_interval`` steps,
-    the straggler report every ``logger.log_interval`` steps (with a ``straggler_timer``
-    and ``config.straggler.log_straggler``), one profiler step, and a garbage collection
-    every ``train.manual_gc_interval`` steps with ``train.manual_gc``. Settings the
-    config does not have are off; ``nsys_nvtx_context`` (Nsight ranges) is not used.
-    """
-    check_chunks(model)
-    train_cfg = getattr(config, "train", None)
-    sync_interval = getattr(train_cfg, "train_sync_interval", None)
-    if sync_interval and iteration % sync_interval == 0 and torch.cuda.is_available():
-        torch.cuda.synchronize()
-    straggler = getattr(config, "straggler", None)
-    log_interval = getattr(getattr(config, "logger", None), "log_interval", 0)
-    if (
-        straggler_timer is not None
-        and getattr(straggler, "log_straggler", False)
-        and log_interval
-        and iteration % log_interval == 0
-    ):
-        straggler_timer.report(num_floating_point_operations_since_last_log_event, log_interval)
-    if prof is not None:
-        prof.step()
-    gc_interval = getattr(train_cfg, "manual_gc_interval", 0)
-    if getattr(train_cfg, "manual_gc", False) and gc_interval and iteration % gc_interval == 0:
-        gc.collect()
 
 
 def save_checkpoint_and_time(
@@ -451,7 +281,6 @@ def checkpoint_and_decide_exit(
     step is a multiple of ``train.exit_interval``. Returns True when the loop should exit.
     """
     cfg = state.cfg
-    step = state.train_state.step
 
     def save() -> None:
         save_checkpoint_and_time(
@@ -471,30 +300,33 @@ def checkpoint_and_decide_exit(
             save()
         barrier_and_log("exiting program after receiving SIGTERM.")
         return True
-    saved = False
     interval = cfg.checkpoint.save_interval
-    if cfg.checkpoint.save and interval and step % interval == 0:
+    saved = bool(cfg.checkpoint.save and interval and state.train_state.step % interval == 0)
+    if saved:
         save()
-        saved = True
+    message = _exit_condition(state, model)
+    if message is None:
+        return False
+    if cfg.checkpoint.save and not saved:
+        save()
+    barrier_and_log(message)
+    return True
+
+
+def _exit_condition(state: GlobalState, model: list[torch.nn.Module]) -> str | None:
+    """What :func:`checkpoint_and_decide_exit` logs for the exit that holds (None: none):
+    ``train.exit_duration_in_mins`` passed on any rank, ``train.exit_interval``, a straggler."""
+    cfg, step = state.cfg, state.train_state.step
     minutes = cfg.train.exit_duration_in_mins
     train_time = (time.time() - state.start_time) / 60.0
     if minutes and agreed(train_time > minutes, model):
-        if cfg.checkpoint.save and not saved:
-            save()
-        barrier_and_log(f"exiting program after {train_time} minutes")
-        return True
+        return f"exiting program after {train_time} minutes"
     exit_interval = cfg.train.exit_interval
     if exit_interval and step % exit_interval == 0:
-        if cfg.checkpoint.save and not saved:
-            save()
-        barrier_and_log(f"exiting program at iteration {step}")
-        return True
+        return f"exiting program at iteration {step}"
     if check_nvrx_straggler_detection(state.nvrx_straggler_manager):
-        if cfg.checkpoint.save and not saved:
-            save()
-        barrier_and_log("Exiting program due to straggler detection.")
-        return True
-    return False
+        return "Exiting program due to straggler detection."
+    return None
 
 
 def _finish_train(global_state: GlobalState) -> None:
@@ -517,48 +349,3 @@ def _should_skip_and_handle_iteration(
     ts.consumed_train_samples += cfg.train.global_batch_size
     ts.skipped_train_samples += cfg.train.global_batch_size
     return True
-
-
-def _dummy_train_step(global_state: GlobalState, train_data_iterator: DataIterator) -> None:
-    """Draw one step's micro-batches from ``train_data_iterator`` and drop them."""
-    if train_data_iterator is None:
-        return
-    cfg = global_state.cfg.train
-    count = num_microbatches(
-        global_batch_size=cfg.global_batch_size,
-        micro_batch_size=cfg.micro_batch_size,
-        data_parallel_size=rank_info()[2],
-    )
-    for index in range(count):
-        try:
-            next(train_data_iterator)
-        except StopIteration:
-            raise RuntimeError(
-                f"train_data_iterator ran out of data while skipping step "
-                f"{global_state.train_state.step} (micro-batch {index + 1} of {count})"
-            ) from None
-
-
-def _context(
-    manager: CallbackManager, state: GlobalState, model: list[Any], optimizer: Any, scheduler: Any
-) -> CallbackContext:
-    return CallbackContext(
-        state=state,
-        model=model,
-        user_state=manager.user_state,
-        optimizer=optimizer,
-        scheduler=scheduler,
-    )
-
-
-def _fire(
-    manager: CallbackManager | None,
-    event: str,
-    state: GlobalState,
-    model: list[Any],
-    optimizer: Any,
-    scheduler: Any,
-) -> None:
-    if should_fire(manager, event):
-        assert manager is not None
-        manager.fire(event, _context(manager, state, model, optimizer, scheduler))

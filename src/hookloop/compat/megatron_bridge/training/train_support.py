@@ -17,7 +17,7 @@ import torch
 
 from hookloop.compat.megatron_bridge.training.callbacks import CallbackManager
 from hookloop.compat.megatron_bridge.training.config import ConfigContainer
-from hookloop.compat.megatron_bridge.training.megatron_core import check_chunks
+from hookloop.compat.megatron_bridge.training.megatron_core import check_chunks, chunk_device
 from hookloop.compat.megatron_bridge.training.state import GlobalState
 from hookloop.distributed import agree_flags, is_distributed, rank_info
 from hookloop.step import bind_forward_step
@@ -79,12 +79,6 @@ def agreed(flag: bool, model: list[Any]) -> bool:
     if not is_distributed():
         return flag
     return bool(agree_flags([int(flag)], chunk_device(model))[0])
-
-
-def chunk_device(model: list[Any]) -> torch.device:
-    """The device of the first parameter of ``model``'s first chunk (CPU without one)."""
-    first = next(model[0].parameters(), None) if model else None
-    return first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
 
 
 @contextlib.contextmanager
