@@ -35,11 +35,11 @@ from hookloop.compat._toolkit import (
 )
 from hookloop.compat.hf import calling, flow, layout, results
 from hookloop.compat.hf.handler import instance, is_exportable
+from hookloop.compat.hf.plain_args import PlainTrainingArguments
 from hookloop.compat.hf.types import (
     CONTROL_FLAGS,
     TrainerControl,
     TrainerState,
-    TrainingArguments,
     eval_key,
 )
 from hookloop.compat.mapping import dialect_events
@@ -220,7 +220,7 @@ class HFSession:
         run, loop = ctx.run, ctx.trainer
         trainer = self.trainer if self.trainer is not None else loop
         if self.args is None:
-            self.args = TrainingArguments.from_config(
+            self.args = PlainTrainingArguments.from_config(
                 ctx.config,
                 output_dir=str(run.dir.root) if run.dir is not None else None,
                 has_eval_data=run.has_eval_data,
