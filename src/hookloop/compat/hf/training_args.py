@@ -42,7 +42,7 @@ SEQ2SEQ_FIELDS = ("predict_with_generate", "generation_max_length", "generation_
                   "generation_config")  # fmt: skip
 
 
-def _config_bridges(base: type) -> dict[str, Any]:
+def _config_bridges(base: Any) -> dict[str, Any]:
     """The two methods that relate arguments of class ``base`` to a hookloop Config."""
 
     def from_config(
@@ -68,8 +68,7 @@ def _config_bridges(base: type) -> dict[str, Any]:
         self: Any, *args: Any, logging_dir: str | None = None, warmup_ratio: float = 0.0, **kw: Any
     ) -> None:
         self.logging_dir, self.warmup_ratio = logging_dir, warmup_ratio
-        init: Any = base.__init__
-        init(self, *args, **kw)
+        base.__init__(self, *args, **kw)
 
     return {"from_config": classmethod(from_config), "to_config": to_config, "__init__": __init__}
 
