@@ -41,6 +41,12 @@ COMMON_KWARGS = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Arguments without ``output_dir`` write to ``./trainer_output``, as transformers'."""
+    monkeypatch.chdir(tmp_path)
+
+
 def _transformers():
     return pytest.importorskip("transformers.trainer_callback")
 
@@ -356,14 +362,15 @@ def test_transformers_printer_callback_also_prints_evaluation_metrics(
         max_steps=4, logging_strategy="steps", logging_steps=2, eval_strategy="steps", eval_steps=4
     )
     trainer = _trainer([tc.PrinterCallback()], args, eval_dataset=ToyData(n=8, seed=1))
-    metrics = trainer.train().metrics
+    trainer.train()
+    metrics = next(e for e in trainer.state.log_history if "eval_loss" in e)
 
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     # Train logs at steps 2 and 4, the evaluation at step 4, the summary, in HF's order.
     assert ["'loss':" in line for line in lines] == [True, True, False, False]
     assert "'train_loss':" in lines[3]
     assert f"'eval_loss': '{metrics['eval_loss']:.4g}'" in lines[2]
-    assert "eval_loss" in metrics  # the printer popped from its own copy, not the metrics
+    assert "eval_loss" in metrics  # the printer popped from its own copy, not the history
 
 
 def test_handwritten_transformers_callback_stops_training_at_its_step():

@@ -458,7 +458,6 @@ class _SessionFirst(_SessionPart):
         Trainer drives the run, HF's ``checkpoint-N/trainer_state.json`` written."""
         session = self.session
         state, output_dir = session.state, getattr(session.args, "output_dir", None)
-        session.control.should_save = False
         session.last_checkpoint = ctx.checkpoint_path
         hf_style = session.drives_loop and output_dir is not None
         where = layout.hf_folder(output_dir, ctx.state.step) if hf_style else ctx.checkpoint_path
@@ -472,8 +471,9 @@ class _SessionFirst(_SessionPart):
                 state.best_model_checkpoint = str(best)
         if hf_style:
             session.refresh(ctx, "on_checkpoint_save")
-            state.stateful_callbacks = session.export_callbacks()
+            state.stateful_callbacks = session.export_callbacks()  # should_save still set, as HF
             layout.write(output_dir, ctx.state.step, ctx.checkpoint_path, state, self._extras(ctx))
+        session.control.should_save = False
 
     def _extras(self, ctx: CallbackContext) -> Any:
         """What writes transformers' own files into a ``checkpoint-N`` folder."""

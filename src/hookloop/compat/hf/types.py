@@ -91,6 +91,9 @@ class TrainerState:
         """The fields fixed for a run (read at init and again at train begin)."""
         self.max_steps = native.max_steps or 0
         self.num_train_epochs = native.num_epochs or 0
+        per_epoch = native.steps_per_epoch
+        if not self.num_train_epochs and self.max_steps and per_epoch:  # HF: epochs max_steps spans
+            self.num_train_epochs = math.ceil(self.max_steps / per_epoch)
         self.is_local_process_zero = native.local_rank == 0
         self.is_world_process_zero = native.rank == 0
         self.logging_steps = getattr(args, "logging_steps", None) or 500
