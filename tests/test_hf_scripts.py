@@ -86,3 +86,22 @@ def test_an_example_script_runs_alike_on_the_dialect(task: str, tmp_path: Path):
         assert ours == theirs, where
     assert (our_out / "predictions.txt").read_text() == (hf_out / "predictions.txt").read_text()
     assert (our_out / "README.md").read_text() == (hf_out / "README.md").read_text()
+
+
+def test_num_examples_counts_as_transformers_counts(tmp_path: Path):
+    import torch
+    import transformers
+
+    from hookloop.compat import hf
+    from hookloop.testing import TinyModel, ToyData
+
+    args = hf.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=3)
+    ours = hf.Trainer(TinyModel(), args, train_dataset=ToyData(n=8), loss_fn=TinyModel.loss_fn)
+    loaders = [
+        torch.utils.data.DataLoader(ToyData(n=7), batch_size=2),
+        torch.utils.data.DataLoader(list(range(5)), batch_size=2),
+    ]
+    for loader in loaders:
+        assert ours.num_examples(loader) == transformers.Trainer.num_examples(ours, loader)
+    with pytest.raises(TypeError, match="create_model_card\\(\\) got licence"):
+        ours.create_model_card(licence="mit")
