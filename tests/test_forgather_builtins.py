@@ -76,6 +76,7 @@ def train(tmp_path: Path, callbacks: list[Any], *, model: Any = None, **override
         eval_steps=EVAL_EVERY,
         save_strategy="no",
         logging_dir=str(tmp_path / "logs"),
+        output_dir=str(tmp_path / "out"),
         use_cpu=True,
         disable_tqdm=True,  # no default progress display of HF's beside the one under test
     )
@@ -486,6 +487,7 @@ def test_textgen_samples_an_hf_model_with_generate_at_evaluations(tmp_path):
         eval_steps=EVAL_EVERY,
         save_strategy="no",
         use_cpu=True,
+        output_dir=str(tmp_path / "out"),
     )
     data = TextData(tokenizer)
     Trainer(

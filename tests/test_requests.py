@@ -58,14 +58,14 @@ def test_a_valued_request_is_acted_on_at_its_steps_end_before_that_steps_log(
     assert watch.logged[3] == watch.logged[5] == pytest.approx(base * 0.5)
 
 
-def test_the_hf_dialect_acts_on_a_valued_request_with_the_same_handler(scale_lr):
+def test_the_hf_dialect_acts_on_a_valued_request_with_the_same_handler(scale_lr, tmp_path):
     from hookloop.compat.hf import Trainer, TrainingArguments
     from hookloop.testing import TinyModel, ToyData
 
     watch = FileAt(step=2)
     args = TrainingArguments(
         per_device_train_batch_size=4, max_steps=4, logging_steps=1, disable_tqdm=True,
-        lr_scheduler_type="constant", learning_rate=0.1, use_cpu=True,
+        lr_scheduler_type="constant", learning_rate=0.1, use_cpu=True, output_dir=str(tmp_path),
     )  # fmt: skip
     trainer = Trainer(TinyModel(), args, train_dataset=ToyData(n=32), callbacks=[watch],
                       loss_fn=TinyModel.loss_fn)  # fmt: skip

@@ -40,8 +40,9 @@ from hookloop.compat.hf.handler import (
     ExportableState,
     PrinterCallback,
 )
+from hookloop.compat.hf.seq2seq import Seq2SeqTrainer
 from hookloop.compat.hf.trainer import Trainer, TrainOutput
-from hookloop.compat.hf.types import TrainerControl, TrainerState, TrainingArguments
+from hookloop.compat.hf.types import TrainerControl, TrainerState
 
 
 def hf_callbacks(callbacks: Any, *, args: Any = None, processing_class: Any = None) -> list[Any]:
@@ -78,6 +79,10 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         return getattr(importlib.import_module("hookloop.compat.forgather.callbacks"), name)
+    if name in ("TrainingArguments", "Seq2SeqTrainingArguments"):  # transformers' (late)
+        from hookloop.compat.hf import training_args
+
+        return getattr(training_args, name)
     if name == "TrainerControlCallback":  # hookloop.control is imported only when asked for
         from hookloop.control import TrainerControlCallback
 
@@ -105,6 +110,8 @@ __all__ = [
     "ProfilerCallback",
     "ProgressCallback",
     "ResumableSummaryWriter",
+    "Seq2SeqTrainer",
+    "Seq2SeqTrainingArguments",
     "Stateful",
     "TBLogger",
     "TextgenCallback",

@@ -35,11 +35,11 @@ from hookloop.compat._toolkit import (
 )
 from hookloop.compat.hf import calling, flow, layout, results
 from hookloop.compat.hf.handler import instance, is_exportable
+from hookloop.compat.hf.plain_args import PlainTrainingArguments
 from hookloop.compat.hf.types import (
     CONTROL_FLAGS,
     TrainerControl,
     TrainerState,
-    TrainingArguments,
     eval_key,
 )
 from hookloop.compat.mapping import dialect_events
@@ -220,7 +220,7 @@ class HFSession:
         run, loop = ctx.run, ctx.trainer
         trainer = self.trainer if self.trainer is not None else loop
         if self.args is None:
-            self.args = TrainingArguments.from_config(
+            self.args = PlainTrainingArguments.from_config(
                 ctx.config,
                 output_dir=str(run.dir.root) if run.dir is not None else None,
                 has_eval_data=run.has_eval_data,
@@ -458,7 +458,6 @@ class _SessionFirst(_SessionPart):
         Trainer drives the run, HF's ``checkpoint-N/trainer_state.json`` written."""
         session = self.session
         state, output_dir = session.state, getattr(session.args, "output_dir", None)
-        session.control.should_save = False
         session.last_checkpoint = ctx.checkpoint_path
         hf_style = session.drives_loop and output_dir is not None
         where = layout.hf_folder(output_dir, ctx.state.step) if hf_style else ctx.checkpoint_path
@@ -472,8 +471,9 @@ class _SessionFirst(_SessionPart):
                 state.best_model_checkpoint = str(best)
         if hf_style:
             session.refresh(ctx, "on_checkpoint_save")
-            state.stateful_callbacks = session.export_callbacks()
+            state.stateful_callbacks = session.export_callbacks()  # should_save still set, as HF
             layout.write(output_dir, ctx.state.step, ctx.checkpoint_path, state, self._extras(ctx))
+        session.control.should_save = False
 
     def _extras(self, ctx: CallbackContext) -> Any:
         """What writes transformers' own files into a ``checkpoint-N`` folder."""

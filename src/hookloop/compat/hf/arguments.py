@@ -3,7 +3,7 @@ of the rest: no setting is accepted and then silently ignored.
 
 A field of transformers' ``TrainingArguments`` is, here, one of:
 
-- **honoured**: a field of :class:`hookloop.compat.hf.types.TrainingArguments` (the
+- **honoured**: a field of :class:`hookloop.compat.hf.plain_args.PlainTrainingArguments` (the
   dialect reads it), or one of :data:`LOADER_FIELDS` (passed to the ``DataLoader``);
 - **without effect** on what the dialect runs, for the reason :data:`NO_EFFECT` gives
   (transformers' Trainer does not read ``do_train`` either; hub settings matter only
@@ -139,7 +139,7 @@ def ignored_fields(args: Any, honoured: set[str]) -> dict[str, tuple[Any, Any]]:
 def honoured_fields(cls: type) -> set[str]:
     """The fields of a dialect ``TrainingArguments`` class that the dialect reads (its
     copies of transformers' other fields say otherwise in their help text)."""
-    from hookloop.compat.hf.types import NOT_CARRIED_OUT
+    from hookloop.compat.hf.plain_args import NOT_CARRIED_OUT
 
     return {f.name for f in dataclasses.fields(cls) if f.metadata.get("help") != NOT_CARRIED_OUT}
 
@@ -158,17 +158,17 @@ def refuse_ignored(args: Any, honoured: set[str]) -> None:
 
 
 def args_config(args: Any) -> Config:
-    """The Config that runs ``args``; a transformers ``TrainingArguments`` is read by name."""
-    from hookloop.compat.hf.types import TrainingArguments
+    """The Config that runs ``args``; an object of another class is read by name."""
+    from hookloop.compat.hf.plain_args import PlainTrainingArguments, config_for
 
-    if isinstance(args, TrainingArguments):
-        return args.to_config()
+    if isinstance(args, PlainTrainingArguments) or _base_fields(args) is not None:
+        return config_for(args)
     fields = {
         name: getattr(args, name)
-        for name in TrainingArguments.__dataclass_fields__
+        for name in PlainTrainingArguments.__dataclass_fields__
         if hasattr(args, name)
     }
-    return TrainingArguments(**fields).to_config()
+    return PlainTrainingArguments(**fields).to_config()
 
 
 def seed_everything(seed: int) -> None:

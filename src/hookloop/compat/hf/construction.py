@@ -33,7 +33,8 @@ from hookloop.compat.hf.adapter import HFSession
 from hookloop.compat.hf.handler import CallbackHandler, DefaultFlowCallback, PrinterCallback
 from hookloop.compat.hf.loss import HFLoss, label_smoother_for
 from hookloop.compat.hf.memory import MemoryTracker
-from hookloop.compat.hf.types import TrainingArguments
+from hookloop.compat.hf.plain_args import check_training_fields
+from hookloop.compat.hf.training_args import PlainSeq2SeqTrainingArguments, is_dialect_args
 from hookloop.config import Config, TrainConfig
 from hookloop.loop import Trainer as Loop
 from hookloop.manager import CallbackManager
@@ -413,7 +414,17 @@ def run_config(args: Any, *, trains: bool) -> tuple[Config, dict[str, Any]]:
         args.gradient_accumulation_steps = hf_accelerator.accumulation_steps(settings, steps)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     hf_accelerator.check_reproduced(settings, world_size=world, trains=trains)
-    arguments.refuse_ignored(args, arguments.honoured_fields(TrainingArguments))
+    arguments.refuse_ignored(args, arguments.honoured_fields(PlainSeq2SeqTrainingArguments))
+    if is_dialect_args(args):  # the dialect's own classes refuse what it does not build
+        check_training_fields(args)
+    best = hf_optim.arg(args, "save_strategy", "steps") == "best"
+    if (best or hf_optim.arg(args, "load_best_model_at_end", False)) and (
+        hf_optim.arg(args, "metric_for_best_model", None) is None
+    ):  # transformers' Trainer refuses it when built
+        raise ValueError(
+            "`args.metric_for_best_model` must be provided with save_strategy='best' or "
+            "load_best_model_at_end=True (the evaluation metric that decides the best)"
+        )
     config = arguments.args_config(args)
     if not config.train.log_every:
         # HF's logged loss (and train_loss) average every step since the last

@@ -175,7 +175,9 @@ class Evaluation:
             if self.nan_filter and finite.any():
                 losses = losses[finite]
             metrics[f"{prefix}_loss"] = losses.mean().item()
-        return {k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": v for k, v in metrics.items()}
+        # transformers prefixes a key by popping it: the unprefixed ones move to the end
+        mine = {k: v for k, v in metrics.items() if k.startswith(f"{prefix}_")}
+        return {**mine, **{f"{prefix}_{k}": v for k, v in metrics.items() if k not in mine}}
 
 
 def prediction_step(

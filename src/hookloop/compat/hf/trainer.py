@@ -34,8 +34,8 @@ from hookloop.compat.hf import data as hf_data
 from hookloop.compat.hf import loss as hf_loss
 from hookloop.compat.hf import optim as hf_optim
 from hookloop.compat.hf import parts as hf_parts
-from hookloop.compat.hf.construction import HF_STEP_OVERRIDES as HF_STEP_OVERRIDES
-from hookloop.compat.hf.construction import UNHONOURED_OVERRIDES as UNHONOURED_OVERRIDES
+from hookloop.compat.hf.construction import HF_STEP_OVERRIDES, UNHONOURED_OVERRIDES  # noqa: F401
+from hookloop.compat.hf.scripting import ScriptMethods
 from hookloop.compat.hf.training import TrainOutput as TrainOutput
 from hookloop.compat.hf.types import CONTROL_FLAGS
 from hookloop.config import Config, TrainConfig
@@ -51,7 +51,7 @@ def _from_loop(name: str, doc: str | None = None) -> Any:
     return property(lambda self: getattr(self.loop, name), doc=doc)
 
 
-class Trainer(construction.BuiltAttributes):
+class Trainer(construction.BuiltAttributes, ScriptMethods):
     """``Trainer(model, args, train_dataset=..., eval_dataset=..., callbacks=[...])``.
 
     ``args`` (HF names) decides the run unless a hookloop ``config`` is given, in

@@ -32,7 +32,7 @@ hf_log = logging.getLogger("transformers.trainer")
 class TrainOutput(TrainResult):
     """The native result, also read by HF's names: ``global_step``,
     ``training_loss`` (the summary log's ``train_loss``) and ``metrics`` (HF's
-    summary, after the last evaluation's metrics); unpacks as HF's triple."""
+    summary); unpacks as HF's triple."""
 
     @property
     def global_step(self) -> int:
@@ -228,7 +228,8 @@ def run_with_neftune(
 
 
 def output(result: TrainResult, summary: dict[str, Any]) -> TrainOutput:
-    """The native result under HF's names, HF's summary added to its metrics."""
+    """The native result under HF's names; its metrics are HF's summary, as transformers'
+    (the native ones, evaluations included, when there is none)."""
     fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
-    fields["metrics"] = {**fields["metrics"], **summary}
+    fields["metrics"] = dict(summary) if summary else fields["metrics"]
     return TrainOutput(**fields)
