@@ -47,16 +47,7 @@ OWN_UPDATES = {
 COUNTERS_OWNER = "hookloop/state.py"
 
 #: What still breaks a rule, and why; may only shrink.
-NOT_YET: dict[str, str] = {
-    "counters hookloop/loop/trainer.py": "assigns the counters it should ask Progress to move",
-    "counters hookloop/loop/parts.py": "assigns the budget and placement",
-    "counters hookloop/loop/stepper.py": "assigns micro_step and the skip counts",
-    "counters hookloop/loop/logbook.py": "assigns tokens",
-    "counters hookloop/loop/evaluation.py": "assigns last_eval",
-    "counters hookloop/checkpoint/checkpointer.py": "turns counters back around a save",
-    "counters hookloop/compat/hf/parts.py": "assigns the budget and FLOPs",
-    "counters hookloop/compat/megatron_bridge/training/native_step.py": "assigns placement",
-}
+NOT_YET: dict[str, str] = {}
 
 
 @dataclass
@@ -138,7 +129,9 @@ def wide_parts(classes: list[ClassInfo]) -> dict[str, list[str]]:
     parts = {c.name for c in classes if c.path.startswith(PART_FOLDERS)}
     found = {}
     for c in classes:
-        is_part = c.path.startswith(PART_FOLDERS) or any(b in parts for b in c.bases)
+        is_part = c.path.startswith(PART_FOLDERS) or any(
+            b in parts and b not in USER_FACING for b in c.bases
+        )
         if not is_part or c.name in {"Parts", *USER_FACING}:
             continue
         takes_bag = any("Parts" in a.split("|")[0].split("[")[0] for a in c.init_annotations)

@@ -148,11 +148,17 @@ class Progress:
         """Inside ``train()`` from ``on_train_start`` on (evaluations then count as training's)."""
         self.in_training = flag
 
-    def begin_step(self, samples: int, flops: float, *, will_log: bool) -> None:
-        """A step begins: counted, with the samples and FLOPs it consumes."""
+    def begin_step(self) -> None:
+        """A step begins (counted from here on, skipped or not)."""
         self.step += 1
         self.epoch_step += 1
+
+    def plan_log(self, will_log: bool) -> None:
+        """Whether the step begun ends with a log."""
         self.will_log = will_log
+
+    def consume(self, samples: int, flops: float) -> None:
+        """The samples the step begun reads (all ranks) and the FLOPs they cost."""
         self.samples += samples
         self.flops += flops
 
@@ -166,10 +172,13 @@ class Progress:
     def at_micro_step(self, index: int) -> None:
         self.micro_step = index
 
-    def count_skipped(self, *, nonfinite: bool) -> None:
-        """The step's update was skipped (its loss or gradients not finite, when ``nonfinite``)."""
+    def count_nonfinite(self) -> None:
+        """This rank found the step's loss or gradients not finite."""
+        self.nonfinite_steps += 1
+
+    def count_skipped(self) -> None:
+        """The step's update was skipped (agreed by every rank)."""
         self.skipped_steps += 1
-        self.nonfinite_steps += int(nonfinite)
 
     def add_flops(self, flops: float) -> None:
         self.flops += flops

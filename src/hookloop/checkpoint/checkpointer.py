@@ -9,9 +9,7 @@ and to roll back a divergence. It fires ``on_checkpoint_save`` once a save is co
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -144,29 +142,11 @@ class Checkpointer:
         """
         if self.persistent is None:
             raise ValueError("save_checkpoint() needs a run directory: pass out_dir to Trainer")
-        with self._as_of_last_update():
+        # Asked inside a step before its update (from on_train_step_start, say), a save
+        # records the state it holds: the counters as of the step before, so a resume
+        # runs this step again.
+        with self.progress.as_of_last_update():
             return self._save(self.persistent)
-
-    @contextlib.contextmanager
-    def _as_of_last_update(self) -> Iterator[None]:
-        """Asked inside a step before its update (from ``on_train_step_start``, say), a
-        save records the state it holds: the counters as of the step before, so a resume
-        runs this step again."""
-        st = self.progress
-        opened = st.open_step
-        if opened is None:
-            yield
-            return
-        samples, flops = opened
-        st.step, st.epoch_step, st.samples, st.flops = (
-            st.step - 1, st.epoch_step - 1, st.samples - samples, st.flops - flops)  # fmt: skip
-        st.open_step = None
-        try:
-            yield
-        finally:
-            st.step, st.epoch_step, st.samples, st.flops = (
-                st.step + 1, st.epoch_step + 1, st.samples + samples, st.flops + flops)  # fmt: skip
-            st.open_step = opened
 
     def _save(self, persistent: CheckpointManager) -> Path | None:
         st = self.progress
@@ -288,11 +268,11 @@ class Checkpointer:
         managers = [m for m in (self.persistent, self.local) if m is not None]
         chosen = self.rewinder.choose(request.since_step, managers)
         if chosen is None:
-            st.stop_reason = (
+            st.stop(
                 f"abort: {request.reason}; no checkpoint before step {request.since_step} "
-                "to rewind to"
+                "to rewind to",
+                failed=True,
             )
-            st.failed = True
             return
         path, owner = chosen
         rewind, history = self.rewinder.record(request, path, from_step=st.step)

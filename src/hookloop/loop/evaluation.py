@@ -78,7 +78,7 @@ class Evaluation:
         """Record and announce a pass's metrics: ``state.last_eval`` for an evaluation,
         then ``on_<kind>_end`` with ``ctx.metrics``."""
         if kind == "eval":
-            self.progress.last_eval = metrics
+            self.progress.record_eval(metrics)
         self.ctx.metrics = metrics
         self._fire(f"on_{kind}_end")
         self.ctx.metrics = self.ctx.non_loss_data = None

@@ -72,7 +72,7 @@ class LogBook:
         if self.pending_tokens:
             (tokens,) = read_back([sum(self.pending_tokens)])
             assert tokens is not None  # read_back gives None only for None
-            self.progress.tokens += int(tokens[0])
+            self.progress.add_tokens(int(tokens[0]))
             self.pending_tokens.clear()
 
     def restart_at(self, step: int) -> None:
@@ -97,7 +97,7 @@ class LogBook:
         else:
             values_h, norm_h, tokens_h = read_back([values, window.grad_norm, tokens])
         if tokens_h is not None:
-            st.tokens += int(tokens_h[0])
+            st.add_tokens(int(tokens_h[0]))
         logs: dict[str, Any] = {}
         if values_h is not None:
             logs.update(zip(keys, row_means(values_h, n), strict=True))

@@ -186,7 +186,7 @@ def build_parts(given: Inputs, dialect: Dialect | None = None) -> tuple[Parts, S
     dialect = dialect or Dialect()
     config, callbacks, cfg = given.config, given.callbacks, given.config.train
     progress = Progress()
-    progress.rank, progress.local_rank, progress.world_size = rank_info()
+    progress.place(*rank_info())
     device = resolve_device(cfg.device, progress.local_rank)
     model, train_model, optimizer = place_model(given.model, given.optimizer, config, device)
     open_loader = functools.partial(
@@ -343,18 +343,18 @@ def _open_loader(
 def plan_budget(train: Iterable[Any] | None, config: TrainConfig, progress: Progress) -> None:
     """The native budget: steps per epoch, and the step and epoch budget of
     ``train.max_steps`` / ``max_epochs`` over the train data (a stream: max_steps)."""
-    st = progress
     batches = batch_count(train, None)
-    st.steps_per_epoch = batches // config.grad_accum if batches is not None else None
-    if st.steps_per_epoch == 0:
+    steps_per_epoch = batches // config.grad_accum if batches is not None else None
+    if steps_per_epoch == 0:
         raise ConfigError(
             f"train data has {batches} batches per epoch, fewer than "
             f"train.grad_accum={config.grad_accum}: no optimizer step fits in an epoch"
         )
-    st.num_epochs = config.max_epochs or (None if config.max_steps else 1)
-    st.max_steps = config.max_steps
-    if st.max_steps is None and st.steps_per_epoch is not None and st.num_epochs is not None:
-        st.max_steps = st.num_epochs * st.steps_per_epoch
+    num_epochs = config.max_epochs or (None if config.max_steps else 1)
+    max_steps = config.max_steps
+    if max_steps is None and steps_per_epoch is not None and num_epochs is not None:
+        max_steps = num_epochs * steps_per_epoch
+    progress.plan(steps_per_epoch, num_epochs, max_steps)
 
 
 def batch_count(loader: Iterable[Any] | None, limit: int | None) -> int | None:
@@ -401,7 +401,7 @@ def _context(
 def start_timers(mode: str, progress: Progress, device: torch.device) -> LoopTiming:
     """``state.timers`` for everyone; the loop's own timers, or no-ops when off, and the
     clock the loop reads once per step boundary (``train.timers``)."""
-    progress.timers = Timers(sync=mode == "sync", device=device)
+    progress.use_timers(Timers(sync=mode == "sync", device=device))
     # data-iterator, forward-backward, optimizer, eval, checkpoint-save
     timers = {name: NULL_TIMER if mode == "off" else progress.timers(name) for name in LOOP_TIMERS}
     return LoopTiming(loop_clock(mode, device), timers)

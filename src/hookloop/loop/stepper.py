@@ -163,7 +163,7 @@ class Stepper:
         data = iter(group)
         loss = None
         for i, batch in enumerate(group):
-            st.micro_step = i
+            st.at_micro_step(i)
             if hooks["on_micro_step_start"]:
                 ctx.batch = batch
                 fire("on_micro_step_start", ctx)
@@ -179,7 +179,7 @@ class Stepper:
                 fire("on_micro_step_end", ctx)
                 ctx.outputs = ctx.loss = None
             ctx.batch = None
-        st.micro_step = 0
+        st.at_micro_step(0)
         micro.end()
         # Hold the last loss, and so its graph (whose saved tensors backward has freed), until
         # the next step's forward: autograd then finds each parameter's gradient accumulator
@@ -234,7 +234,8 @@ class Stepper:
             skip = self.finite.step_nonfinite(
                 loss_dict["loss"], grad_norm, self.optimizer, sharded=sharded
             )
-            st.nonfinite_steps += skip
+            if skip:
+                st.count_nonfinite()
         if st.world_size > 1:
             skip = bool(agree_flags([int(skip)], self.device)[0])
         if skip:
@@ -254,7 +255,7 @@ class Stepper:
 
     def _skipped(self) -> None:
         st, limit = self.progress, self.config.max_skipped_steps
-        st.skipped_steps += 1
+        st.count_skipped()
         if limit is not None and st.skipped_steps >= limit:
             raise FloatingPointError(
                 f"{st.skipped_steps} optimizer steps were skipped (non-finite loss or "

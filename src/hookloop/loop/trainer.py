@@ -192,7 +192,7 @@ class Trainer:
         cfg, st, p = self.config.train, self.progress, self.parts
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True)
-        st.stop_reason, st.failed = None, False
+        st.start_training()
         self.schedule.begin()
         self.stepper.bind()  # to the optimizer trained with now
         restore_signals = p.signals.install() if cfg.handle_signals else None
@@ -203,12 +203,12 @@ class Trainer:
             p.live.plan_replays(p.live.replay_from, fresh=self.resume is None)
             p.fire("on_data_init_start")  # model, optimizer, checkpoint ready; no data read
             self.model.train()
-            st.in_training = True  # evaluations from here on are part of training
+            st.set_in_training(True)  # evaluations from here on are part of training
             p.fire("on_train_start")
             p.gc.begin()  # train.gc_every: collect on the loop's schedule from here on
             while st.stop_reason is None:
                 if st.num_epochs is not None and st.epoch >= st.num_epochs:
-                    st.stop_reason = "max_epochs"
+                    st.stop("max_epochs")
                     break
                 self._run_epoch()
             self._end_training()
@@ -221,7 +221,7 @@ class Trainer:
             self.stepper.release()  # a finished Trainer holds no autograd graph
             self.checkpointer.close()
             p.gc.end()
-            st.in_training = False
+            st.set_in_training(False)
             if restore_signals:
                 restore_signals()
         return TrainResult(
@@ -257,15 +257,14 @@ class Trainer:
             p.fire("on_epoch_start")
         plan = schedule.at_epoch_end(self._run_steps(batches))
         if plan.stop_reason is not None:
-            st.stop_reason = plan.stop_reason  # the step budget is spent
+            st.stop(plan.stop_reason)  # the step budget is spent
         if not plan.closes:
             return  # stopped mid-epoch: no epoch-end events
         if plan.evaluates_first:
             self._evaluate_in_training()
         p.fire("on_epoch_end")
         if plan.advances:
-            st.epoch += 1
-            st.epoch_step = 0
+            st.next_epoch()
         self.act(plan.actions)
 
     def _run_steps(self, batches: Iterator[Any]) -> EpochEnd:
@@ -309,18 +308,16 @@ class Trainer:
     def _train_step(self, group: list[Any]) -> None:
         """One optimizer step over the micro-batches of ``group``, firing its events."""
         st, ctx, hooks, stepper = self.progress, self.ctx, self.callbacks.index, self.stepper
-        st.step += 1
-        st.epoch_step += 1
+        st.begin_step()
         self.control.skip_requested = False  # one filed after last step's update: not this one
-        st.will_log = self.schedule.will_log()
+        st.plan_log(self.schedule.will_log())
         per_rank = batch_size_of(group[0]) if len(group) == 1 else sum(map(batch_size_of, group))
         samples = per_rank * st.world_size
-        st.samples += samples
         flops = self.flops_per_sample * samples if self.flops_per_sample else 0.0
-        st.flops += flops
+        st.consume(samples, flops)
         if st.step in self.schedule.skip_steps:
             return  # train.iterations_to_skip: data consumed, nothing computed
-        st.open_step = (samples, flops)  # until the update: a save records the step before
+        st.open_update(samples, flops)  # until the update: a save records the step before
         if hooks["on_train_step_start"]:
             self.callbacks.fire("on_train_step_start", ctx)
         stepper.forward_backward(group)  # fires on_micro_step_start / _end per micro-batch
@@ -329,7 +326,7 @@ class Trainer:
         if hooks["on_before_optimizer_step"]:
             self.callbacks.fire("on_before_optimizer_step", ctx)
         skipped = stepper.update(loss_dict, grad_norm)  # or skip it; scheduler; clear grads
-        st.open_step = None
+        st.close_update()
         self.logbook.add_step(loss_dict, grad_norm, skipped, stepper.tokens, stepper.zeros)
         ctx.skipped_iter = skipped
         if hooks["on_after_optimizer_step"]:
@@ -383,18 +380,17 @@ class Trainer:
 
     def _stop(self, values: dict[str, Any]) -> None:
         """A stop or an abort (which saves nothing at the end) sets why training ends."""
-        self.progress.stop_reason = values["reason"]
-        self.progress.failed |= bool(values.get("failed"))
+        self.progress.stop(values["reason"], failed=bool(values.get("failed")))
 
     def _check_skipped(self) -> None:
         """A run whose steps were mostly skipped (NaN/Inf) did not train: it failed."""
         limit, st = self.config.train.max_skipped_fraction, self.progress
         if limit is None or st.failed or not st.step or st.skipped_steps <= limit * st.step:
             return
-        st.failed = True
-        st.stop_reason = (
+        st.stop(
             f"failed: {st.skipped_steps} of {st.step} steps skipped (more than "
-            f"train.max_skipped_fraction={limit})"
+            f"train.max_skipped_fraction={limit})",
+            failed=True,
         )
 
     # -- evaluation, test, prediction -------------------------------------------------

@@ -113,14 +113,13 @@ def plan_budget(train: Any, config: TrainConfig, progress: Progress, *, session:
     if not plan.batches:  # a stream: max_steps decides (checked there)
         native_budget(train, config, progress)
         return
-    st = progress
-    st.steps_per_epoch, st.max_steps, st.num_epochs = (
+    progress.plan(
         plan.steps_per_epoch,
-        plan.max_steps,
         plan.num_epochs,
+        plan.max_steps,
     )
     session.state.count_epochs_in_batches(plan.batches, k)
-    session.train_samples = samples_of(session.args, train, plan, k * st.world_size)
+    session.train_samples = samples_of(session.args, train, plan, k * progress.world_size)
 
 
 def samples_of(args: Any, loader: Any, plan: Plan, groups: int) -> float:
@@ -184,7 +183,7 @@ class HFMicroStep(MicroStep):
         hf_loss = self.hf_loss
         inputs = move_to(batch, self.device)
         if hf_loss.floating_point_ops is not None:  # total_flos, as HF counts it
-            self.progress.flops += float(hf_loss.floating_point_ops(inputs))
+            self.progress.add_flops(float(hf_loss.floating_point_ops(inputs)))
         hf_loss.group_size = k
         if hf_loss.training_step is not None:  # a subclass's training_step: it backpropagates
             outputs, part = None, hf_loss.training_step(model, inputs, self.num_items)

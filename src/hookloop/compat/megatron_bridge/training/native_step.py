@@ -152,7 +152,7 @@ def megatron_stepper(
     device = chunk_device([model])
     precision = Precision("fp32", device)  # the loop's tensors are the model's own dtype
     progress = Progress()
-    progress.rank, progress.local_rank, progress.world_size = rank_info()
+    progress.place(*rank_info())
     timers = global_state.timers
     clip = global_state.cfg.optimizer.clip_grad
     micro_step = MegatronMicroStep(forward, data_iterator, precision, microbatches(global_state))
