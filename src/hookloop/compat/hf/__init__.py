@@ -12,7 +12,7 @@ the step. The dispatch is the ``"hf"`` column of :mod:`hookloop.compat.mapping`.
 Forgather's built-in callbacks (:mod:`hookloop.compat.forgather`) are importable
 from here too; most are thin classes over the native ones.
 
->>> from hookloop.compat.hf import ProgressCallback
+>>> from hookloop.compat.hf import ProgressCallback, Trainer, TrainerCallback, TrainingArguments
 >>> class StopAtTwo(TrainerCallback):
 ...     def on_step_end(self, args, state, control, **kwargs):
 ...         control.should_training_stop = state.global_step >= 2
