@@ -123,6 +123,14 @@ def main() -> None:
         load_weights(trainer.model, (Path(out) / "weights-from").read_text())
         finish(out, mode, rank, world, {"params": whole_params(trainer)})
         return
+    if mode == "kind-on-rank-1":  # a plug-in imported on rank 1 alone
+        if rank == 1:
+            register_kind("only_on_rank_1", "a kind the other ranks never registered")
+        try:
+            trainer.train()
+        except RuntimeError as err:  # KindsDiffer, on every rank
+            finish(out, mode, rank, world, {"error": f"{type(err).__name__}: {err}"})
+            return
     result = trainer.train()
     record = {
         "rank": rank,

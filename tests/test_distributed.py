@@ -65,6 +65,20 @@ def test_a_live_set_filed_on_rank_0_lands_at_the_same_step_on_every_rank(asked_o
     assert step == 5 and changes == [["lr", 0.02], ["clip_grad_norm", 0.3]] and clip == 0.3
 
 
+def test_a_request_kind_registered_on_one_rank_is_the_same_error_on_every_rank(tmp_path):
+    results = launch("kind-on-rank-1", tmp_path, "data.batch_size=16")
+    errors = [r.get("error") for r in results]
+    assert (
+        errors[0]
+        == errors[1]
+        == (
+            "KindsDiffer: request kinds differ across ranks: 'only_on_rank_1' on rank 1 only; "
+            "every rank must register the same kinds (import the module that registers them "
+            "on every rank, before training)"
+        )
+    )
+
+
 def test_a_nan_on_one_rank_skips_the_step_on_both(tmp_path):
     results = launch("nan-on-rank-1", tmp_path, "data.batch_size=16")
     assert [r["skipped"] for r in results] == [1, 1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hookloop import Callback, Control
+from hookloop import Callback, Control, requests
 from hookloop.loop.actions import handler_of, register_action, unregister_action
 from hookloop.requests import KINDS, NO_REQUESTS, Requests, agree, check_kind, register_kind
 
@@ -112,3 +112,21 @@ def test_requests_keep_the_first_values_and_agree_to_themselves_in_one_process()
     assert (merged.stop, merged.log, merged.save) == ("first", True, False)
     assert agree(taken, None) is not NO_REQUESTS and dict(agree(taken, None)) == dict(taken)
     assert control.take() is NO_REQUESTS and not control.pending
+
+
+def test_each_kind_has_a_slot_by_name_whatever_order_modules_registered_them():
+    kinds, fingerprint = requests.kind_layout()
+    assert kinds == sorted(requests.KINDS)
+    flags = [kind in ("save", "stop") for kind in kinds]
+    assert requests.unpack_bits(requests.pack_bits(flags), len(kinds)) == flags
+    many = [i % 3 == 0 for i in range(130)]  # three packed words
+    assert len(requests.pack_bits(many)) == 3
+    assert requests.unpack_bits(requests.pack_bits(many), 130) == many
+    assert 0 < fingerprint < 2**56
+
+
+def test_kinds_that_differ_between_ranks_are_named_with_the_ranks_that_have_them():
+    error = requests.KindsDiffer.from_ranks([["log", "a"], ["log", "b"], ["log", "a", "b"]])
+    assert str(error).startswith(
+        "request kinds differ across ranks: 'a' on ranks 0, 2 only; 'b' on ranks 1, 2 only;"
+    )

@@ -20,6 +20,7 @@ the loop.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import sys
 import threading
 from collections.abc import Iterable, Iterator, Mapping
@@ -28,9 +29,9 @@ from typing import Any
 
 from hookloop.distributed import agree_flags, gather_objects
 
-#: Every kind of request, and what the loop does about it at the end of the step. The
-#: order is the order of the cross-rank agreement's flags (every rank registers the same
-#: kinds in the same order: they are registered when modules are imported).
+#: Every kind of request, and what the loop does about it at the end of the step. Every
+#: rank must register the same kinds (in any order): the cross-rank agreement gives each
+#: a slot by its name and refuses kinds that differ between ranks (:func:`agree`).
 KINDS: dict[str, str] = {
     "log": "fire the logging events",
     "evaluate": "run an evaluation",
@@ -151,21 +152,74 @@ NO_REQUESTS = Requests()
 
 def agree(requests: Requests, device: Any) -> Requests:
     """The same requests on every rank, whichever rank filed them (the control server
-    lives on rank 0 alone): one small collective of a flag per kind; a second, only when
-    some rank's request carries values (a stop's reason, a rewind), gathers them, and
-    the lowest asking rank's value holds."""
-    kinds = list(KINDS)
-    flags = [int(kind in requests) for kind in kinds]
-    flags.append(int(any(requests[kind] for kind in requests)))
-    agreed = agree_flags(flags, device)
-    if not any(agreed[:-1]):
+    lives on rank 0 alone): one small collective (a fingerprint of the registered kinds,
+    a bit per kind in name order, a values flag); a second, only when some rank's request
+    carries values (a stop's reason, a rewind), gathers them, and the lowest asking
+    rank's value holds. A kind registered on some ranks only is an error on every rank
+    (:class:`KindsDiffer`), never a reduction of flags that mean different things."""
+    kinds, fingerprint = kind_layout()
+    asked = [kind in requests for kind in kinds]
+    payload = [fingerprint, -fingerprint, int(any(requests[kind] for kind in requests))]
+    payload += pack_bits(asked)
+    agreed = agree_flags(payload, device)  # element-wise MAX
+    if agreed[0] != -agreed[1]:  # max != min: the ranks' kinds differ
+        raise KindsDiffer.from_ranks(gather_objects(kinds))
+    flags = unpack_bits(agreed[3:], len(kinds))
+    if not any(flags):
         return NO_REQUESTS
-    if not agreed[-1]:
-        return Requests({kind: {} for kind, flag in zip(kinds, agreed, strict=False) if flag})
+    if not agreed[2]:
+        return Requests({kind: {} for kind, flag in zip(kinds, flags, strict=True) if flag})
     merged = NO_REQUESTS
     for theirs in gather_objects(dict(requests.items())):  # in rank order
         merged = merged.merge(theirs)
     return merged
+
+
+#: Flags per packed word (an int64 holds 62 without touching the sign).
+BITS_PER_WORD = 62
+_layout_cache: tuple[int, list[str], int] = (-1, [], 0)
+
+
+def kind_layout() -> tuple[list[str], int]:
+    """The registered kinds in name order (each kind's slot depends on the set of names,
+    not on the order modules registered them in) and a 56-bit fingerprint of that set."""
+    global _layout_cache
+    if _layout_cache[0] != len(KINDS):  # kinds are only ever added
+        kinds = sorted(KINDS)
+        digest = hashlib.blake2b("\n".join(kinds).encode(), digest_size=7).digest()
+        _layout_cache = (len(KINDS), kinds, int.from_bytes(digest, "big"))
+    return _layout_cache[1], _layout_cache[2]
+
+
+def pack_bits(flags: list[bool]) -> list[int]:
+    words = [0] * max(1, -(-len(flags) // BITS_PER_WORD))
+    for index, flag in enumerate(flags):
+        if flag:
+            words[index // BITS_PER_WORD] |= 1 << (index % BITS_PER_WORD)
+    return words
+
+
+def unpack_bits(words: list[int], count: int) -> list[bool]:
+    return [bool(words[i // BITS_PER_WORD] >> (i % BITS_PER_WORD) & 1) for i in range(count)]
+
+
+class KindsDiffer(RuntimeError):
+    """The ranks registered different request kinds: a plug-in imported on some ranks
+    only, or a kind registered by a callback built on one rank."""
+
+    @classmethod
+    def from_ranks(cls, per_rank: list[list[str]]) -> KindsDiffer:
+        every = set.intersection(*map(set, per_rank))
+        odd = sorted({kind for kinds in per_rank for kind in kinds} - every)
+        holders = {kind: [r for r, kinds in enumerate(per_rank) if kind in kinds] for kind in odd}
+        where = "; ".join(
+            f"{kind!r} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} only"
+            for kind, ranks in holders.items()
+        )
+        return cls(
+            f"request kinds differ across ranks: {where}; every rank must register the same "
+            "kinds (import the module that registers them on every rank, before training)"
+        )
 
 
 class Control:
