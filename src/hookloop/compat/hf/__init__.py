@@ -17,7 +17,9 @@ from here too; most are thin classes over the native ones.
 ...     def on_step_end(self, args, state, control, **kwargs):
 ...         control.should_training_stop = state.global_step >= 2
 >>> from hookloop.testing import TinyModel, ToyData
->>> args = TrainingArguments(per_device_train_batch_size=4, max_steps=10, logging_steps=5)
+>>> import tempfile
+>>> out = tempfile.mkdtemp()  # as transformers, the run directory (default ./trainer_output)
+>>> args = TrainingArguments(out, per_device_train_batch_size=4, max_steps=10, logging_steps=5)
 >>> trainer = Trainer(TinyModel(), args, train_dataset=ToyData(n=64),
 ...                   loss_fn=TinyModel.loss_fn, callbacks=[StopAtTwo()])
 >>> quiet = trainer.pop_callback(ProgressCallback)  # HF's API: no progress display
