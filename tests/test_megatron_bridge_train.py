@@ -180,6 +180,24 @@ def run_train(cfg: ConfigContainer, events: list[Any], **kw: Any) -> dict[str, A
     return run | {"train_data": train_data}
 
 
+def train_without_validation(
+    run: dict[str, Any], manager: CallbackManager, scheduler: Any = "given"
+) -> None:
+    """``train()`` over ``run``'s objects (its scheduler, unless another is given) on a
+    training stream, with no validation iterator."""
+    mb_train.train(
+        forward_step,
+        run["model"],
+        run["optimizer"],
+        run["scheduler"] if scheduler == "given" else scheduler,
+        byte_batches(1),
+        None,
+        run["global_state"],
+        {},
+        callback_manager=manager,
+    )
+
+
 def test_train_runs_megatron_bridges_loop_with_its_events_counters_and_saves(tmp_path):
     cfg = tiny_gpt_pretrain_config(train_iters=4, save=str(tmp_path), save_interval=2)
     events: list[Any] = []
@@ -278,17 +296,7 @@ def test_train_catches_the_configured_exit_signal_and_leaves_sigterm_alone(tmp_p
     manager.register("on_train_step_end", signal_at_step_one)
     run = setup_run(cfg)
     with pytest.raises(SystemExit) as info:
-        mb_train.train(
-            forward_step,
-            run["model"],
-            run["optimizer"],
-            run["scheduler"],
-            byte_batches(1),
-            None,
-            run["global_state"],
-            {},
-            callback_manager=manager,
-        )
+        train_without_validation(run, manager)
     assert info.value.code == 0
     assert ("SIGTERM handler", True) in seen  # only the configured signal is taken over
     assert seen[-1] == ("on_checkpoint_save", 2) and ("on_train_end", 2) not in seen
@@ -302,17 +310,7 @@ def test_the_time_limit_counts_from_the_global_states_start_time(tmp_path):
     run["global_state"].start_time -= 120.0  # the job started two minutes ago
     events: list[Any] = []
     with pytest.raises(SystemExit):
-        mb_train.train(
-            forward_step,
-            run["model"],
-            run["optimizer"],
-            run["scheduler"],
-            byte_batches(1),
-            None,
-            run["global_state"],
-            {},
-            callback_manager=recorder(events),
-        )
+        train_without_validation(run, recorder(events))
     assert run["global_state"].train_state.step == 1  # the first step ends past the limit
     assert events[-1] == ("on_checkpoint_save", 1)
 
@@ -335,17 +333,7 @@ def test_native_requests_reach_train_a_save_a_live_learning_rate_and_a_stop(tmp_
 
     manager.native.register("on_train_step_end", ask)
     run = setup_run(cfg)
-    mb_train.train(
-        forward_step,
-        run["model"],
-        run["optimizer"],
-        None,
-        byte_batches(1),
-        None,
-        run["global_state"],
-        {},
-        callback_manager=manager,
-    )
+    train_without_validation(run, manager, None)
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == [
         "step-00000001",
         "step-00000003",  # a stop saves, as the loop does
@@ -479,17 +467,7 @@ def test_train_steps_a_megatron_style_scheduler_and_callbacks_see_it_as_given(tm
     seen: list[Any] = []
     manager = CallbackManager()
     manager.register("on_train_step_end", lambda ctx: seen.append(ctx.scheduler))
-    mb_train.train(
-        forward_step,
-        run["model"],
-        run["optimizer"],
-        scheduler,
-        byte_batches(1),
-        None,
-        run["global_state"],
-        {},
-        callback_manager=manager,
-    )
+    train_without_validation(run, manager, scheduler)
     assert scheduler.increments == [cfg.train.global_batch_size] * 3
     assert seen == [scheduler] * 3
     assert (tmp_path / "checkpoints" / "step-00000003").is_dir()
