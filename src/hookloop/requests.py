@@ -150,24 +150,28 @@ class Requests(Mapping[str, dict[str, Any]]):
 NO_REQUESTS = Requests()
 
 
-def agree(requests: Requests, device: Any) -> Requests:
+def agree(requests: Requests, device: Any, *, skipped: int = 0) -> Requests:
     """The same requests on every rank, whichever rank filed them (the control server
-    lives on rank 0 alone): one small collective (a fingerprint of the registered kinds,
-    a bit per kind in name order, a values flag); a second, only when some rank's request
-    carries values (a stop's reason, a rewind), gathers them, and the lowest asking
-    rank's value holds. A kind registered on some ranks only is an error on every rank
-    (:class:`KindsDiffer`), never a reduction of flags that mean different things."""
+    lives on rank 0 alone), in one collective of at most 64 bytes: a fingerprint of the
+    registered kinds, the count of skipped updates (``skipped``), a values flag, and a bit
+    per kind in name order. A second collective, only when some rank's request carries
+    values (a stop's reason, a rewind), gathers them, and the lowest asking rank's value
+    holds. A kind registered on some ranks only (:class:`KindsDiffer`) or an update
+    skipped on some ranks only (:class:`SkipsDiffer`) is an error on every rank, never a
+    reduction of flags that mean different things."""
     kinds, fingerprint = kind_layout()
     asked = [kind in requests for kind in kinds]
-    payload = [fingerprint, -fingerprint, int(any(requests[kind] for kind in requests))]
-    payload += pack_bits(asked)
-    agreed = agree_flags(payload, device)  # element-wise MAX
+    values = int(any(requests[kind] for kind in requests))
+    payload = [fingerprint, -fingerprint, skipped, -skipped, values, *pack_bits(asked)]
+    agreed = agree_flags(payload, device)  # element-wise MAX: -max(-x) is the min
     if agreed[0] != -agreed[1]:  # max != min: the ranks' kinds differ
         raise KindsDiffer.from_ranks(gather_objects(kinds))
-    flags = unpack_bits(agreed[3:], len(kinds))
+    if agreed[2] != -agreed[3]:
+        raise SkipsDiffer.from_ranks(gather_objects(skipped))
+    flags = unpack_bits(agreed[5:], len(kinds))
     if not any(flags):
         return NO_REQUESTS
-    if not agreed[2]:
+    if not agreed[4]:
         return Requests({kind: {} for kind, flag in zip(kinds, flags, strict=True) if flag})
     merged = NO_REQUESTS
     for theirs in gather_objects(dict(requests.items())):  # in rank order
@@ -222,6 +226,20 @@ class KindsDiffer(RuntimeError):
         )
 
 
+class SkipsDiffer(RuntimeError):
+    """Some ranks skipped an update the others applied (``skip_step()`` called on some
+    ranks only): their weights no longer match, so training cannot go on."""
+
+    @classmethod
+    def from_ranks(cls, per_rank: list[int]) -> SkipsDiffer:
+        counts = ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(per_rank))
+        return cls(
+            f"the ranks skipped different optimizer updates (skipped so far: {counts}); "
+            "with several ranks, call skip_step() on every rank alike, deciding from values "
+            "every rank shares (the grad norm, an all-reduced loss)"
+        )
+
+
 class Control:
     """Requests from callbacks (or the control server's thread) to the loop.
 
@@ -229,7 +247,9 @@ class Control:
 
     - ``skip_step()``: just before ``optimizer.step()`` of the current step
       (so it may be called up to ``on_before_optimizer_step``); the step then
-      counts as skipped.
+      counts as skipped. It is not agreed across ranks (that would cost a collective
+      before every update): with several ranks, call it on every rank alike; a skip
+      on some ranks only is an error on every rank at the step's end (:class:`SkipsDiffer`).
     - ``request_log()``, ``request_evaluate()``, ``request_save()``,
       ``request_stop()``, ``request_abort()``, ``request_rewind()`` and any
       :meth:`request` of a kind added to :data:`KINDS`: at the end of the current
@@ -371,18 +391,24 @@ class Control:
         return skip
 
     def drain(
-        self, *, signal: int | None = None, world_size: int = 1, device: Any = None
+        self,
+        *,
+        signal: int | None = None,
+        world_size: int = 1,
+        device: Any = None,
+        skipped: int = 0,
     ) -> Requests:
         """Take the pending requests and a caught ``signal`` (a stop), agreed across ranks.
 
         With several ranks, every rank returns the same answer: a request filed
         on any rank holds for all, and a stop or abort carries the reason the
-        asking rank gave (:func:`agree`).
+        asking rank gave (:func:`agree`); ``skipped`` (the count of skipped updates) must be
+        the same on every rank.
         """
         requests = self.take()
         if signal is not None:
             requests = requests.merge({"stop": {"reason": "signal"}, "signal": {"number": signal}})
-        return requests if world_size == 1 else agree(requests, device)
+        return requests if world_size == 1 else agree(requests, device, skipped=skipped)
 
 
 @dataclass(frozen=True)

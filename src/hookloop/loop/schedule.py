@@ -212,7 +212,12 @@ class Schedule:
             self.control.file_due(self.progress.step)
         if caught is None and world_size == 1 and not self.control.pending:
             return NO_REQUESTS  # what drain() returns then, without its calls
-        requests = self.control.drain(signal=caught, world_size=world_size, device=self.device)
+        requests = self.control.drain(
+            signal=caught,
+            world_size=world_size,
+            device=self.device,
+            skipped=self.progress.skipped_steps,
+        )
         if requests.signal:
             self.signals.caught = requests.signal  # a signal caught on another rank stops this one
         return requests
