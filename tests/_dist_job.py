@@ -123,12 +123,18 @@ def main() -> None:
         load_weights(trainer.model, (Path(out) / "weights-from").read_text())
         finish(out, mode, rank, world, {"params": whole_params(trainer)})
         return
+    if mode == "skip-on-rank-1":  # a callback that decides from rank 1's own values
+        trainer.callbacks.register(
+            "on_before_optimizer_step",
+            lambda ctx: ctx.control.skip_step() if rank == 1 and ctx.state.step == 3 else None,
+        )
     if mode == "kind-on-rank-1":  # a plug-in imported on rank 1 alone
         if rank == 1:
             register_kind("only_on_rank_1", "a kind the other ranks never registered")
+    if mode in ("kind-on-rank-1", "skip-on-rank-1"):
         try:
             trainer.train()
-        except RuntimeError as err:  # KindsDiffer, on every rank
+        except RuntimeError as err:  # KindsDiffer or SkipsDiffer, on every rank
             finish(out, mode, rank, world, {"error": f"{type(err).__name__}: {err}"})
             return
     result = trainer.train()

@@ -79,6 +79,22 @@ def test_a_request_kind_registered_on_one_rank_is_the_same_error_on_every_rank(t
     )
 
 
+def test_an_update_skipped_on_one_rank_is_the_same_error_on_every_rank(tmp_path):
+    # skip_step() is not agreed before the update (that would be a second collective on
+    # every step); the step's one agreement finds the ranks out of step and says so.
+    results = launch("skip-on-rank-1", tmp_path, "data.batch_size=16")
+    errors = [r.get("error") for r in results]
+    assert (
+        errors[0]
+        == errors[1]
+        == (
+            "SkipsDiffer: the ranks skipped different optimizer updates (skipped so far: "
+            "rank 0: 0, rank 1: 1); with several ranks, call skip_step() on every rank alike, "
+            "deciding from values every rank shares (the grad norm, an all-reduced loss)"
+        )
+    )
+
+
 def test_a_nan_on_one_rank_skips_the_step_on_both(tmp_path):
     results = launch("nan-on-rank-1", tmp_path, "data.batch_size=16")
     assert [r["skipped"] for r in results] == [1, 1]
