@@ -128,9 +128,8 @@ def main() -> None:
             "on_before_optimizer_step",
             lambda ctx: ctx.control.skip_step() if rank == 1 and ctx.state.step == 3 else None,
         )
-    if mode == "kind-on-rank-1":  # a plug-in imported on rank 1 alone
-        if rank == 1:
-            register_kind("only_on_rank_1", "a kind the other ranks never registered")
+    if mode == "kind-on-rank-1" and rank == 1:  # a plug-in imported on rank 1 alone
+        register_kind("only_on_rank_1", "a kind the other ranks never registered")
     if mode in ("kind-on-rank-1", "skip-on-rank-1"):
         try:
             trainer.train()
