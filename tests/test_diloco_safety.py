@@ -268,6 +268,21 @@ def test_a_checkpoint_whose_recorded_round_is_not_its_name_is_refused_by_name(tm
     assert "checkpoint-7" in message and "round 1" in message, message
 
 
+def test_a_fresh_start_into_an_output_dir_holding_a_run_is_refused(tmp_path):
+    """from_checkpoint= on an output dir that holds checkpoints would start again at round
+    0 and rotation would remove its saves under the old run's higher rounds."""
+    srv = _single(tmp_path, save_total_limit=2).start()
+    try:
+        _rounds(srv, 3)
+    finally:
+        srv.stop()
+    with pytest.raises(ValueError, match=r"holds a run's checkpoints up to checkpoint-3"):
+        _single(tmp_path)
+    rewind = tmp_path / "out" / "checkpoints" / "checkpoint-2"
+    assert DiLoCoServer(str(tmp_path / "out"), 1, str(rewind), port=0,
+                        **OPEN).status()["sync_round"] == 2  # fmt: skip
+
+
 # -- one server per output directory ----------------------------------------------------------
 def test_a_second_server_on_the_same_output_dir_exits_naming_the_holder(tmp_path):
     first = _single(tmp_path).start()

@@ -24,12 +24,14 @@ their own, and submit *pseudo-gradients* (global minus local weights).
   ``sync_every = max(1, floor(own_speed / fastest_speed * dylu_base_sync_every))``.
 
 Every ``save_every_n_rounds`` rounds the server saves a checkpoint under
-``<output_dir>/checkpoints``; started again on the same ``output_dir`` it
-continues from the newest. Routes (Forgather's): ``POST /register``,
-``/submit_pseudograd``, ``/submit_fragment_pseudograd``, ``/heartbeat``,
-``/deregister``, ``/control/{save_state,kick_worker,update_optimizer,
-update_num_workers,shutdown}``; ``GET /status``, ``/global_params``,
-``/dashboard`` (and ``/``).
+``<output_dir>/checkpoints``; started again there without ``from_checkpoint`` it
+continues from the highest round, whatever format it first started from
+(:mod:`~hookloop.diloco.storage`). It holds ``output_dir``'s lock while it serves, and
+SIGINT/SIGTERM save the current round first (:mod:`~hookloop.diloco.lifecycle`).
+Routes (Forgather's): ``POST /register``, ``/submit_pseudograd``,
+``/submit_fragment_pseudograd``, ``/heartbeat``, ``/deregister``, ``/control/{save_state,
+kick_worker,update_optimizer,update_num_workers,shutdown}``; ``GET /status``,
+``/global_params``, ``/dashboard`` (and ``/``).
 
 hookloop's additions, which a Forgather peer does not need: a bearer
 ``token`` (or ``disable_auth=True`` to admit tokenless peers, loopback only
@@ -179,6 +181,8 @@ class DiLoCoServer:
         self.outer_optimizer_factory = outer_optimizer_factory
         self._running, self._started_at = False, None
         self._serving = Serving("DiLoCo")
+        if from_checkpoint is not None:
+            storage.check_start(self.output_dir, from_checkpoint)
         self.load_state(from_checkpoint)
         if max_payload_mb is None:  # the largest honest body: the model in float64
             max_payload_mb = math.ceil(self.rounds.model_params * 8 / 2**20) + 64

@@ -108,6 +108,20 @@ def find_latest(output_dir: str | Path) -> Path | None:
     return found[0] if found else None
 
 
+def check_start(output_dir: str | Path, start: str | Path) -> None:
+    """Refuse to start from ``start`` where ``output_dir`` already holds a run's
+    checkpoints (other than ``start`` itself, a deliberate rewind): the new run's saves
+    would mix with that run's, and rotation would remove them under its higher rounds."""
+    saved = saved_rounds(output_dir)
+    if not saved or Path(start).resolve() in {p.resolve() for p in saved}:
+        return
+    raise ValueError(
+        f"output dir {output_dir} holds a run's checkpoints up to {saved[0].name}; starting "
+        f"from {start} there would mix two runs' rounds: leave from_checkpoint out to "
+        f"continue from {saved[0].name}, or give another output dir"
+    )
+
+
 def check_round(path: str | Path, state: dict[str, Any]) -> None:
     """Refuse (:class:`RoundMismatch`) a ``checkpoint-<round>`` whose ``server_state.pt``
     records another round: its name would put it where it does not belong."""
@@ -132,32 +146,37 @@ def in_saved_order(
     """``weights`` in the order of the parameters ``state`` (a ``server_state.pt``) names,
     each matched by name and its shape checked against the outer optimizer's state for it;
     a ValueError names what is missing, unexpected or of another shape."""
-    names = state.get("param_names")
-    if names is None:
+    if state.get("param_names") is None:
         return weights  # written before the names were saved: the files' order it is
-    names = [str(n) for n in names]
+    names = [str(n) for n in state["param_names"]]
+    known = set(names)
     missing = [n for n in names if n not in weights]
-    unexpected = [n for n in weights if n not in set(names)]
-    saved = state.get("outer_optimizer", {}).get("state", {})
-    reshaped = []
-    for i, name in enumerate(names):
-        for value in saved.get(i, {}).values() if name in weights else ():
-            if (
-                isinstance(value, torch.Tensor)
-                and value.dim()
-                and value.shape != weights[name].shape
-            ):
-                reshaped.append(
-                    f"{name} has shape {tuple(weights[name].shape)}, its outer-optimizer "
-                    f"state {tuple(value.shape)}"
-                )
-                break
+    unexpected = [n for n in weights if n not in known]
+    reshaped = _reshaped(weights, names, state.get("outer_optimizer", {}))
     if missing or unexpected or reshaped:
         parts = [f"missing {_listed(missing)}"] if missing else []
         parts += [f"unexpected {_listed(unexpected)}"] if unexpected else []
         parts += reshaped[:_SHOWN]
         raise ValueError(f"{where}: the weights do not fit its {SERVER_STATE} ({'; '.join(parts)})")
     return {n: weights[n] for n in names}
+
+
+def _reshaped(
+    weights: dict[str, torch.Tensor], names: list[str], optimizer: dict[str, Any]
+) -> list[str]:
+    """Each parameter whose weight has another shape than its outer-optimizer state (the
+    momentum buffer, saved by the parameter's position in ``names``)."""
+    per_param = optimizer.get("state", {})
+    found = []
+    for i, name in enumerate(names):
+        buffers = per_param.get(i, {}).values()
+        shapes = {tuple(b.shape) for b in buffers if isinstance(b, torch.Tensor) and b.dim()}
+        if name in weights and shapes and shapes != {tuple(weights[name].shape)}:
+            found.append(
+                f"{name} has shape {tuple(weights[name].shape)}, its outer-optimizer state "
+                f"{min(shapes)}"
+            )
+    return found
 
 
 def _damaged(path: Path, err: BaseException) -> ValueError:
