@@ -36,6 +36,7 @@ from safetensors.torch import save_file
 import _zygote as zygote
 from hookloop.app.failures import error_line
 from hookloop.diloco import storage
+from hookloop.diloco.callback import DiLoCoCallback
 from hookloop.diloco.client import DiLoCoClient, ServerUnavailable
 from hookloop.diloco.server import DiLoCoServer
 from hookloop.diloco.wire import load_tensors
@@ -339,7 +340,6 @@ def test_a_checkpoint_that_does_not_fit_its_server_state_names_the_parameters(tm
 # -- workers ----------------------------------------------------------------------------------
 def _fit_against(address: str, steps: int, stop_server_at: int, srv: DiLoCoServer):
     from hookloop import CallbackManager, Config, DataConfig, TrainConfig, Trainer
-    from hookloop.diloco.callback import DiLoCoCallback
     from hookloop.testing import ToyData
 
     worker = DiLoCoCallback(address, 2, None, False, heartbeat_interval=0, max_sync_retries=0)
@@ -368,6 +368,9 @@ def test_a_worker_whose_server_is_gone_stops_after_the_bound_naming_why(tmp_path
     assert code == 1 and line is not None and "\n" not in line
     assert address in line and "2 syncs in a row" in line, line
     assert "DILOCO_MAX_MISSED_SYNCS" in line
+    monkeypatch.setenv("DILOCO_MAX_MISSED_SYNCS", "-1")
+    with pytest.raises(ValueError, match=r"DILOCO_MAX_MISSED_SYNCS must be an int >= 0, got -1"):
+        DiLoCoCallback(address)
 
 
 class _EmptyAnswers(http.server.BaseHTTPRequestHandler):

@@ -135,9 +135,10 @@ class DiLoCoCallback(Callback):
         )
         self.timeout = _seconds("timeout", timeout)
         self.max_sync_retries = _int("max_sync_retries", max_sync_retries, 0)
+        name = "max_missed_syncs" if max_missed_syncs is not None else "DILOCO_MAX_MISSED_SYNCS"
         if max_missed_syncs is None:
-            max_missed_syncs = _env("DILOCO_MAX_MISSED_SYNCS", int, MAX_MISSED_SYNCS)
-        self.max_missed_syncs = _int("max_missed_syncs", max_missed_syncs, 0)
+            max_missed_syncs = _env(name, int, MAX_MISSED_SYNCS)
+        self.max_missed_syncs = _int(name, max_missed_syncs, 0)
         self.token = token or os.environ.get("DILOCO_TOKEN") or None
         self.cafile = cafile or os.environ.get("DILOCO_CAFILE") or None
         self._worker: DiLoCoWorker | None = None
