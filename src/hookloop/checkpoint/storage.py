@@ -7,13 +7,17 @@ valid manifest is never loaded and is removed by the next save. The manifest's
 schema is checked field by field (:func:`check_manifest`) before anything in it is
 trusted.
 
-A checkpoint's identity is authenticated, so that one flipped bit cannot reorder a
-run's history: the manifest carries a SHA-256 of its own fields (format 2), its name
-and step must be those of the directory it lies in, and checkpoints are ordered by
-the step in their directory names (which only the commit's rename sets), never by
-what a manifest says. Format 3 checkpoints also hold the live ``set`` changes
-(``trainer_state.pt``'s ``settings`` entry); formats 2 and 1 (no checksum) are still
-read, as checkpoints of runs nobody steered.
+A checkpoint's identity is checked, so that one flipped bit cannot reorder a run's
+history: the manifest carries a SHA-256 of its own fields (format 2), its name and
+step must be those of the directory it lies in, and checkpoints are ordered by the
+step in their directory names (which only the commit's rename sets), never by what a
+manifest says. The checksums are unkeyed: they detect accidents (a flipped bit, a
+torn write, a file changed by mistake), not someone who rewrites a file and its
+manifest; identity comes from the directory's name and the step saved in it.
+
+Format 3 checkpoints also hold the live ``set`` changes (``trainer_state.pt``'s
+``settings`` entry); formats 2 and 1 (no checksum) are still read, as checkpoints of
+runs nobody steered.
 
 ``HOOKLOOP_CHECKPOINT_FAULT`` (:data:`FAULT_ENV`) makes the process die, or a save
 fail as a full disk would, at a named point of this protocol: the crash tests use it.

@@ -8,7 +8,11 @@ default Forgather uses. Without a server address it does nothing at all, so one
 configuration trains alone or as a worker. ``server_addr`` is kept as given
 (``host:port`` or a URL). hookloop adds keyword-only
 ``token`` (``DILOCO_TOKEN``) and ``cafile`` (``DILOCO_CAFILE``) for a server
-started with ``--token`` and HTTPS.
+started with ``--token`` and HTTPS, and ``max_missed_syncs``
+(``DILOCO_MAX_MISSED_SYNCS``, default 3; 0: no bound): after that many syncs in a
+row that could not reach the server, the run stops with
+:class:`~hookloop.diloco.worker.ServerLost` (one line, exit 1) instead of training
+on alone.
 
 A resumed run joins under the worker id its checkpoint saved; when the server
 still holds that id for the crashed run (until its ``heartbeat_timeout``), it
@@ -27,7 +31,12 @@ from typing import Any
 
 from hookloop.callback import Callback
 from hookloop.diloco.client import ServerRefused, parse_address
-from hookloop.diloco.worker import DiLoCoWorker, check_heartbeat_interval, default_worker_id
+from hookloop.diloco.worker import (
+    MAX_MISSED_SYNCS,
+    DiLoCoWorker,
+    check_heartbeat_interval,
+    default_worker_id,
+)
 from hookloop.state import CallbackContext
 
 log = logging.getLogger("hookloop.diloco")
@@ -94,6 +103,7 @@ class DiLoCoCallback(Callback):
         *,
         token: str | None = None,
         cafile: str | None = None,
+        max_missed_syncs: int | None = None,
     ) -> None:
         self.server_addr = server_addr or os.environ.get("DILOCO_SERVER", "").strip()
         if self.server_addr:
@@ -125,6 +135,10 @@ class DiLoCoCallback(Callback):
         )
         self.timeout = _seconds("timeout", timeout)
         self.max_sync_retries = _int("max_sync_retries", max_sync_retries, 0)
+        name = "max_missed_syncs" if max_missed_syncs is not None else "DILOCO_MAX_MISSED_SYNCS"
+        if max_missed_syncs is None:
+            max_missed_syncs = _env(name, int, MAX_MISSED_SYNCS)
+        self.max_missed_syncs = _int(name, max_missed_syncs, 0)
         self.token = token or os.environ.get("DILOCO_TOKEN") or None
         self.cafile = cafile or os.environ.get("DILOCO_CAFILE") or None
         self._worker: DiLoCoWorker | None = None
@@ -176,6 +190,7 @@ class DiLoCoCallback(Callback):
             max_sync_retries=self.max_sync_retries,
             token=self.token,
             cafile=self.cafile,
+            max_missed_syncs=self.max_missed_syncs,
         )
 
     def on_train_step_end(self, ctx: CallbackContext) -> None:

@@ -19,6 +19,12 @@ recipe's freshly built model when ``OUTPUT_DIR`` holds no checkpoint yet.
 
 ``-n`` is, as in Forgather, the number of workers expected, not a barrier: each
 round waits for the workers registered when its first submission arrives.
+
+Started again on an output dir that holds its checkpoints, ``serve`` continues from
+the highest round there, even when given ``--from-checkpoint`` (which seeds a new
+output dir only). SIGINT or SIGTERM saves the current round (unless ``--save-every
+0``) and exits 128 + the signal's number (130, 143), as ``hookloop train`` does; a
+second server on the same output dir exits 2 naming the one that holds it.
 """
 
 from __future__ import annotations
@@ -140,7 +146,14 @@ def run_set(args: argparse.Namespace) -> int:
 
 
 def _start_weights(args: argparse.Namespace) -> str | None:
-    """The checkpoint to start from: given, found in the output dir, or made from a recipe."""
+    """The checkpoint to start from: the output dir's own (a restart with the same command
+    line continues its rounds), else the one given, else one made from a recipe."""
+    if storage.saved_rounds(args.output_dir):
+        if args.from_checkpoint:
+            print(f"hookloop diloco: {args.output_dir} holds this server's checkpoints: "
+                  f"continuing from them, not from {args.from_checkpoint} (which starts a "
+                  "new output dir)", file=sys.stderr, flush=True)  # fmt: skip
+        return None
     if args.from_checkpoint or storage.find_latest(args.output_dir) is not None:
         return args.from_checkpoint
     if not args.recipe:
@@ -191,18 +204,15 @@ def run_serve(args: argparse.Namespace) -> int:
               f"dashboard {url}/dashboard", file=sys.stderr, flush=True)  # fmt: skip
 
     import asyncio
-    import contextlib
     import signal
 
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(signum, server.request_stop)
-        await server.serve(ready)
-
-    asyncio.run(main())
-    return 0
+    signum = asyncio.run(server.serve_until_signal(ready))
+    if signum is None:
+        return 0
+    round_now = server.status()["sync_round"]
+    print(f"hookloop diloco: stopped by {signal.Signals(signum).name} at round {round_now} "
+          f"(exit {128 + signum})", file=sys.stderr, flush=True)  # fmt: skip
+    return 128 + signum
 
 
 def run_status(args: argparse.Namespace) -> int:

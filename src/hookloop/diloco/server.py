@@ -24,12 +24,14 @@ their own, and submit *pseudo-gradients* (global minus local weights).
   ``sync_every = max(1, floor(own_speed / fastest_speed * dylu_base_sync_every))``.
 
 Every ``save_every_n_rounds`` rounds the server saves a checkpoint under
-``<output_dir>/checkpoints``; started again on the same ``output_dir`` it
-continues from the newest. Routes (Forgather's): ``POST /register``,
-``/submit_pseudograd``, ``/submit_fragment_pseudograd``, ``/heartbeat``,
-``/deregister``, ``/control/{save_state,kick_worker,update_optimizer,
-update_num_workers,shutdown}``; ``GET /status``, ``/global_params``,
-``/dashboard`` (and ``/``).
+``<output_dir>/checkpoints``; started again there without ``from_checkpoint`` it
+continues from the highest round, whatever format it first started from
+(:mod:`~hookloop.diloco.storage`). It holds ``output_dir``'s lock while it serves, and
+SIGINT/SIGTERM save the current round first (:mod:`~hookloop.diloco.lifecycle`).
+Routes (Forgather's): ``POST /register``, ``/submit_pseudograd``,
+``/submit_fragment_pseudograd``, ``/heartbeat``, ``/deregister``, ``/control/{save_state,
+kick_worker,update_optimizer,update_num_workers,shutdown}``; ``GET /status``,
+``/global_params``, ``/dashboard`` (and ``/``).
 
 hookloop's additions, which a Forgather peer does not need: a bearer
 ``token`` (or ``disable_auth=True`` to admit tokenless peers, loopback only
@@ -70,6 +72,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -84,7 +87,7 @@ from hookloop.control.service import (
     is_loopback,
     one_line,
 )
-from hookloop.diloco import admin, options, storage
+from hookloop.diloco import admin, lifecycle, options, storage
 from hookloop.diloco.contributions import Contributions, worker_id_in
 from hookloop.diloco.membership import Caller
 from hookloop.diloco.options import MAX_HEARTBEAT_TIMEOUT, integer, number
@@ -178,6 +181,8 @@ class DiLoCoServer:
         self.outer_optimizer_factory = outer_optimizer_factory
         self._running, self._started_at = False, None
         self._serving = Serving("DiLoCo")
+        if from_checkpoint is not None:
+            storage.check_start(self.output_dir, from_checkpoint)
         self.load_state(from_checkpoint)
         if max_payload_mb is None:  # the largest honest body: the model in float64
             max_payload_mb = math.ceil(self.rounds.model_params * 8 / 2**20) + 64
@@ -280,6 +285,8 @@ class DiLoCoServer:
             for candidate in found:
                 try:
                     self._load_from(str(candidate))
+                except storage.RoundMismatch:
+                    raise  # not damage: a checkpoint out of place, which an operator must move
                 except ValueError as err:
                     log.warning("diloco: skipping damaged checkpoint %s: %s", candidate, err)
                     skipped.append(f"{candidate.name} ({err})")
@@ -291,8 +298,12 @@ class DiLoCoServer:
         self._load_from(checkpoint_path)
 
     def _load_from(self, checkpoint_path: str) -> None:
-        self._initialize(storage.load_weights(checkpoint_path))
+        weights = storage.load_weights(checkpoint_path)
         state = storage.load_server_state(checkpoint_path)
+        if state is not None:
+            storage.check_round(checkpoint_path, state)
+            weights = storage.in_saved_order(weights, state, checkpoint_path)
+        self._initialize(weights)
         if state is None:
             log.info("diloco: global weights from %s (no server state: round 0)", checkpoint_path)
             return
@@ -538,10 +549,8 @@ class DiLoCoServer:
 
     # -- running ----------------------------------------------------------------------------
     async def serve(self, ready: Callable[[], None] | None = None) -> None:
-        """Serve until :meth:`stop` or ``/control/shutdown``; ``ready`` once listening."""
-        options.check_exposure(self.host, self.token, self.disable_auth,
-                               self.allow_remote_without_auth)  # fmt: skip
-        where = Address(host=self.host, port=self.port, ssl_context=self.ssl_context())
+        """Serve until :meth:`stop` or ``/control/shutdown``; ``ready`` once listening.
+        The output dir is held meanwhile (:func:`~hookloop.diloco.lifecycle.hold_output_dir`)."""
 
         def listening() -> None:
             self.port = self._serving.port or self.port
@@ -552,17 +561,34 @@ class DiLoCoServer:
             if ready is not None:
                 ready()
 
-        try:
-            await self._serving.serve(self.app(), where, listening)
-        finally:
-            self._running = False
+        with lifecycle.hold_output_dir(self.output_dir):
+            options.check_exposure(self.host, self.token, self.disable_auth,
+                                   self.allow_remote_without_auth)  # fmt: skip
+            where = Address(host=self.host, port=self.port, ssl_context=self.ssl_context())
+            try:
+                await self._serving.serve(self.app(), where, listening)
+            finally:
+                self._running = False
+
+    async def serve_until_signal(self, ready: Callable[[], None] | None = None) -> int | None:
+        """:meth:`serve`; SIGINT or SIGTERM saves the current round (unless
+        ``save_every_n_rounds`` is 0), then stops it. Returns the signal's number or None."""
+        return await lifecycle.serve_until_signal(lambda: self.serve(ready), self._on_signal)
+
+    def _on_signal(self, signum: int) -> None:
+        name, done = signal.Signals(signum).name, self.rounds.sync_round
+        log.warning("diloco: %s at round %d: saving, then stopping", name, done)
+        if self.save_every_n_rounds > 0 and self._running:
+            try:
+                self.save_state()
+            except Exception as err:  # the stop goes on; the checkpoint before stays newest
+                log.error("diloco: saving round %d failed (%s)", done, one_line(err))
+        self.request_stop()
 
     def run(self) -> None:
-        """Serve in this thread until shut down (Ctrl-C saves first, as Forgather)."""
-        try:
-            asyncio.run(self.serve())
-        except KeyboardInterrupt:
-            log.info("diloco: interrupted")
+        """Serve in this thread until shut down; Ctrl-C (or SIGTERM) saves first, as in
+        Forgather, unless ``save_every_n_rounds`` is 0."""
+        asyncio.run(self.serve_until_signal())
 
     def start(self, timeout: float = 15.0) -> DiLoCoServer:
         """Serve from a background thread; returns once it listens."""

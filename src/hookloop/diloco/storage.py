@@ -6,9 +6,19 @@ and, once the server has run, ``server_state.pt`` (outer optimizer, round,
 expected workers, parameter names). The server starts from one; it saves to
 ``<output_dir>/checkpoints/checkpoint-<round>`` and keeps the newest
 ``save_total_limit``. Forgather's server reads what this writes and the other
-way round. Every torch file is read by :func:`hookloop.safeload.load` (``weights_only``,
-stored zip entries only: a file takes no more memory than its size on disk, which is
-the cap: the server wrote it, or an operator copied it in).
+way round.
+
+Checkpoints are ordered, and rotated, by the round in their names, never by a file's
+modification time (one ``touch`` would otherwise rewind a restart, and the rounds after
+it would overwrite the real newest checkpoint); the one chosen must record that round in
+its ``server_state.pt`` (:func:`check_round`): a copy under another name is refused.
+Weights are matched to the saved state by name (:func:`in_saved_order`), so a server
+resumes from what it wrote whatever the order of the files it started from (a sharded
+index lists its parameters in any order; ``model.safetensors`` reads back sorted).
+
+Every torch file is read by :func:`hookloop.safeload.load` (``weights_only``, stored zip
+entries only: a file takes no more memory than its size on disk, which is the cap: the
+server wrote it, or an operator copied it in).
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -31,6 +42,13 @@ TORCH_WEIGHTS = "pytorch_model.bin"
 TORCH_INDEX = "pytorch_model.bin.index.json"
 SERVER_STATE = "server_state.pt"
 _WEIGHT_FILES = (SAFE_INDEX, TORCH_INDEX, SAFE_WEIGHTS, TORCH_WEIGHTS)
+_ROUND_NAME = re.compile(r"checkpoint-(\d+)")
+#: Names listed in full in a mismatch message; the rest are counted.
+_SHOWN = 5
+
+
+class RoundMismatch(ValueError):
+    """A checkpoint records another round than its name says (copied or renamed)."""
 
 
 def is_checkpoint(path: str | Path) -> bool:
@@ -59,21 +77,106 @@ def check_output_dir(output_dir: str | Path) -> None:
         return
 
 
-def find_all(output_dir: str | Path) -> list[Path]:
-    """The checkpoints under ``output_dir/checkpoints``, newest first (by modification time),
-    else ``[output_dir]`` when it is a model directory itself, else []."""
+def round_of(path: str | Path) -> int | None:
+    """The round in a ``checkpoint-<round>`` directory's name (None: another name)."""
+    match = _ROUND_NAME.fullmatch(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+def saved_rounds(output_dir: str | Path) -> list[Path]:
+    """The ``checkpoint-<round>`` directories under ``output_dir/checkpoints``, highest
+    round first (whatever their files' times say)."""
     root = Path(output_dir) / "checkpoints"
     if not root.is_dir():
+        return []
+    found = [(r, p) for p in root.iterdir() if (r := round_of(p)) is not None and p.is_dir()]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def find_all(output_dir: str | Path) -> list[Path]:
+    """The checkpoints under ``output_dir/checkpoints``, highest round first, else
+    ``[output_dir]`` when it is a model directory itself, else []."""
+    if not (Path(output_dir) / "checkpoints").is_dir():
         return [Path(output_dir)] if is_checkpoint(output_dir) else []
-    found = [p for p in root.glob("checkpoint-*") if is_checkpoint(p)]
-    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+    return [p for p in saved_rounds(output_dir) if is_checkpoint(p)]
 
 
 def find_latest(output_dir: str | Path) -> Path | None:
-    """The newest checkpoint under ``output_dir/checkpoints`` (by modification time), else
+    """The checkpoint of the highest round under ``output_dir/checkpoints``, else
     ``output_dir`` itself when it is a model directory, else None (as Forgather)."""
     found = find_all(output_dir)
     return found[0] if found else None
+
+
+def check_start(output_dir: str | Path, start: str | Path) -> None:
+    """Refuse to start from ``start`` where ``output_dir`` already holds a run's
+    checkpoints (other than ``start`` itself, a deliberate rewind): the new run's saves
+    would mix with that run's, and rotation would remove them under its higher rounds."""
+    saved = saved_rounds(output_dir)
+    if not saved or Path(start).resolve() in {p.resolve() for p in saved}:
+        return
+    raise ValueError(
+        f"output dir {output_dir} holds a run's checkpoints up to {saved[0].name}; starting "
+        f"from {start} there would mix two runs' rounds: leave from_checkpoint out to "
+        f"continue from {saved[0].name}, or give another output dir"
+    )
+
+
+def check_round(path: str | Path, state: dict[str, Any]) -> None:
+    """Refuse (:class:`RoundMismatch`) a ``checkpoint-<round>`` whose ``server_state.pt``
+    records another round: its name would put it where it does not belong."""
+    named = round_of(path)
+    recorded = state.get("sync_round")
+    if named is not None and recorded != named:
+        raise RoundMismatch(
+            f"{path} records round {recorded} in its {SERVER_STATE}, not {named}: a "
+            "checkpoint's name must be its round (was it copied or renamed?); move it out "
+            "of the checkpoints directory and start again"
+        )
+
+
+def _listed(names: list[str]) -> str:
+    shown = ", ".join(names[:_SHOWN])
+    return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
+
+
+def in_saved_order(
+    weights: dict[str, torch.Tensor], state: dict[str, Any], where: str | Path
+) -> dict[str, torch.Tensor]:
+    """``weights`` in the order of the parameters ``state`` (a ``server_state.pt``) names,
+    each matched by name and its shape checked against the outer optimizer's state for it;
+    a ValueError names what is missing, unexpected or of another shape."""
+    if state.get("param_names") is None:
+        return weights  # written before the names were saved: the files' order it is
+    names = [str(n) for n in state["param_names"]]
+    known = set(names)
+    missing = [n for n in names if n not in weights]
+    unexpected = [n for n in weights if n not in known]
+    reshaped = _reshaped(weights, names, state.get("outer_optimizer", {}))
+    if missing or unexpected or reshaped:
+        parts = [f"missing {_listed(missing)}"] if missing else []
+        parts += [f"unexpected {_listed(unexpected)}"] if unexpected else []
+        parts += reshaped[:_SHOWN]
+        raise ValueError(f"{where}: the weights do not fit its {SERVER_STATE} ({'; '.join(parts)})")
+    return {n: weights[n] for n in names}
+
+
+def _reshaped(
+    weights: dict[str, torch.Tensor], names: list[str], optimizer: dict[str, Any]
+) -> list[str]:
+    """Each parameter whose weight has another shape than its outer-optimizer state (the
+    momentum buffer, saved by the parameter's position in ``names``)."""
+    per_param = optimizer.get("state", {})
+    found = []
+    for i, name in enumerate(names):
+        buffers = per_param.get(i, {}).values()
+        shapes = {tuple(b.shape) for b in buffers if isinstance(b, torch.Tensor) and b.dim()}
+        if name in weights and shapes and shapes != {tuple(weights[name].shape)}:
+            found.append(
+                f"{name} has shape {tuple(weights[name].shape)}, its outer-optimizer state "
+                f"{min(shapes)}"
+            )
+    return found
 
 
 def _damaged(path: Path, err: BaseException) -> ValueError:
@@ -190,11 +293,11 @@ def save(
 
 
 def rotate(output_dir: str | Path, keep: int) -> None:
-    """Delete the oldest ``checkpoint-*`` beyond the newest ``keep`` (0 keeps all)."""
+    """Delete the ``checkpoint-<round>`` directories beyond the ``keep`` of the highest
+    rounds (0 keeps all)."""
     if keep <= 0:
         return
-    found = sorted((Path(output_dir) / "checkpoints").glob("checkpoint-*"), key=os.path.getmtime)
-    for old in found[: max(0, len(found) - keep)]:
+    for old in saved_rounds(output_dir)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
 
 

@@ -10,11 +10,17 @@ multiple of ``sync_every // F`` steps in turn, from a background thread, and
 its answer is loaded just before the next fragment is sent (at most one in
 flight). A sync that cannot reach the server is retried after registering
 again (``max_sync_retries`` times, 2 s, 4 s, ... apart); when all fail the
-round is skipped and training goes on, as Forgather's worker does. A server
-that no longer knows the worker (answered 404: restarted, or it dropped a
+round is skipped and training goes on, as Forgather's worker does, but only
+``max_missed_syncs`` times in a row (default 3; 0: no bound, as Forgather): then the
+worker raises :class:`ServerLost`, one line naming the server and the last failure,
+rather than train on alone and end as if it had synced. A server that no longer
+knows the worker (answered 404: restarted, or it dropped a
 silent worker) is joined again the same way. The worker secret that
 registering brings (:mod:`hookloop.diloco.membership`) goes with every later
-request, heartbeats included.
+request, heartbeats included. An answer must hold every parameter it was asked
+for (the whole model at registration and full syncs, the fragment's at a fragment
+sync); one that holds none, or lacks some, is a ``ValueError`` naming them (the
+server runs another model).
 
 Heartbeats (every ``heartbeat_interval`` seconds; 0 disables them) report the
 worker's steps per second; with ``dylu`` the server's ``recommended_sync_every``
@@ -55,6 +61,14 @@ COUNTERS = (
 NOT_REGISTERED = 404
 #: The longest heartbeat interval accepted, in seconds (0 disables heartbeats).
 MAX_HEARTBEAT_INTERVAL = 3600.0
+#: Syncs in a row that may fail to reach the server before the worker stops.
+MAX_MISSED_SYNCS = 3
+#: Names listed in full in an error message; the rest are counted.
+_SHOWN = 5
+
+
+class ServerLost(ConnectionError):
+    """The server could not be reached for ``max_missed_syncs`` syncs in a row."""
 
 
 def default_worker_id() -> str:
@@ -92,6 +106,7 @@ class DiLoCoWorker:
         token: str | None = None,
         cafile: str | None = None,
         retry_delay: float = 2.0,
+        max_missed_syncs: int = MAX_MISSED_SYNCS,
     ) -> None:
         self.model = model
         self.sync_every = sync_every
@@ -103,6 +118,9 @@ class DiLoCoWorker:
         self.num_fragments = num_fragments
         self.max_sync_retries = max_sync_retries
         self.retry_delay = retry_delay
+        self.max_missed_syncs = max_missed_syncs
+        self.missed_syncs = 0  # in a row
+        self._last_failure = "no answer"
         self.distributed = dist.is_available() and dist.is_initialized()
         self.talks = not self.distributed or dist.get_rank() == 0
         # An answer is at most the model in float64 plus 64 MiB (the server's own body cap).
@@ -131,7 +149,7 @@ class DiLoCoWorker:
     def start(self) -> None:
         """Register, load the global weights, start the heartbeats."""
         if self.talks:
-            self._load(self.client.register(self.worker_id, self._info()))
+            self._load(self.client.register(self.worker_id, self._info()), list(self.params))
         self._share(list(self.params), ok=True)
         self.local_step = 0
         self.active = True
@@ -194,12 +212,26 @@ class DiLoCoWorker:
         new: dict[str, torch.Tensor] | None = None
         if self.talks:
             new = self._submit_with_retries()
-        if self._share(list(self.params), ok=new is not None or not self.talks, new=new):
+        synced = self._share(list(self.params), ok=new is not None or not self.talks, new=new)
+        if synced:
             self.last_sync_time = time.time() - started
             self.total_sync_time += self.last_sync_time
         self.local_step = 0
         self.sync_count += 1
         self._steps.clear()
+        self._count_missed(synced)
+
+    def _count_missed(self, synced: bool) -> None:
+        """Count a sync that did not reach the server (on every rank alike: ``synced`` is
+        rank 0's, shared); raise :class:`ServerLost` once ``max_missed_syncs`` are in a row."""
+        self.missed_syncs = 0 if synced else self.missed_syncs + 1
+        if self.max_missed_syncs and self.missed_syncs >= self.max_missed_syncs:
+            raise ServerLost(
+                f"DiLoCo server {self.client.server_addr} not reached for {self.missed_syncs} "
+                f"syncs in a row (last: {self._last_failure}); the worker stops rather than "
+                "train alone: start the server again and resume this run, or allow more "
+                "with max_missed_syncs= (DILOCO_MAX_MISSED_SYNCS)"
+            )
 
     def _submit_with_retries(self) -> dict[str, torch.Tensor] | None:
         grads = self._pseudo_grads(list(self.params))
@@ -208,6 +240,7 @@ class DiLoCoWorker:
             try:
                 new = self.client.submit_pseudogradients(self.worker_id, grads)
                 self.last_recv_bytes = _nbytes(new)
+                self._check_answer(new, list(self.params))
                 return new
             except ServerRefused as err:
                 if err.status != NOT_REGISTERED or attempt == self.max_sync_retries:
@@ -217,6 +250,7 @@ class DiLoCoWorker:
                 self._reconnect()
                 grads = self._pseudo_grads(list(self.params))
             except ConnectionError as err:
+                self._last_failure = " ".join(str(err).split())[:300]
                 if attempt == self.max_sync_retries:
                     log.error("diloco: sync failed %d times (%s); skipping this round",
                               attempt + 1, err)  # fmt: skip
@@ -231,7 +265,7 @@ class DiLoCoWorker:
 
     def _reconnect(self) -> None:
         try:
-            self._load(self.client.register(self.worker_id, self._info()))
+            self._load(self.client.register(self.worker_id, self._info()), list(self.params))
             self.reconnections += 1
         except Exception as err:  # the next attempt tries again
             log.warning("diloco: registering again failed: %s", err)
@@ -248,6 +282,7 @@ class DiLoCoWorker:
                     result[2] = err
                 except Exception as err:  # the fragment's round goes on without us
                     log.error("diloco: fragment %d failed: %s", k, err)
+                    self._last_failure = " ".join(str(err).split())[:300]
 
             thread = threading.Thread(target=send, name="hookloop-diloco-fragment", daemon=True)
             thread.start()
@@ -284,11 +319,16 @@ class DiLoCoWorker:
             if raise_refusal:  # as a full sync does: retrying cannot fix it
                 raise refused
             log.error("diloco: fragment %d refused: %s", k, refused)
-        if self._share(self.fragments[k], ok=new is not None or not self.talks, new=new):
+        if new is not None:
+            self._check_answer(new, self.fragments[k])
+        synced = self._share(self.fragments[k], ok=new is not None or not self.talks, new=new)
+        if synced:
             self.fragment_syncs += 1
             self.total_sync_time += time.time() - started
             if new is not None:
                 self.last_recv_bytes = _nbytes(new)
+        if raise_refusal:  # not while leaving (train end, or an exception already raised)
+            self._count_missed(synced)
 
     # -- tensors ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -300,8 +340,27 @@ class DiLoCoWorker:
         self.last_send_bytes = _nbytes(grads)
         return grads
 
+    def _check_answer(self, new: dict[str, torch.Tensor], names: list[str]) -> None:
+        """Refuse an answer that lacks any of ``names`` (the parameters asked for)."""
+        missing = [n for n in names if n not in new]
+        if not missing:
+            return
+        server = self.client.server_addr
+        if not new:
+            raise ValueError(
+                f"DiLoCo server {server} sent no tensors where this worker needs the global "
+                f"weights of {len(names)} parameters: it runs no model, or not this one"
+            )
+        shown = ", ".join(missing[:_SHOWN]) + (" ..." if len(missing) > _SHOWN else "")
+        raise ValueError(
+            f"DiLoCo server {server} lacks {len(missing)} of this model's parameters "
+            f"({shown}): the server runs another model"
+        )
+
     @torch.no_grad()
-    def _load(self, new: dict[str, torch.Tensor]) -> None:
+    def _load(self, new: dict[str, torch.Tensor], names: list[str]) -> None:
+        """Load the server's weights for ``names`` (every one must be there)."""
+        self._check_answer(new, names)
         for name, value in new.items():
             param = self.params.get(name)
             if param is None:
@@ -314,16 +373,13 @@ class DiLoCoWorker:
                 )
             param.copy_(value.to(dtype=param.dtype, device=param.device))
             self.global_params[name] = param.detach().float().cpu().clone()
-        missing = set(self.params) - set(new)
-        if missing and len(new) == len(self.params):
-            log.warning("diloco: the server lacks %s", sorted(missing)[:5])
 
     def _share(
         self, names: list[str], *, ok: bool, new: dict[str, torch.Tensor] | None = None
     ) -> bool:
         """Load ``new`` (rank 0's answer) on every rank; True when there was one."""
         if self.talks and new is not None:
-            self._load(new)
+            self._load(new, names)
         if self.talks and self._recommended is not None and self.distributed:
             self._apply_recommendation(self._recommended)
         if not self.distributed or dist.get_world_size() < 2:

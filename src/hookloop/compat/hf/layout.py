@@ -5,9 +5,14 @@ checksummed, under ``output_dir/checkpoints/``); beside them each save gets HF's
 folder ``checkpoint-N``, a complete checkpoint both ways:
 
 - every file of the hookloop checkpoint (``manifest.json``, ``model.safetensors``,
-  ``optimizer.pt``, ``trainer_state.pt``, ``config.yaml``), hard-linked (copied where
-  the file system cannot link), so a copy of the folder (``cp -r``, ``cp -rL``)
-  resumes on its own, exactly;
+  ``optimizer.pt``, ``trainer_state.pt``, ``config.yaml``), copied, so a copy of the
+  folder (``cp -r``, ``cp -rL``) resumes on its own, exactly. Copied, not hard-linked:
+  transformers and the scripts written for it rewrite files of the folder in place
+  (``torch.save(..., "optimizer.pt")`` opens the path with ``"wb"``), and through a
+  hard link each such write would change hookloop's checkpoint too. Where the file
+  system shares blocks between copies (btrfs, XFS: ``copy_file_range`` makes a
+  reflink) a copy costs no space until one side is written; elsewhere it costs the
+  checkpoint's size once more;
 - what transformers writes beside them (``config.json``, ``generation_config.json``,
   the tokenizer's files, ``scheduler.pt``, ``rng_state.pth``, ``training_args.bin``,
   ``trainer_state.json``): ``from_pretrained`` loads the folder and
@@ -16,7 +21,8 @@ folder ``checkpoint-N``, a complete checkpoint both ways:
 - ``step-N``, a relative link to the hookloop checkpoint, named as it: a folder
   whose checkpoint was rotated away is removed with it, and a ``cp -rL`` copy holds
   that checkpoint under its own name (folders written before name it ``.hookloop``).
-  The folder's own ``manifest.json`` names the folder and is signed again.
+  The folder's own ``manifest.json`` names the folder, and its checksum is computed
+  again (a checksum: it catches a damaged file, not a deliberate rewrite).
 
 The folder is built under a temporary name and renamed into place.
 """
@@ -58,13 +64,13 @@ def write(
     partial.mkdir(parents=True)
     for entry in Path(native).iterdir():
         if entry.is_file() and entry.name != MANIFEST:
-            _link_or_copy(entry, partial / entry.name)
+            _copy(entry, partial / entry.name)
     if extras is not None:
         extras(partial)
     state.save_to_json(partial / TRAINER_STATE_NAME)
     # The folder's own manifest lists transformers' files too, so the folder (or a copy)
     # passes hookloop's check of a checkpoint: nothing unlisted, every file intact.
-    # It names the folder it lies in (and is signed again), as hookloop checks it.
+    # It names the folder it lies in (its checksum computed again), as hookloop checks it.
     manifest = json.loads((Path(native) / MANIFEST).read_text(encoding="utf-8"))
     for entry in sorted(partial.iterdir()):
         if entry.is_file() and entry.name not in manifest["files"]:
@@ -92,12 +98,36 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _link_or_copy(source: Path, target: Path) -> None:
-    """A hard link (no second copy on disk), or a copy across file systems."""
+def _copy(source: Path, target: Path) -> None:
+    """Copy ``source`` to a new ``target``, synced: the folder is as durable as the
+    checkpoint it copies."""
+    with open(source, "rb") as src, open(target, "xb") as dst:
+        if not _copy_in_kernel(src.fileno(), dst.fileno()):
+            src.seek(0)
+            dst.seek(0)
+            dst.truncate()
+            shutil.copyfileobj(src, dst, 1 << 20)
+        dst.flush()
+        os.fsync(dst.fileno())
+    shutil.copystat(source, target)
+
+
+def _copy_in_kernel(src: int, dst: int) -> bool:
+    """Copy all of ``src`` into ``dst`` with ``copy_file_range`` (a reflink on btrfs and
+    XFS); False where it is not available (not Linux, across file systems on old kernels)."""
+    copy_range = getattr(os, "copy_file_range", None)
+    if copy_range is None:
+        return False
+    left = os.fstat(src).st_size
     try:
-        os.link(source, target)
+        while left > 0:
+            done = copy_range(src, dst, left)
+            if done == 0:
+                break
+            left -= done
     except OSError:
-        shutil.copy2(source, target)
+        return False
+    return True
 
 
 def _link_of(folder: Path) -> Path | None:
