@@ -1,7 +1,7 @@
 """The ``hookloop`` command.
 
 hookloop train [--recipe NAME] [--config FILE] [--out DIR] [--resume auto|PATH] [--replay RUN]
-               [KEY=VALUE ...]
+               [--skip-change ID ...] [KEY=VALUE ...]
 hookloop recipes
 hookloop config [--recipe NAME]
 hookloop plot RUN_DIR... [--out FILE] [--log-scale]
@@ -19,6 +19,11 @@ process holds, argparse's own refusals) is one line on stderr and exit code 2. A
 is the user's code failing (the model, the loss, the data, a callback, a recipe) or a bug:
 its traceback, exit code 1. What the machine could not do (a full disk, out of memory) is
 one line and exit code 1. ``HOOKLOOP_DEBUG=1`` shows the traceback of a one-line error too.
+
+A run directory that holds anything a user may want (a log line, a checkpoint, a recorded
+change) is never removed: a run that fails keeps it and says so on stderr. Only a
+directory this command created and left with nothing in it but empty files (a start
+refused before training began) is removed.
 """
 
 from __future__ import annotations
@@ -41,7 +46,13 @@ from hookloop.app.failures import error_line, is_refusal, one_line
 from hookloop.callback import Callback
 from hookloop.errors import ConfigError
 from hookloop.result import ExitCode, TrainResult, reason_without_step
-from hookloop.rundir import RunDir, enclosing_run, is_checkpoint, is_checkpoints_folder
+from hookloop.rundir import (
+    LOCK_FILE,
+    RunDir,
+    enclosing_run,
+    is_checkpoint,
+    is_checkpoints_folder,
+)
 
 if TYPE_CHECKING:
     from hookloop.config import Config
@@ -162,6 +173,14 @@ def add_train_command(subparsers: Any) -> argparse.ArgumentParser:
         metavar="RUN",
         help="train again from scratch with RUN's config.yaml and its live `set` changes "
         "(changes.jsonl) applied at the steps they were applied at",
+    )
+    train.add_argument(
+        "--skip-change",
+        metavar="ID",
+        action="append",
+        default=[],
+        help="with --resume or --replay: leave out the changes.jsonl record ID (repeatable); "
+        "for a record the run cannot apply or that was not written by hookloop",
     )
     train.add_argument(
         "--allow-restart",
@@ -325,7 +344,7 @@ def _latest_intact_step(run_dir: Path) -> int | None:
 def _check_replay(args: argparse.Namespace) -> None:
     """``--replay RUN``: a run directory with a config.yaml (the config to train with unless
     --config names another) and a readable changes.jsonl; never combined with --resume."""
-    from hookloop.loop.live import read_changes
+    from hookloop.loop.changes import read_replayable
 
     if args.resume is not None:
         raise ConfigError("--replay trains from scratch; it cannot be combined with --resume")
@@ -337,7 +356,7 @@ def _check_replay(args: argparse.Namespace) -> None:
     if args.out is not None and Path(args.out).resolve() == source.root.resolve():
         raise ConfigError("--replay writes a new run: give --out a directory other than RUN")
     try:
-        records = read_changes(source.changes)
+        records = read_replayable(source.changes, args.skip_change, warn=False)
     except (ValueError, OSError) as err:
         raise ConfigError(f"--replay {args.replay}: {err}") from None
     if args.config is None:
@@ -393,10 +412,18 @@ def _signals_during_startup() -> Iterator[None]:
 
 
 def _remove_failed_start(run_dir: Path) -> None:
-    """A run directory this command created, left with no checkpoint: remove it all."""
-    run = RunDir(run_dir)
-    if not (run.checkpoints.is_dir() and any(run.checkpoints.iterdir())):
+    """A run directory this command created: removed when it holds nothing a user may want
+    (only empty files and folders: a start refused before training began); otherwise kept,
+    and said where on stderr."""
+    files = [p for p in Path(run_dir).rglob("*") if p.is_file() and p.name != LOCK_FILE]
+    if not any(p.stat().st_size for p in files):
         shutil.rmtree(run_dir, ignore_errors=True)
+        return
+    print(
+        f"hookloop train: the run failed; what it wrote is kept in {run_dir} "
+        "(metrics.jsonl, progress.txt, changes.jsonl, tb/)",
+        file=sys.stderr,
+    )
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -423,6 +450,7 @@ def _train(args: argparse.Namespace) -> int:
             trainer = build_trainer(cfg, callbacks=callbacks, out_dir=run_dir, resume=args.resume)
         if args.replay is not None:
             trainer.parts.live.replay_from = RunDir(args.replay)
+        trainer.parts.live.skip_changes = set(args.skip_change)
         if cfg.callbacks.profile:  # callbacks.profile=true: time every handler of this run
             trainer.callbacks.profile()
         result = trainer.train()
@@ -476,11 +504,13 @@ def _decide_on_rank_zero(args: argparse.Namespace) -> tuple[Any, str | None]:
 def _callbacks(cfg: Config, run_dir: Path, changes: dict[str, Any]) -> list[Callback]:
     """The command's callbacks: the config's defaults, recording config.yaml, the resumed
     run's optimizer overrides, the control server."""
-    from hookloop.app.resume_config import OptimizerOverrides
+    from hookloop.app.resume_config import LIVE_ON_RESUME, OptimizerOverrides, recorded_config
     from hookloop.callbacks.defaults import default_callbacks
 
     callbacks = default_callbacks(cfg, run_dir)
-    callbacks.append(_RecordConfig(RunDir(run_dir).config, cfg, replace=bool(changes)))
+    rewritten = any(k not in LIVE_ON_RESUME for k in changes)  # live keys: changes.jsonl
+    recorded = recorded_config(cfg, changes)
+    callbacks.append(_RecordConfig(RunDir(run_dir).config, recorded, replace=rewritten))
     optimizer_changes = {k: new for k, (_, new) in changes.items() if k.startswith("optimizer.")}
     if optimizer_changes:
         callbacks.append(OptimizerOverrides(optimizer_changes))

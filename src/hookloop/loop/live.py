@@ -537,9 +537,9 @@ class LiveSettings:
         if rank_info()[2] > 1:
             records = broadcast_object(records)
         done = {r["id"] for r in self.history}
-        step, planned = self.progress.step, 0
+        step, planned, now = self.progress.step, 0, {}
         for record in records or ():
-            if record["id"] in done or record["step"] <= step:
+            if record["id"] in done or record["step"] < step:
                 continue
             entry = {
                 "values": record["values"],
@@ -547,8 +547,12 @@ class LiveSettings:
                 "replay": own,
                 "recorded": str(source.changes),
             }
-            self.control.request_later(record["step"], "set", **{record["id"]: entry})
+            if record["step"] == step:  # made after the restored checkpoint was written
+                now[record["id"]] = entry
+            else:
+                self.control.request_later(record["step"], "set", **{record["id"]: entry})
             planned += 1
+        self.apply(now)
         return planned
 
     def _replayable(self, source: RunDir) -> list[dict[str, Any]]:

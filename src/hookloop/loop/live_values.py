@@ -167,7 +167,9 @@ def check_groups(groups: list[dict[str, Any]], peaks: list[float]) -> None:
             value = peaks[index] if key == "lr" else group.get(key)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue  # absent, or a tensor rate: the optimizer's own business
-            name = key if len(groups) == 1 else f"{key}@{index}"
+            same = all((peaks[i] if key == "lr" else g.get(key)) == value
+                       for i, g in enumerate(groups))  # fmt: skip
+            name = key if same else f"{key}@{index}"
             if math.isnan(value):
                 raise SettingError(f"{name}={value!r} is out of range: allowed {allowed}")
             at_most(name, float(value), allowed, dtype)
