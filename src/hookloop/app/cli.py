@@ -46,13 +46,7 @@ from hookloop.app.failures import error_line, is_refusal, one_line
 from hookloop.callback import Callback
 from hookloop.errors import ConfigError
 from hookloop.result import ExitCode, TrainResult, reason_without_step
-from hookloop.rundir import (
-    LOCK_FILE,
-    RunDir,
-    enclosing_run,
-    is_checkpoint,
-    is_checkpoints_folder,
-)
+from hookloop.rundir import RunDir, enclosing_run, is_checkpoint, is_checkpoints_folder
 
 if TYPE_CHECKING:
     from hookloop.config import Config
@@ -411,16 +405,16 @@ def _signals_during_startup() -> Iterator[None]:
             signal.signal(s, handler)
 
 
-def _remove_failed_start(run_dir: Path) -> None:
-    """A run directory this command created: removed when it holds nothing a user may want
-    (only empty files and folders: a start refused before training began); otherwise kept,
-    and said where on stderr."""
-    files = [p for p in Path(run_dir).rglob("*") if p.is_file() and p.name != LOCK_FILE]
-    if not any(p.stat().st_size for p in files):
+def _remove_failed_start(run_dir: Path, steps: int) -> None:
+    """A run directory this command created: removed when the run trained no step and
+    recorded no change (what is there is what the command wrote as it started: its
+    config, a start record); otherwise kept, and said where on stderr."""
+    changes = RunDir(run_dir).changes
+    if steps == 0 and not (changes.is_file() and changes.stat().st_size):
         shutil.rmtree(run_dir, ignore_errors=True)
         return
     print(
-        f"hookloop train: the run failed; what it wrote is kept in {run_dir} "
+        f"hookloop train: the run failed at step {steps}; what it wrote is kept in {run_dir} "
         "(metrics.jsonl, progress.txt, changes.jsonl, tb/)",
         file=sys.stderr,
     )
@@ -444,6 +438,7 @@ def _train(args: argparse.Namespace) -> int:
     run_dir, cfg, changes, created = prepared
     if rank == 0:
         print(f"hookloop: recipe {cfg.recipe}, run directory {run_dir}", file=sys.stderr)
+    trainer = None
     try:
         callbacks = _callbacks(cfg, run_dir, changes)
         with _signals_during_startup():  # train() installs its own handlers as it starts
@@ -456,7 +451,7 @@ def _train(args: argparse.Namespace) -> int:
         result = trainer.train()
     except _StartupSignal as stop:
         if created and rank == 0:
-            _remove_failed_start(run_dir)
+            _remove_failed_start(run_dir, 0)
         print(
             f"hookloop train: {signal.Signals(stop.signum).name} during start-up, before "
             "training began: nothing to save, nothing saved",
@@ -465,7 +460,7 @@ def _train(args: argparse.Namespace) -> int:
         return 128 + stop.signum
     except BaseException:
         if created and rank == 0:
-            _remove_failed_start(run_dir)
+            _remove_failed_start(run_dir, trainer.state.step if trainer is not None else 0)
         if joined:
             leave_process_group(wait=False)
         raise
