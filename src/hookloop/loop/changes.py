@@ -58,11 +58,12 @@ def read_replayable(path: Path, skip: Collection[str] = (), *, warn: bool = True
     try:
         legacy = check_chain(path, records, CHAIN_SEED, skip=lambda r: r["id"] in skip)
     except ChainError as err:
-        what = describe(err.record)
-        raise ConfigError(
-            f"{err.path}:{err.line}: change {what}: {err.problem}; "
-            f"{_how_to_go_on(path, err.record['id'])}"
-        ) from None
+        what, ident = describe(err.record), err.record["id"]
+        if err.problem.startswith("it repeats"):  # --skip-change would drop the original too
+            how = f"to go on, delete line {err.line} of {path.name} (a copy)"
+        else:
+            how = _how_to_go_on(path, ident)
+        raise ConfigError(f"{err.path}:{err.line}: change {what}: {err.problem}; {how}") from None
     if legacy and warn:
         print(
             f"hookloop: warning: {path}: {legacy} record(s) written before change records "

@@ -541,6 +541,7 @@ class LiveSettings:
         for record in records or ():
             if record["id"] in done or record["step"] < step:
                 continue
+            self._check_recorded(record, source)
             entry = {
                 "values": record["values"],
                 "client": record.get("client") or "unknown",
@@ -557,19 +558,22 @@ class LiveSettings:
 
     def _replayable(self, source: RunDir) -> list[dict[str, Any]]:
         """The records of ``source`` a replay may apply (chain checked, ``--skip-change``
-        ids left out, each value within its key's range), or a one-line ConfigError."""
-        records = read_replayable(source.changes, self.skip_changes)
-        for record in records:
-            for key, value in record["values"].items():
-                check = OPTIMIZER_CHECKS.get(key.split("@")[0])
-                try:
-                    positive(key, value) if key == "lr_scale" else check and check(key, value)
-                except SettingError as err:
-                    raise ConfigError(
-                        f"{source.changes}: change {describe(record)} cannot be applied: "
-                        f"{err}; to go on without it, add --skip-change {record['id']}"
-                    ) from None
-        return records
+        ids left out), or a one-line ConfigError naming the first that is not."""
+        return read_replayable(source.changes, self.skip_changes)
+
+    @staticmethod
+    def _check_recorded(record: dict[str, Any], source: RunDir) -> None:
+        """Each value of a record to replay within its key's range, checked before any
+        step is trained (a one-line ConfigError naming the record and ``--skip-change``)."""
+        for key, value in record["values"].items():
+            check = OPTIMIZER_CHECKS.get(key.split("@")[0])
+            try:
+                positive(key, value) if key == "lr_scale" else check and check(key, value)
+            except SettingError as err:
+                raise ConfigError(
+                    f"{source.changes}: change {describe(record)} cannot be applied: "
+                    f"{err}; to go on without it, add --skip-change {record['id']}"
+                ) from None
 
     def _set_aside(self) -> None:
         """A former run's ``changes.jsonl`` becomes ``changes-<time>.jsonl`` (rank 0)."""
