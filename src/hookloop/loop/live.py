@@ -17,12 +17,10 @@ request and, at the end of the step it was agreed at, on every rank,
 4. fires ``on_settings_change`` with ``ctx.changes`` (the loggers write it into
    ``metrics.jsonl``, TensorBoard and ``progress.txt``).
 
-If step 2 or 3 fails (a value the optimizer cannot take, a full disk), the old values
-are put back (the param groups and the schedule's peaks as they were) and the ``set``
-is refused: nothing is recorded, the reason is one line on stderr, in
-:attr:`LiveSettings.refused` (``GET .../status``) and in the control server's reply.
-A change replayed from ``changes.jsonl`` that fails stops the run with one line naming
-the record and ``--skip-change ID``.
+If step 2 or 3 fails (a value the optimizer cannot take, a full disk), the old values are
+put back and the ``set`` refused: nothing recorded, the reason one line on stderr, in
+:attr:`LiveSettings.refused` and in the control server's reply. A change replayed from
+``changes.jsonl`` that fails stops the run in one line naming it and ``--skip-change ID``.
 
 What can change (:meth:`LiveSettings.settable` lists a run's own):
 
@@ -49,8 +47,7 @@ hold itself). A resume restores them, then re-applies every record of
 steered run killed at any moment and resumed ends on the same weights, bit for bit,
 as if it had never stopped. ``hookloop train --replay RUN`` replays a finished run's
 changes from scratch. Before replaying, the file's chain is checked
-(:func:`~hookloop.loop.changes.read_replayable`): a record added or edited by hand is
-refused by name.
+(:func:`~hookloop.loop.changes.read_replayable`): a record edited by hand is refused.
 """
 
 from __future__ import annotations
