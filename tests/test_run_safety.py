@@ -418,30 +418,81 @@ def test_a_resume_override_is_a_recorded_change_that_replay_reproduces(tmp_path)
 # -- the control server's answer ---------------------------------------------------------------
 
 
+GUARDED_RECIPE = """
+import time
+from hookloop import Callback
+from hookloop.recipes import Recipe, default_config, get_recipe
+
+
+class Guard(Callback):
+    settable = ("limit",)
+
+    def __init__(self):
+        self._limit = 1.0
+
+    @property
+    def limit(self):
+        return self._limit
+
+    @limit.setter
+    def limit(self, value):
+        if value > 1.5:
+            raise RuntimeError("limit cannot go above 1.5")
+        self._limit = value
+
+    def on_train_step_end(self, ctx):
+        time.sleep(0.05)
+
+
+def _config():
+    cfg = default_config("mlp-regression")
+    cfg.recipe = "guarded_recipe:RECIPE"
+    return cfg
+
+
+def _build(cfg):
+    parts = get_recipe("mlp-regression").build(cfg)
+    parts.callbacks.append(Guard())
+    return parts
+
+
+RECIPE = Recipe("guarded", "mlp-regression with a setting that refuses values", _config, _build)
+"""
+
+
 def test_a_set_is_answered_applied_or_refused_with_its_reason(tmp_path, capsys):
     """Before: every set the server could parse was answered 'filed' (200), whether or not
-    the loop then applied it; lr=1e39 was filed, and the job died at its next step."""
+    the loop then applied it: lr=1e39 was filed and the job died at its next step; a set
+    whose setter failed was recorded and half-applied."""
     from test_live_settings import _cli, _client, _wait
 
+    (tmp_path / "guarded_recipe.py").write_text(GUARDED_RECIPE)
     jobs = tmp_path / "jobs"
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
-    env.update(HOOKLOOP_JOBS_DIR=str(jobs), OMP_NUM_THREADS="1", STEER_SLEEP="0.05")
-    argv = ["train", "--recipe", "_steer_recipe:RECIPE", "--out", str(tmp_path / "run"),
+    path = os.pathsep.join(p for p in (str(tmp_path), env.get("PYTHONPATH")) if p)
+    env.update(HOOKLOOP_JOBS_DIR=str(jobs), OMP_NUM_THREADS="1", PYTHONPATH=path)
+    argv = ["train", "--recipe", "guarded_recipe:RECIPE", "--out", str(tmp_path / "run"),
             "train.max_steps=100000", "logging.progress=false", "callbacks.info=false"]  # fmt: skip
     job = _cli(argv, env)
     try:
         client = _client(jobs, job.pid)
         _wait(client, lambda s: s["step"] >= 2, "step 2")
         ctl = ["ctl", "--jobs-dir", str(jobs), "set", client.job_id]
-        assert main([*ctl, "lr=1e39"]) == 2
+        assert main([*ctl, "lr=1e39"]) == 2  # checked before it is filed: HTTP 400
         assert "lr=1e+39 is out of range: allowed (0, 1000]" in capsys.readouterr().err
         assert main([*ctl, "lr=0.02"]) == 0
         assert "set applied at the end of step" in capsys.readouterr().out
+        assert main([*ctl, "lr=0.03", "Guard.limit=2.0"]) == 1  # refused as applied: 409
+        err = capsys.readouterr().err
+        assert "set refused at step" in err and "limit cannot go above 1.5" in err
         status = client.status()
-        assert status["settings"]["lr"] == 0.02 and status["refused"] == []
+        assert status["settings"]["lr"] == 0.02 and status["settings"]["Guard.limit"] == 1.0
+        assert [r["applied"] for r in status["refused"]] == [False]
+        assert [r["values"] for r in status["changes"]] == [{"lr": 0.02}]
         assert main(["ctl", "--jobs-dir", str(jobs), client.job_id, "abort"]) == 0
         job.wait(60)
     finally:
         if job.poll() is None:
             job.kill()
             job.wait(30)
+    assert [r["values"] for r in read_changes(tmp_path / "run" / "changes.jsonl")] == [{"lr": 0.02}]
