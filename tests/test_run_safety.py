@@ -496,3 +496,22 @@ def test_a_set_is_answered_applied_or_refused_with_its_reason(tmp_path, capsys):
             job.kill()
             job.wait(30)
     assert [r["values"] for r in read_changes(tmp_path / "run" / "changes.jsonl")] == [{"lr": 0.02}]
+
+
+def test_a_resume_override_with_no_checkpoint_to_restore_is_config_not_a_change(trained, tmp_path):
+    """A resume that finds no checkpoint trains from step 0 with the command line's values:
+    they are what config.yaml records, and no change is recorded."""
+    import shutil
+
+    run = _copy(trained, tmp_path / "run")
+    shutil.rmtree(run / "checkpoints")
+    code, _, err = _run(["train", "--out", run, "--resume", "auto", "optimizer.lr=0.04", *QUIET])
+    assert code == 0, err
+    assert "lr: 0.04" in (run / "config.yaml").read_text()
+    assert not (run / "changes.jsonl").exists()
+
+
+def test_skip_change_without_a_resume_or_replay_is_refused(tmp_path):
+    code, _, err = _run(["train", *MLP, "--out", tmp_path / "run", "--skip-change", "1", *QUIET])
+    assert code == 2 and "--skip-change leaves out a recorded change" in _error_line(err)
+    assert not (tmp_path / "run").exists()

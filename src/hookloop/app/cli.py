@@ -261,6 +261,8 @@ def _prepare(args: argparse.Namespace) -> tuple[Path, Config, dict[str, Any], bo
     from hookloop.recipes import resolve_config
 
     changes: dict[str, Any] = {}
+    if args.skip_change and args.resume is None and args.replay is None:
+        raise ConfigError("--skip-change leaves out a recorded change: give --resume or --replay")
     if args.replay is not None:
         _check_replay(args)
     if args.config is not None and not Path(args.config).is_file():
@@ -364,20 +366,31 @@ def _check_replay(args: argparse.Namespace) -> None:
 
 class _RecordConfig(Callback):
     """Writes config.yaml, what the run runs with, once training has started (so a start
-    that fails changes nothing) and atomically (so a crash leaves the old one whole)."""
+    that fails changes nothing) and atomically (so a crash leaves the old one whole).
+
+    A resume that restored a checkpoint writes ``resumed`` instead (when ``replace_resumed``):
+    the command line's live optimizer keys are then recorded changes, not config (see
+    :func:`hookloop.app.resume_config.recorded_config`)."""
 
     priority = 0
 
-    def __init__(self, path: Path, cfg: Config, *, replace: bool) -> None:
+    def __init__(
+        self, path: Path, cfg: Config, *, replace: bool, resumed: Config, replace_resumed: bool
+    ) -> None:
         self.path, self.cfg, self.replace = path, cfg, replace
+        self.resumed, self.replace_resumed = resumed, replace_resumed
 
     def on_train_start(self, ctx: CallbackContext) -> None:
-        if not ctx.state.is_rank_zero or (self.path.exists() and not self.replace):
+        restored = ctx.run.resumed_from is not None
+        replace, cfg = (
+            (self.replace_resumed, self.resumed) if restored else (self.replace, self.cfg)
+        )
+        if not ctx.state.is_rank_zero or (self.path.exists() and not replace):
             return
         staging = self.path.with_name(f".{self.path.name}.tmp")
         from hookloop.config import dump_yaml
 
-        staging.write_text(dump_yaml(self.cfg.to_dict()))
+        staging.write_text(dump_yaml(cfg.to_dict()))
         os.replace(staging, self.path)
 
 
@@ -504,8 +517,11 @@ def _callbacks(cfg: Config, run_dir: Path, changes: dict[str, Any]) -> list[Call
 
     callbacks = default_callbacks(cfg, run_dir)
     rewritten = any(k not in LIVE_ON_RESUME for k in changes)  # live keys: changes.jsonl
-    recorded = recorded_config(cfg, changes)
-    callbacks.append(_RecordConfig(RunDir(run_dir).config, recorded, replace=rewritten))
+    resumed = recorded_config(cfg, changes)
+    path = RunDir(run_dir).config
+    callbacks.append(
+        _RecordConfig(path, cfg, replace=bool(changes), resumed=resumed, replace_resumed=rewritten)
+    )
     optimizer_changes = {k: new for k, (_, new) in changes.items() if k.startswith("optimizer.")}
     if optimizer_changes:
         callbacks.append(OptimizerOverrides(optimizer_changes))
