@@ -142,12 +142,7 @@ class Journal:
             self._undo(start)
             if err.errno not in DISK_FULL:
                 raise
-            raise JournalWriteError(
-                err.errno,
-                f"{self.path}: the disk is full ({os.strerror(err.errno)}); this record was "
-                f"not written, the {self.path.name} records before it are intact",
-                str(self.path),
-            ) from err
+            raise self._disk_full(err, "this record was not written") from err
         if self.chain is not None:
             self._head = written["hash"]
         return written
@@ -161,12 +156,26 @@ class Journal:
         with contextlib.suppress(OSError):  # if it fails, the next append cuts a torn line
             os.truncate(self.path, start)
 
+    def _disk_full(self, err: OSError, lost: str) -> JournalWriteError:
+        return JournalWriteError(
+            err.errno,
+            f"{self.path}: the disk is full ({os.strerror(err.errno or 0)}); {lost}, the "
+            f"{self.path.name} records before it are intact",
+            str(self.path),
+        )
+
     def sync(self, durable: bool = False) -> None:
         """Hand what was appended to the OS (readers see it); ``durable``: to the disk."""
-        if self._file is not None:
+        if self._file is None:
+            return
+        try:
             self._file.flush()
             if durable:
                 os.fsync(self._file.fileno())
+        except OSError as err:
+            if err.errno not in DISK_FULL:
+                raise
+            raise self._disk_full(err, "the records of this batch may be cut short") from err
 
     def offset(self) -> int:
         """The file's length once flushed: what a checkpoint keeps to :meth:`cut` back to."""
