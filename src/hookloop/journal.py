@@ -297,7 +297,7 @@ def check_chain(
     duplicated by hand. A record ``skip`` accepts is not checked: the chain goes on from
     the hash it claims, or, if it has none, from the record before it."""
     legacy = next((i for i, r in enumerate(records) if "prev" in r), len(records))
-    heads, seen = {chain_start(seed)}, set()  # the first chained record follows the start
+    heads, seen = {chain_start(seed)}, set[str]()  # the first chained record follows the start
     for index, record in enumerate(records[legacy:], legacy + 1):
         claimed = record.get("hash")
         if skip(record):
@@ -306,7 +306,8 @@ def check_chain(
         problem = _link_problem(record, heads, seen)
         if problem is not None:
             raise ChainError(Path(path), index, record, problem)
-        heads, seen = {claimed}, seen | {claimed}
+        heads = {claimed}
+        seen.add(claimed)
     return legacy
 
 
