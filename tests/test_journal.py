@@ -102,3 +102,23 @@ def test_a_run_started_on_a_torn_metrics_file_keeps_every_whole_record(tmp_path,
     kinds = [r["kind"] for r in read_records(metrics)]
     assert kinds[0] == "train" and kinds[1] == "start" and kinds[-1] == "end"
     assert all(line.startswith("{") for line in metrics.read_text().splitlines())
+
+
+def test_a_chained_journal_links_each_record_to_the_one_before_across_reopens(tmp_path):
+    from hookloop.journal import ChainError, chain_start, check_chain
+
+    path = tmp_path / "outer.jsonl"
+    for value in (1, 2):  # a journal per append, as a process that restarts would
+        journal = Journal(path, fsync=True, chain="outer")
+        written = journal.append({"value": value})
+        journal.close()
+    records = read_records(path)
+    assert records[0]["prev"] == chain_start("outer") and written == records[1]
+    assert records[1]["prev"] == records[0]["hash"]
+    assert check_chain(path, records, "outer") == 0
+    with pytest.raises(ChainError, match=r"outer\.jsonl:1: it does not follow"):
+        check_chain(path, records, "another journal")  # the seed is part of the chain
+    forged = [*records, {"value": 3}]
+    with pytest.raises(ChainError, match=r"outer\.jsonl:3: it carries no chain hash"):
+        check_chain(path, forged, "outer")
+    assert check_chain(path, forged, "outer", skip=lambda r: r["value"] == 3) == 0

@@ -25,6 +25,7 @@ from hookloop import CallbackManager, ExitCode
 from hookloop.app.cli import main
 from hookloop.app.runs import list_runs
 from hookloop.callbacks import read_jsonl
+from hookloop.loop.changes import read_changes
 from hookloop.runlock import RunDirLocked, run_lock
 
 QUIET = ("logging.progress=false", *SERVICES_OFF)
@@ -498,7 +499,15 @@ def test_resume_reads_the_runs_config_and_command_line_optimizer_values_win(trai
         if record.get("kind") == "train" and record["step"] > 4:
             logged.append(record["lr"])
     assert logged == [0.5, 0.5]
-    assert "lr: 0.5" in (copy / "config.yaml").read_text()
+    # config.yaml keeps the lr the run started with; the override is a recorded change at
+    # the resumed step, so that --replay reproduces it
+    assert "lr: 0.05" in (copy / "config.yaml").read_text()
+    (override,) = read_changes(copy / "changes.jsonl")
+    assert (override["step"], override["values"], override["client"]) == (
+        4,
+        {"lr": 0.5},
+        "resume-override",
+    )
 
 
 def test_overrides_are_accepted_after_options(tmp_path):
@@ -536,7 +545,7 @@ def test_a_run_that_skipped_most_of_its_steps_failed(make_trainer, tmp_path):
 
 def test_a_nan_stop_exits_4_and_shows_as_failed_in_hookloop_runs(tmp_path):
     run = tmp_path / "run"
-    argv = ["train", *MLP, "--out", run, "train.max_steps=20", "optimizer.lr=1e30", *QUIET]
+    argv = ["train", *MLP, "--out", run, "train.max_steps=20", "optimizer.lr=1e3", *QUIET]
     code, out, err = _run(argv)  # the loss overflows to NaN within a few steps
     assert code == ExitCode.FAILED == 4, err
     assert "NaNDetection: non-finite loss" in out  # the result line, on stdout

@@ -1,7 +1,7 @@
 """The ``hookloop`` command.
 
 hookloop train [--recipe NAME] [--config FILE] [--out DIR] [--resume auto|PATH] [--replay RUN]
-               [KEY=VALUE ...]
+               [--skip-change ID ...] [KEY=VALUE ...]
 hookloop recipes
 hookloop config [--recipe NAME]
 hookloop plot RUN_DIR... [--out FILE] [--log-scale]
@@ -19,6 +19,11 @@ process holds, argparse's own refusals) is one line on stderr and exit code 2. A
 is the user's code failing (the model, the loss, the data, a callback, a recipe) or a bug:
 its traceback, exit code 1. What the machine could not do (a full disk, out of memory) is
 one line and exit code 1. ``HOOKLOOP_DEBUG=1`` shows the traceback of a one-line error too.
+
+A run directory that holds anything a user may want (a log line, a checkpoint, a recorded
+change) is never removed: a run that fails keeps it and says so on stderr. Only a
+directory this command created and left with nothing in it but empty files (a start
+refused before training began) is removed.
 """
 
 from __future__ import annotations
@@ -164,6 +169,14 @@ def add_train_command(subparsers: Any) -> argparse.ArgumentParser:
         "(changes.jsonl) applied at the steps they were applied at",
     )
     train.add_argument(
+        "--skip-change",
+        metavar="ID",
+        action="append",
+        default=[],
+        help="with --resume or --replay: leave out the changes.jsonl record ID (repeatable); "
+        "for a record the run cannot apply or that was not written by hookloop",
+    )
+    train.add_argument(
         "--allow-restart",
         action="store_true",
         help="with --resume auto: start over when every checkpoint is damaged (default: refuse)",
@@ -248,6 +261,8 @@ def _prepare(args: argparse.Namespace) -> tuple[Path, Config, dict[str, Any], bo
     from hookloop.recipes import resolve_config
 
     changes: dict[str, Any] = {}
+    if args.skip_change and args.resume is None and args.replay is None:
+        raise ConfigError("--skip-change leaves out a recorded change: give --resume or --replay")
     if args.replay is not None:
         _check_replay(args)
     if args.config is not None and not Path(args.config).is_file():
@@ -325,7 +340,7 @@ def _latest_intact_step(run_dir: Path) -> int | None:
 def _check_replay(args: argparse.Namespace) -> None:
     """``--replay RUN``: a run directory with a config.yaml (the config to train with unless
     --config names another) and a readable changes.jsonl; never combined with --resume."""
-    from hookloop.loop.live import read_changes
+    from hookloop.loop.changes import read_replayable
 
     if args.resume is not None:
         raise ConfigError("--replay trains from scratch; it cannot be combined with --resume")
@@ -337,7 +352,7 @@ def _check_replay(args: argparse.Namespace) -> None:
     if args.out is not None and Path(args.out).resolve() == source.root.resolve():
         raise ConfigError("--replay writes a new run: give --out a directory other than RUN")
     try:
-        records = read_changes(source.changes)
+        records = read_replayable(source.changes, args.skip_change, warn=False)
     except (ValueError, OSError) as err:
         raise ConfigError(f"--replay {args.replay}: {err}") from None
     if args.config is None:
@@ -351,20 +366,31 @@ def _check_replay(args: argparse.Namespace) -> None:
 
 class _RecordConfig(Callback):
     """Writes config.yaml, what the run runs with, once training has started (so a start
-    that fails changes nothing) and atomically (so a crash leaves the old one whole)."""
+    that fails changes nothing) and atomically (so a crash leaves the old one whole).
+
+    A resume that restored a checkpoint writes ``resumed`` instead (when ``replace_resumed``):
+    the command line's live optimizer keys are then recorded changes, not config (see
+    :func:`hookloop.app.resume_config.recorded_config`)."""
 
     priority = 0
 
-    def __init__(self, path: Path, cfg: Config, *, replace: bool) -> None:
+    def __init__(
+        self, path: Path, cfg: Config, *, replace: bool, resumed: Config, replace_resumed: bool
+    ) -> None:
         self.path, self.cfg, self.replace = path, cfg, replace
+        self.resumed, self.replace_resumed = resumed, replace_resumed
 
     def on_train_start(self, ctx: CallbackContext) -> None:
-        if not ctx.state.is_rank_zero or (self.path.exists() and not self.replace):
+        restored = ctx.run.resumed_from is not None
+        replace, cfg = (
+            (self.replace_resumed, self.resumed) if restored else (self.replace, self.cfg)
+        )
+        if not ctx.state.is_rank_zero or (self.path.exists() and not replace):
             return
         staging = self.path.with_name(f".{self.path.name}.tmp")
         from hookloop.config import dump_yaml
 
-        staging.write_text(dump_yaml(self.cfg.to_dict()))
+        staging.write_text(dump_yaml(cfg.to_dict()))
         os.replace(staging, self.path)
 
 
@@ -392,11 +418,19 @@ def _signals_during_startup() -> Iterator[None]:
             signal.signal(s, handler)
 
 
-def _remove_failed_start(run_dir: Path) -> None:
-    """A run directory this command created, left with no checkpoint: remove it all."""
-    run = RunDir(run_dir)
-    if not (run.checkpoints.is_dir() and any(run.checkpoints.iterdir())):
+def _remove_failed_start(run_dir: Path, steps: int) -> None:
+    """A run directory this command created: removed when the run trained no step and
+    recorded no change (what is there is what the command wrote as it started: its
+    config, a start record); otherwise kept, and said where on stderr."""
+    changes = RunDir(run_dir).changes
+    if steps == 0 and not (changes.is_file() and changes.stat().st_size):
         shutil.rmtree(run_dir, ignore_errors=True)
+        return
+    print(
+        f"hookloop train: the run failed at step {steps}; what it wrote is kept in {run_dir} "
+        "(metrics.jsonl, progress.txt, changes.jsonl, tb/)",
+        file=sys.stderr,
+    )
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -417,18 +451,20 @@ def _train(args: argparse.Namespace) -> int:
     run_dir, cfg, changes, created = prepared
     if rank == 0:
         print(f"hookloop: recipe {cfg.recipe}, run directory {run_dir}", file=sys.stderr)
+    trainer = None
     try:
         callbacks = _callbacks(cfg, run_dir, changes)
         with _signals_during_startup():  # train() installs its own handlers as it starts
             trainer = build_trainer(cfg, callbacks=callbacks, out_dir=run_dir, resume=args.resume)
         if args.replay is not None:
             trainer.parts.live.replay_from = RunDir(args.replay)
+        trainer.parts.live.skip_changes = set(args.skip_change)
         if cfg.callbacks.profile:  # callbacks.profile=true: time every handler of this run
             trainer.callbacks.profile()
         result = trainer.train()
     except _StartupSignal as stop:
         if created and rank == 0:
-            _remove_failed_start(run_dir)
+            _remove_failed_start(run_dir, 0)
         print(
             f"hookloop train: {signal.Signals(stop.signum).name} during start-up, before "
             "training began: nothing to save, nothing saved",
@@ -437,7 +473,7 @@ def _train(args: argparse.Namespace) -> int:
         return 128 + stop.signum
     except BaseException:
         if created and rank == 0:
-            _remove_failed_start(run_dir)
+            _remove_failed_start(run_dir, trainer.state.step if trainer is not None else 0)
         if joined:
             leave_process_group(wait=False)
         raise
@@ -476,11 +512,16 @@ def _decide_on_rank_zero(args: argparse.Namespace) -> tuple[Any, str | None]:
 def _callbacks(cfg: Config, run_dir: Path, changes: dict[str, Any]) -> list[Callback]:
     """The command's callbacks: the config's defaults, recording config.yaml, the resumed
     run's optimizer overrides, the control server."""
-    from hookloop.app.resume_config import OptimizerOverrides
+    from hookloop.app.resume_config import LIVE_ON_RESUME, OptimizerOverrides, recorded_config
     from hookloop.callbacks.defaults import default_callbacks
 
     callbacks = default_callbacks(cfg, run_dir)
-    callbacks.append(_RecordConfig(RunDir(run_dir).config, cfg, replace=bool(changes)))
+    rewritten = any(k not in LIVE_ON_RESUME for k in changes)  # live keys: changes.jsonl
+    resumed = recorded_config(cfg, changes)
+    path = RunDir(run_dir).config
+    callbacks.append(
+        _RecordConfig(path, cfg, replace=bool(changes), resumed=resumed, replace_resumed=rewritten)
+    )
     optimizer_changes = {k: new for k, (_, new) in changes.items() if k.startswith("optimizer.")}
     if optimizer_changes:
         callbacks.append(OptimizerOverrides(optimizer_changes))

@@ -10,7 +10,9 @@ on the command line win over the restored optimizer state (the run says so).
 
 from __future__ import annotations
 
+import copy
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -122,26 +124,61 @@ def _norm(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
+#: Config keys a resume's command line changes as a recorded live change (``set``).
+LIVE_ON_RESUME = {f"optimizer.{k}": k for k in ("lr", "weight_decay", "betas", "eps", "momentum")}
+#: The client of a change a resume's command line made.
+RESUME_CLIENT = "resume-override"
+
+
+def live_overrides(changes: dict[str, tuple[Any, Any]]) -> dict[str, Any]:
+    """The resume's changes of live keys, as ``set`` values (``{"lr": 0.04}``)."""
+    return {LIVE_ON_RESUME[k]: new for k, (_, new) in changes.items() if k in LIVE_ON_RESUME}
+
+
+def recorded_config(cfg: Config, changes: dict[str, tuple[Any, Any]]) -> Config:
+    """The config to write to config.yaml: ``cfg`` with each live key a resume changed
+    back at its saved value (the change is a record in changes.jsonl instead, so that
+    ``--replay`` starts where the run started and applies it at the step it was made)."""
+    recorded = copy.deepcopy(cfg)
+    for key, (old, _) in changes.items():
+        if key in LIVE_ON_RESUME:
+            section, name = key.split(".")
+            value = tuple(old) if isinstance(old, list) else old
+            setattr(getattr(recorded, section), name, value)
+    return recorded
+
+
 class OptimizerOverrides(Callback):
     """After the checkpoint is restored, apply the optimizer hyperparameters the command changed.
 
-    The restored optimizer state would otherwise keep the saved values while
-    config.yaml records the new ones. A new ``lr`` moves the running schedule's peak
-    as a live ``set lr=`` does (:func:`hookloop.optim.move_lr_peak`), so the
-    schedule continues from the new peak.
+    The restored optimizer state would otherwise keep the saved values. The live keys
+    (:data:`LIVE_ON_RESUME`) are applied as a live ``set`` at the restored step, with
+    client ``resume-override``: checked like one (a value out of range is refused in
+    one line), recorded in changes.jsonl, and so replayed by ``--replay``. A new ``lr``
+    moves the running schedule's peak as a live ``set lr=`` does, so the schedule
+    continues from the new peak. Any other ``optimizer.*`` key is set in every group
+    that has it.
     """
 
     priority = 0
 
     def __init__(self, changes: dict[str, Any]) -> None:
         self.changes = {k.split(".", 1)[1]: v for k, v in changes.items()}
+        self.live = {k: v for k, v in self.changes.items() if f"optimizer.{k}" in LIVE_ON_RESUME}
+        self.ident = f"{time.time_ns():020d}"
+        self.recorded = False  # a rewind to before it re-applies it, not re-records it
 
     def on_checkpoint_load(self, ctx: CallbackContext) -> None:
         optimizer, scheduler = ctx.optimizer, ctx.scheduler
         if optimizer is None:
             return
+        recorded = self.live if ctx.settings is not None else {}
+        if recorded:
+            self._set(ctx.settings)
         for key, value in self.changes.items():
             for i, group in enumerate(optimizer.param_groups):
+                if key in recorded:
+                    break  # set above, as a recorded change
                 if key == "lr":
                     move_lr_peak(optimizer, scheduler, i, float(value))
                 elif key in group:
@@ -152,3 +189,19 @@ class OptimizerOverrides(Callback):
                     "overrides the restored optimizer state",
                     file=sys.stderr,
                 )
+
+    def _set(self, live: Any) -> None:
+        """Apply :attr:`live` as one recorded ``set`` (once; again, unrecorded, after a
+        rewind to before it), or refuse the command line in one line."""
+        if any(r.get("id") == self.ident for r in live.history):
+            return
+        try:
+            live.check(self.live)
+        except ValueError as err:
+            raise ConfigError(f"resume: optimizer.* on the command line: {err}") from None
+        entry = {"values": self.live, "client": RESUME_CLIENT, "replay": self.recorded}
+        live.apply({self.ident: entry})
+        if not any(r.get("id") == self.ident for r in live.history):
+            reason = live.refused[-1]["reason"] if live.refused else "refused"
+            raise ConfigError(f"resume: optimizer.* on the command line: {reason}")
+        self.recorded = True

@@ -128,11 +128,21 @@ class LiveJob:
         self, command: str, values: dict[str, Any] | None = None, client: str = "unknown"
     ) -> int:
         """File ``command`` on the loop's Control; returns the step it was filed at."""
-        snap, control, state = self.snapshot, self.control, self.state
         spec = SERVER_COMMANDS[command]
         if spec.needs == "live settings":
             values = self.checked_settings(values or {}, client)
-        requests = spec.requests(values or {})
+        return self._file(command, values or {})
+
+    def file_set(self, values: dict[str, Any], client: str) -> tuple[int, str]:
+        """File a ``set``; returns the step it was filed at and its id (what
+        ``settings.outcome(id, timeout)`` reports on once the loop has applied it)."""
+        request = self.checked_settings(values, client)
+        return self._file("set", request), next(iter(request))
+
+    def _file(self, command: str, values: dict[str, Any]) -> int:
+        snap, control, state = self.snapshot, self.control, self.state
+        spec = SERVER_COMMANDS[command]
+        requests = spec.requests(values)
         if not requests:  # Forgather's "status": nothing to file, whatever the phase
             return state.step if state is not None else 0
         if control is None or state is None or snap.phase not in ("training", "evaluating"):
@@ -212,6 +222,8 @@ class LiveJob:
                 # the values `set` can change now, and the changes applied so far
                 "settings": self.settings.values() if self.settings is not None else None,
                 "changes": list(self.settings.history[-20:]) if self.settings is not None else [],
+                # the `set`s refused when the loop applied them (with why), newest last
+                "refused": list(self.settings.refused[-20:]) if self.settings is not None else [],
                 "history_seq": snap.seq,
                 "recent_commands": list(snap.filed),
                 "can_save": self.can_save,

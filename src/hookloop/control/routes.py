@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from hookloop.control.commands import COMMANDS, client_of, parse_request
+from hookloop.control.commands import COMMANDS, CommandError, client_of, parse_request
 from hookloop.control.job import LiveJob
 from hookloop.control.service import (
     Gate,
@@ -32,6 +32,8 @@ ROUTES = (
 )
 #: What ``GET /jobs`` tells a client without the token: the fields Forgather's client reads.
 PUBLIC_JOB_FIELDS = ("job_id", "host", "port", "pid", "started_at")
+#: How long the reply to a ``set`` waits for the loop to apply it (the end of the step).
+SET_WAIT_S = 10.0
 #: Largest request body read; bigger ones get 413 without being parsed.
 MAX_BODY = 16 * 1024
 #: What a request without the right token is told (401).
@@ -142,11 +144,41 @@ class ControlRoutes:
         records, last = self.job.snapshot.since(after)
         return json_reply({"job_id": self.job.job_id, "last_seq": last, "records": records})
 
+    async def _set(self, values: dict[str, Any], client: str) -> dict[str, Any]:
+        """File a ``set`` and wait (up to :data:`SET_WAIT_S`) for the loop to apply it at
+        the end of the step: the reply says applied, or (409) refused and why, or, for a
+        step slower than that, filed (``GET .../status`` lists it once applied)."""
+        step, ident = self.job.file_set(values, client)
+        settings = self.job.settings
+        outcome = await asyncio.to_thread(settings.outcome, ident, SET_WAIT_S)
+        if outcome is not None and not outcome["applied"]:
+            raise CommandError(f"set refused at step {outcome['step']}: {outcome['reason']}", 409)
+        if outcome is not None:
+            message, step = f"set applied at the end of step {outcome['step']}", outcome["step"]
+        else:
+            message = (
+                f"set filed at step {step}: not applied within {SET_WAIT_S:g} s (a slow "
+                "step); GET .../status lists it under changes, or refused"
+            )
+        return {
+            "status": "acknowledged",
+            "command": "set",
+            "timestamp": time.time(),
+            "message": message,
+            "accepted": "set",
+            "job_id": self.job.job_id,
+            "step": step,
+            "id": ident,
+            "applied": None if outcome is None else True,
+        }
+
     async def control(self, request: web.Request) -> web.Response:
         self.check_job(request)
         body = await read_body(request)
         command, values = parse_request(body)
         client = client_of(body, request.headers.get("User-Agent", ""), request.remote)
+        if command == "set":
+            return json_reply(await self._set(values, client))
         step = self.job.file(command, values, client)
         if command == "status":
             message = f"status at step {step}: nothing to do (GET .../status reads it)"

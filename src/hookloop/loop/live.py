@@ -8,11 +8,19 @@ what is allowed, and nothing changes). The loop agrees it across ranks like any
 request and, at the end of the step it was agreed at, on every rank,
 :meth:`LiveSettings.apply`:
 
-1. works out each key's old and new value;
-2. appends one record to the run directory's ``changes.jsonl`` (rank 0; flushed and
-   fsynced before anything changes, so no applied change is ever missing from it);
-3. changes the values and fires ``on_settings_change`` with ``ctx.changes`` (the
-   loggers write it into ``metrics.jsonl``, TensorBoard and ``progress.txt``).
+1. checks the values again and works out each key's old and new value;
+2. changes the values, and checks what the optimizer now holds (every group's rate
+   within :data:`~hookloop.loop.live_values.MAX_RATE`, finite in its dtype);
+3. appends one record to the run directory's ``changes.jsonl`` (rank 0, chained:
+   :mod:`hookloop.loop.changes`; fsynced before any step runs with the new values, so
+   no applied change is ever missing from it);
+4. fires ``on_settings_change`` with ``ctx.changes`` (the loggers write it into
+   ``metrics.jsonl``, TensorBoard and ``progress.txt``).
+
+If step 2 or 3 fails (a value the optimizer cannot take, a full disk), the old values are
+put back and the ``set`` refused: nothing recorded, the reason one line on stderr, in
+:attr:`LiveSettings.refused` and in the control server's reply. A change replayed from
+``changes.jsonl`` that fails stops the run in one line naming it and ``--skip-change ID``.
 
 What can change (:meth:`LiveSettings.settable` lists a run's own):
 
@@ -38,23 +46,38 @@ hold itself). A resume restores them, then re-applies every record of
 ``changes.jsonl`` past the restored step at the step it was first applied at, so a
 steered run killed at any moment and resumed ends on the same weights, bit for bit,
 as if it had never stopped. ``hookloop train --replay RUN`` replays a finished run's
-changes from scratch.
+changes from scratch. Before replaying, the file's chain is checked
+(:func:`~hookloop.loop.changes.read_replayable`): a record edited by hand is refused.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
+import sys
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any
 
-from hookloop.distributed import broadcast_object, rank_info
-from hookloop.journal import Journal, read_records
+from hookloop.distributed import broadcast_object, gather_objects, rank_info
+from hookloop.errors import ConfigError
+from hookloop.loop.changes import append_change, describe, read_changes, read_replayable
+from hookloop.loop.live_values import (
+    MAX_RATE,
+    OPTIMIZER_CHECKS,
+    Setting,
+    SettingChange,
+    SettingError,
+    check_groups,
+    fixed_keys,
+    interval,
+    plain,
+    positive,
+    positive_or_off,
+    same_type_as_attribute,
+)
 from hookloop.loop.records import Trained
 from hookloop.optim import lr_peak, move_lr_peak
 from hookloop.requests import register_kind
@@ -63,114 +86,16 @@ from hookloop.state import RunInfo
 
 register_kind("set", "change live settings (learning rate, clipping, cadences, ...)")
 
+__all__ = ["LiveSettings", "Setting", "SettingChange", "SettingError", "read_changes"]
+
 #: The optimizer hyperparameters ``set`` may change, where the param groups have them.
 OPTIMIZER_KEYS = ("lr", "weight_decay", "momentum", "betas", "eps")
 #: Config keys fixed for a run's life (the shape of the model, the data, the budget...).
 FIXED_REASON = "it is fixed for the run's life (change it in the config and start a new run)"
 #: The longest client description kept in a record.
 MAX_CLIENT = 120
-
-
-class SettingError(ValueError):
-    """A ``set`` that cannot be applied; the message is one line naming the key."""
-
-
-@dataclass(frozen=True)
-class SettingChange:
-    """One key changed by a ``set`` (``ctx.changes`` during ``on_settings_change``)."""
-
-    step: int
-    key: str
-    old: Any
-    new: Any
-    client: str
-    time: float
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass
-class Setting:
-    """One settable value: how to read it, check a new one, and write it."""
-
-    doc: str
-    get: Callable[[], Any]
-    put: Callable[[Any], None]
-    check: Callable[[str, Any], Any]
-    in_optimizer: bool = False  # restored with the optimizer / scheduler state
-
-
-# -- checking values ---------------------------------------------------------------------
-
-
-def _number(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise SettingError(f"{key} must be a number, got {value!r}")
-    if not math.isfinite(value):
-        raise SettingError(f"{key} must be a finite number, got {value!r}")
-    return float(value)
-
-
-def positive(key: str, value: Any) -> float:
-    number = _number(key, value)
-    if number <= 0:
-        raise SettingError(f"{key} must be a finite number > 0, got {value!r}")
-    return number
-
-
-def non_negative(key: str, value: Any) -> float:
-    number = _number(key, value)
-    if number < 0:
-        raise SettingError(f"{key} must be a finite number >= 0, got {value!r}")
-    return number
-
-
-def fraction(key: str, value: Any) -> float:
-    number = _number(key, value)
-    if not 0 <= number < 1:
-        raise SettingError(f"{key} must be a number in [0, 1), got {value!r}")
-    return number
-
-
-def betas(key: str, value: Any) -> tuple[float, float]:
-    if not isinstance(value, (list, tuple)) or len(value) != 2:
-        raise SettingError(f"{key} must be a list of two numbers in [0, 1), got {value!r}")
-    return (fraction(key, value[0]), fraction(key, value[1]))
-
-
-def positive_or_off(key: str, value: Any) -> float | None:
-    return None if value is None else positive(key, value)
-
-
-def interval(key: str, value: Any, *, off: int | None) -> int | None:
-    """A step interval: an int >= 1, or ``off`` (0 or null) to turn it off."""
-    if value is None or (value == 0 and not isinstance(value, bool)):
-        return off
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        shown = "0" if off == 0 else "null"
-        raise SettingError(f"{key} must be an int >= 1 ({shown}: off), got {value!r}")
-    return value
-
-
-def _same_type_as_attribute(owner: object, attr: str, key: str, value: Any) -> Any:
-    return same_type(key, getattr(owner, attr), value)
-
-
-def same_type(key: str, old: Any, value: Any) -> Any:
-    """A callback's settable: the new value has the old one's type (an int for a float)."""
-    if old is None or (type(value) is type(old) and not isinstance(value, (list, dict))):
-        return value
-    if isinstance(old, float) and type(value) is int:
-        return float(value)
-    raise SettingError(
-        f"{key} must be a {type(old).__name__} like its value {old!r}, got {value!r}"
-    )
-
-
-def plain(value: Any) -> Any:
-    """A value as JSON writes it (tuples as lists)."""
-    return list(value) if isinstance(value, tuple) else value
+#: How many refused ``set`` s (and outcomes for the control server) are kept.
+MAX_KEPT = 50
 
 
 # -- the settings of one run ---------------------------------------------------------------
@@ -203,10 +128,25 @@ class LiveSettings:
             self.run_dir = RunDir.of_checkpoint(persistent.storage.root)
         #: Every change applied so far (and restored from the checkpoint), oldest first.
         self.history: list[dict[str, Any]] = []
+        #: The ``set`` s refused when applied, newest last (the last :data:`MAX_KEPT`).
+        self.refused: list[dict[str, Any]] = []
         #: A run whose changes ``hookloop train --replay`` re-applies from scratch.
         self.replay_from: RunDir | None = None
+        #: Ids of recorded changes a resume or replay leaves out (``--skip-change``).
+        self.skip_changes: set[str] = set()
         self._settings = self._loop_settings()
         self._mirrors: dict[str, list[Callable[[Any], None]]] = {}
+        self._outcomes: dict[str, dict[str, Any]] = {}
+        self._decided = threading.Condition()
+        self._check_start()
+
+    def _check_start(self) -> None:
+        """The optimizer's rates as the run starts within range (one line naming them)."""
+        groups = self.optimizer.param_groups
+        try:
+            check_groups(groups, [self._peak(i) for i in range(len(groups))])
+        except SettingError as err:
+            raise ConfigError(f"the optimizer's {err} (optimizer.* in the config)") from None
 
     # -- what can change --------------------------------------------------------------
     def _loop_settings(self) -> dict[str, Setting]:
@@ -253,13 +193,7 @@ class LiveSettings:
         return settings
 
     def _group_setting(self, key: str, index: int | None) -> Setting:
-        check = {
-            "lr": positive,
-            "weight_decay": non_negative,
-            "momentum": fraction,
-            "betas": betas,
-            "eps": positive,
-        }[key]
+        check = OPTIMIZER_CHECKS[key]
         where = "every parameter group" if index is None else f"parameter group {index}"
         if key == "lr":
 
@@ -331,7 +265,7 @@ class LiveSettings:
                     f"{type(cb).__name__}.{attr}",
                     partial(getattr, cb, attr),
                     partial(setattr, cb, attr),
-                    partial(_same_type_as_attribute, cb, attr),
+                    partial(same_type_as_attribute, cb, attr),
                 )
         return found
 
@@ -372,7 +306,7 @@ class LiveSettings:
             raise SettingError("give lr or lr_scale, not both")
         for key, value in values.items():
             if key == "lr_scale":
-                checked[key] = positive(key, value)
+                checked[key] = self._check_scale(key, value)
                 continue
             setting = settable.get(key)
             if setting is None:
@@ -389,6 +323,18 @@ class LiveSettings:
                 )
             checked[key] = setting.check(key, value)
         return checked
+
+    def _check_scale(self, key: str, value: Any) -> float:
+        """``lr_scale``: a factor > 0 that keeps every group's peak rate in range."""
+        scale = positive(key, value)
+        for index in range(len(self.optimizer.param_groups)):
+            new = self._peak(index) * scale
+            if not new <= MAX_RATE:
+                raise SettingError(
+                    f"{key}={scale:g} is out of range: it would make lr {new:g}, and lr is "
+                    f"allowed (0, {MAX_RATE:g}]"
+                )
+        return scale
 
     def _unknown(self, key: Any) -> str:
         name = str(key)
@@ -418,32 +364,118 @@ class LiveSettings:
 
     # -- applying a request (the loop, on every rank) --------------------------------
     def apply(self, request: dict[str, Any]) -> list[SettingChange]:
-        """Carry out the ``set`` requests agreed at this step's end, oldest first."""
+        """Carry out the ``set`` requests agreed at this step's end, oldest first.
+
+        A request refused here is undone and reported (:meth:`_refuse`); one replayed
+        from a ``changes.jsonl`` stops the run instead (a :class:`ConfigError` naming it)."""
         applied: list[SettingChange] = []
         for ident in sorted(request):
             asked = request[ident]
-            replayed = bool(asked.get("replay"))
             try:
-                values = self.check(asked["values"])
-            except SettingError as err:  # the run changed since the server checked it
-                if rank_info()[0] == 0:
-                    print(f"hookloop: set not applied: {err}", flush=True)
+                record, changes = self._apply_one(ident, asked)
+            except SettingError as err:
+                self._refuse(ident, asked, str(err))
                 continue
-            changes = self._plan(values, str(asked.get("client") or "unknown"))
-            record = {
-                "id": ident,
-                "step": self.progress.step,
-                "values": {k: plain(v) for k, v in values.items()},
-                "changes": [c.to_json() for c in changes],
-                "client": changes[0].client if changes else "",
-                "time": time.time(),
-            }
-            if not replayed:
-                self._append(record)
-            self._put(values)
             self.history.append(record)
+            self._decide(ident, {"id": ident, "step": record["step"], "applied": True})
             applied.extend(changes)
         return applied
+
+    def _apply_one(self, ident: str, asked: dict[str, Any]) -> tuple[dict, list[SettingChange]]:
+        """Check, set, verify, record (in that order); on any failure put the old values
+        back and raise :class:`SettingError` with the reason."""
+        values = self.check(asked["values"])
+        changes = self._plan(values, str(asked.get("client") or "unknown")[:MAX_CLIENT])
+        record = {
+            "id": ident,
+            "step": self.progress.step,
+            "values": {k: plain(v) for k, v in values.items()},
+            "changes": [c.to_json() for c in changes],
+            "client": changes[0].client if changes else "",
+            "time": time.time(),
+        }
+        saved = self._snapshot(values)
+        failure: str | None = None
+        try:
+            self._put(values)
+            groups = self.optimizer.param_groups
+            check_groups(groups, [self._peak(i) for i in range(len(groups))])
+            if not asked.get("replay"):  # a record replayed from this run's file is there
+                record = self._append(record)
+        except SettingError as err:
+            failure = str(err)
+        except OSError as err:  # the record could not be written: the change is not made
+            failure = f"its record could not be written: {' '.join(str(err).split())}"
+        except Exception as err:  # a setter that failed half-way: undo what it did
+            failure = f"applying it failed: {type(err).__name__}: {err}"
+        failure = self._agree(failure)
+        if failure is not None:
+            self._restore(saved)
+            raise SettingError(failure)
+        return record, changes
+
+    def _agree(self, failure: str | None) -> str | None:
+        """Every rank undoes a change any rank could not make (rank 0 writes the record)."""
+        if rank_info()[2] == 1:
+            return failure
+        return next((f for f in gather_objects(failure) if f is not None), None)
+
+    def _snapshot(self, values: dict[str, Any]) -> dict[str, Any]:
+        """What :meth:`_restore` needs to undo ``values``: the param groups' settings, the
+        schedule's peaks and the current value of every other key changed."""
+        settable = self.settable()
+        return {
+            "groups": [
+                {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
+            ],
+            "peaks": list(getattr(self.scheduler, "base_lrs", None) or []),
+            "others": {
+                k: settable[k].get()
+                for k in values
+                if k in settable and not settable[k].in_optimizer
+            },
+        }
+
+    def _restore(self, saved: dict[str, Any]) -> None:
+        for group, kept in zip(self.optimizer.param_groups, saved["groups"], strict=True):
+            group.update(kept)
+        if saved["peaks"]:
+            self.scheduler.base_lrs[:] = saved["peaks"]
+        settable = self.settable()
+        for key, value in saved["others"].items():
+            settable[key].put(value)
+        for key in [*OPTIMIZER_KEYS, *saved["others"]]:
+            self._follow(key)
+
+    def _refuse(self, ident: str, asked: dict[str, Any], reason: str) -> None:
+        """A ``set`` not applied: said on stderr and kept for the control server; one
+        replayed from a ``changes.jsonl`` stops the run, naming the record."""
+        step = self.progress.step
+        if asked.get("recorded"):
+            what = describe({"id": ident, "step": step, "values": asked.get("values")})
+            raise ConfigError(
+                f"{asked['recorded']}: change {what} cannot be applied: {reason}; to go on "
+                f"without it, add --skip-change {ident}"
+            )
+        if rank_info()[0] == 0:
+            print(f"hookloop: set refused at step {step}: {reason}", file=sys.stderr, flush=True)
+        outcome = {"id": ident, "step": step, "applied": False, "reason": reason}
+        self.refused = [*self.refused[-(MAX_KEPT - 1) :], outcome]
+        self._decide(ident, outcome)
+
+    def _decide(self, ident: str, outcome: dict[str, Any]) -> None:
+        with self._decided:
+            self._outcomes[ident] = outcome
+            while len(self._outcomes) > MAX_KEPT:
+                self._outcomes.pop(next(iter(self._outcomes)))
+            self._decided.notify_all()
+
+    def outcome(self, ident: str, timeout: float) -> dict[str, Any] | None:
+        """What became of the ``set`` filed as ``ident`` (``applied``, and ``reason`` when
+        it was refused), waiting up to ``timeout`` seconds; None: not applied yet."""
+        with self._decided:
+            self._decided.wait_for(lambda: ident in self._outcomes, timeout)
+            return self._outcomes.get(ident)
 
     def _plan(self, values: dict[str, Any], client: str) -> list[SettingChange]:
         settable, step, now = self.settable(), self.progress.step, time.time()
@@ -476,14 +508,13 @@ class LiveSettings:
             for follow in self._mirrors[key]:
                 follow(value)
 
-    def _append(self, record: dict[str, Any]) -> None:
-        """One record in ``changes.jsonl``, on disk before the change is made (rank 0)."""
+    def _append(self, record: dict[str, Any]) -> dict[str, Any]:
+        """One record in ``changes.jsonl`` (rank 0), on disk before any step runs with the
+        change; returns it as written (chained)."""
         if self.run_dir is None or rank_info()[0] != 0:
-            return
+            return record
         # A line a kill tore (its change was never made) is cut first; fsynced before return.
-        journal = Journal(self.run_dir.changes, fsync=True, encode=_strict_json)
-        journal.append(record)
-        journal.close()
+        return append_change(self.run_dir.changes, record)
 
     # -- replay ---------------------------------------------------------------------------
     def plan_replays(self, source: RunDir | None = None, *, fresh: bool = False) -> int:
@@ -499,18 +530,47 @@ class LiveSettings:
         source = source or self.run_dir
         records = None
         if rank_info()[0] == 0 or rank_info()[2] == 1:
-            records = read_changes(source.changes) if source is not None else []
+            records = self._replayable(source) if source is not None else []
         if rank_info()[2] > 1:
             records = broadcast_object(records)
         done = {r["id"] for r in self.history}
-        step, planned = self.progress.step, 0
+        step, planned, now = self.progress.step, 0, {}
         for record in records or ():
-            if record["id"] in done or record["step"] <= step:
+            if record["id"] in done or record["step"] < step:
                 continue
-            entry = {"values": record["values"], "client": record["client"], "replay": own}
-            self.control.request_later(record["step"], "set", **{record["id"]: entry})
+            self._check_recorded(record, source)
+            entry = {
+                "values": record["values"],
+                "client": record.get("client") or "unknown",
+                "replay": own,
+                "recorded": str(source.changes),
+            }
+            if record["step"] == step:  # made after the restored checkpoint was written
+                now[record["id"]] = entry
+            else:
+                self.control.request_later(record["step"], "set", **{record["id"]: entry})
             planned += 1
+        self.apply(now)
         return planned
+
+    def _replayable(self, source: RunDir) -> list[dict[str, Any]]:
+        """The records of ``source`` a replay may apply (chain checked, ``--skip-change``
+        ids left out), or a one-line ConfigError naming the first that is not."""
+        return read_replayable(source.changes, self.skip_changes)
+
+    @staticmethod
+    def _check_recorded(record: dict[str, Any], source: RunDir) -> None:
+        """Each value of a record to replay within its key's range, checked before any
+        step is trained (a one-line ConfigError naming the record and ``--skip-change``)."""
+        for key, value in record["values"].items():
+            check = OPTIMIZER_CHECKS.get(key.split("@")[0])
+            try:
+                positive(key, value) if key == "lr_scale" else check and check(key, value)
+            except SettingError as err:
+                raise ConfigError(
+                    f"{source.changes}: change {describe(record)} cannot be applied: "
+                    f"{err}; to go on without it, add --skip-change {record['id']}"
+                ) from None
 
     def _set_aside(self) -> None:
         """A former run's ``changes.jsonl`` becomes ``changes-<time>.jsonl`` (rank 0)."""
@@ -538,35 +598,3 @@ class LiveSettings:
                 settable[key].put(tuple(value) if isinstance(value, list) else value)
         for key in {k for r in self.history for k in r["values"]}:  # the dialects' copies
             self._follow("lr" if key == "lr_scale" else key)
-
-
-def read_changes(path: Path) -> list[dict[str, Any]]:
-    """The records of a ``changes.jsonl`` in order (a torn last line, from a kill, skipped;
-    any other malformed line is an error naming it)."""
-    return read_records(path, strict=True, check=_is_change, what=CHANGE_RECORD)
-
-
-CHANGE_RECORD = "a change record (a JSON object with id, step, values)"
-
-
-def _is_change(record: dict[str, Any]) -> bool:
-    return (
-        isinstance(record.get("step"), int)
-        and isinstance(record.get("values"), dict)
-        and isinstance(record.get("id"), str)
-    )
-
-
-def _strict_json(record: Any) -> str:
-    return json.dumps(record, allow_nan=False)
-
-
-def fixed_keys(config: Any) -> set[str]:
-    """Config keys of any section: ``set`` refuses these as fixed for the run's life."""
-    keys: set[str] = set()
-    for section in vars(config).values():
-        names = getattr(section, "__dataclass_fields__", None)
-        if names:
-            keys.update(names)
-    keys.update(("batch_size", "seed", "model", "grad_accum", "max_steps", "max_epochs"))
-    return keys
