@@ -12,9 +12,11 @@ port, a deadline per size; every child is reaped), and on every rank:
    The same count of the raw loop below shows what DDP's Python side adds (nothing
    expected: its gradient all-reduce runs in its C++ reducer and is not counted);
 2. **times** (only while ranks <= cores; beyond that time measures the scheduler): per
-   round, the native loop and a raw loop over the same model, data and DDP with no
-   hookloop ("control off"), ``--timed-steps`` steps each, in alternating order; the
-   ratio is taken within a round, the median over rounds is shown.
+   round, ``--timed-steps`` steps each of the native loop, a raw loop over the same
+   model, data and DDP with no hookloop ("control off"), and that raw loop plus as many
+   small all-reduces a step as were counted, each read back (``raw+agree``: what the
+   agreement's collectives cost alone), in an order rotated each round; ratios are
+   taken within a round, the median over rounds is shown.
 
 Per size it prints the median over ordinary steps of each rank's counts (one figure
 when every rank agrees, else ``min-max`` over ranks). Then it projects the control cost
@@ -95,7 +97,7 @@ def rank_main(rank: int, plan: Plan) -> None:
     result: dict[str, Any] = {"rank": rank, "hookloop": count_native(plan)}
     result["raw"] = count_raw(plan)
     if plan.timed:
-        result["timing"] = time_rounds(plan)
+        result["timing"] = time_rounds(plan, result["hookloop"])
     Path(plan.out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     leave_process_group()
     sys.stdout.flush()
@@ -136,7 +138,7 @@ def count_native(plan: Plan) -> dict[str, Any]:
 class RawLoop:
     """ "Control off": the same model, data and optimizer under DDP, and no hookloop."""
 
-    def __init__(self, plan: Plan, steps: int) -> None:
+    def __init__(self, plan: Plan, steps: int, agreements: tuple[int, int] = (0, 0)) -> None:
         from torch.nn.parallel import DistributedDataParallel
         from torch.utils.data import DataLoader, DistributedSampler
 
@@ -155,6 +157,9 @@ class RawLoop:
         sampler = DistributedSampler(parts.train_data, shuffle=True, seed=cfg.seed)
         self.data = DataLoader(parts.train_data, batch_size=plan.batch_size, sampler=sampler)
         self.loss_fn, self.steps = parts.loss_fn, steps
+        count, payload = agreements  # all-reduces a step, and their bytes together
+        words = max(1, payload // (8 * count)) if count else 0
+        self.flags = [torch.zeros(words, dtype=torch.int64) for _ in range(count)]
 
     def run(self, on_step_start: Any = None) -> None:
         model, optimizer, loss_fn = self.model, self.optimizer, self.loss_fn
@@ -165,6 +170,9 @@ class RawLoop:
                 on_step_start(step)
             loss = loss_fn(model(x), y)
             loss.backward()
+            for flags in self.flags:  # what agreeing decisions costs, without the rest
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+                flags.tolist()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
@@ -196,30 +204,33 @@ def summarise(steps: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def time_rounds(plan: Plan) -> list[dict[str, float]]:
-    """Per round: seconds per step of the native loop and of the raw loop (this rank's
-    wall clock from the start of step ``warm`` to the start of the last step)."""
+CONTENDERS = ("native", "raw", "raw+agree")
+
+
+def time_rounds(plan: Plan, counted: dict[str, Any]) -> list[dict[str, float]]:
+    """Per round, seconds per step of each contender (this rank's wall clock from the start
+    of step ``warm`` to the start of the last step), in an order rotated each round."""
     warm, rounds = min(10, plan.timed_steps // 4), []
+    agreements = (round(counted["collectives"]), int(counted["payload_bytes"]))
     for index in range(plan.rounds):
-        order = ("native", "raw") if index % 2 == 0 else ("raw", "native")
-        times = {name: seconds_per_step(name, plan, warm) for name in order}
-        rounds.append(times)
+        order = CONTENDERS[index % 3 :] + CONTENDERS[: index % 3]  # the same on every rank
+        rounds.append({name: seconds_per_step(name, plan, warm, agreements) for name in order})
     return rounds
 
 
-def seconds_per_step(name: str, plan: Plan, warm: int) -> float:
+def seconds_per_step(name: str, plan: Plan, warm: int, agreements: tuple[int, int]) -> float:
     stamps: list[float] = []
-    if name == "raw":
-        loop = RawLoop(plan, plan.timed_steps)
-        dist.barrier()
-        loop.run(lambda step: stamps.append(time.perf_counter()))
-    else:
+    if name == "native":
         trainer = native_trainer(plan, plan.timed_steps)
         trainer.callbacks.register(
             "on_train_step_start", lambda ctx: stamps.append(time.perf_counter())
         )
         dist.barrier()
         trainer.train()
+    else:
+        loop = RawLoop(plan, plan.timed_steps, agreements if name == "raw+agree" else (0, 0))
+        dist.barrier()
+        loop.run(lambda step: stamps.append(time.perf_counter()))
     return (stamps[-1] - stamps[warm]) / (len(stamps) - 1 - warm)
 
 
@@ -261,12 +272,12 @@ def names(counts: dict[str, int]) -> str:
     return ", ".join(f"{n} {c}" for n, c in sorted(counts.items())) or "-"
 
 
-def size_row(world: int, ranks: list[dict[str, Any]] | str, cores: int) -> list[str]:
+def count_row(world: int, ranks: list[dict[str, Any]] | str) -> list[str]:
     if isinstance(ranks, str):
         return [str(world), ranks]
     native = [r["hookloop"] for r in ranks]
     raw = [r["raw"] for r in ranks]
-    row = [
+    return [
         str(world),
         spread([n["collectives"] for n in native]),
         names(native[0]["collective_names"]),
@@ -275,14 +286,17 @@ def size_row(world: int, ranks: list[dict[str, Any]] | str, cores: int) -> list[
         spread([n["payload_bytes"] for n in native]),
         f"{spread([r['collectives'] for r in raw])} / {spread([r['host_reads'] for r in raw])}",
     ]
-    timing = ranks[0].get("timing")
+
+
+def time_row(world: int, ranks: list[dict[str, Any]] | str, cores: int) -> list[str]:
+    timing = None if isinstance(ranks, str) else ranks[0].get("timing")
     if timing is None:
-        note = "not timed: more ranks than cores" if world > cores else "not timed"
-        return [*row, note]
-    native_ms = statistics.median(t["native"] for t in timing) * 1e3
-    raw_ms = statistics.median(t["raw"] for t in timing) * 1e3
-    ratio = statistics.median(t["native"] / t["raw"] for t in timing)
-    return [*row, f"{native_ms:.3f} / {raw_ms:.3f} ms = {ratio:.2f}x"]
+        why = "not timed: more ranks than cores" if world > cores else "not timed"
+        return [str(world), *["-"] * 5, "0", why]
+    ms = [f"{statistics.median(t[c] for t in timing) * 1e3:.3f}" for c in CONTENDERS]
+    native = statistics.median(t["native"] / t["raw"] for t in timing)
+    agree = statistics.median(t["raw+agree"] / t["raw"] for t in timing)
+    return [str(world), *ms, f"{native:.2f}x", f"{agree:.2f}x", str(len(timing)), ""]
 
 
 def allreduce_latency_us(ranks: int) -> float:
@@ -301,7 +315,7 @@ def projection(collectives_per_step: float) -> str:
         latency = allreduce_latency_us(ranks)
         cost = collectives_per_step * latency
         rows.append([str(ranks), str(ranks // m["gpus_per_node"]), f"{latency:.1f}",
-                     f"{cost:.1f}", f"{cost / 1e3:.2%}", f"{cost / 1e4:.3%}"])  # fmt: skip
+                     f"{cost:.1f}", f"{cost / 1e5:.2%}", f"{cost / 1e6:.3%}"])  # fmt: skip
     table = format_table(
         ["ranks", "nodes", "all-reduce us (model)", "control us/step", "of a 100 ms step",
          "of a 1 s step"], rows,
@@ -345,8 +359,12 @@ def main(argv: list[str] | None = None) -> int:
         results[world] = run_size(world, args, timed=not args.no_time and world <= cores)
         print(f"  {world} ranks: {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     headers = ["ranks", "collectives/step", "by name", "host reads/step", "by name",
-               "payload B/step", "raw loop coll / reads", "native / raw step"]  # fmt: skip
-    print(format_table(headers, [size_row(w, r, cores) for w, r in results.items()]), flush=True)
+               "payload B/step", "raw loop coll / reads"]  # fmt: skip
+    print(format_table(headers, [count_row(w, r) for w, r in results.items()]), flush=True)
+    print("\nWall ms per step on rank 0 (median over rounds; ratios taken within a round):")
+    headers = ["ranks", "native ms", "raw ms", "raw+agree ms", "native/raw", "raw+agree/raw",
+               "rounds", "note"]  # fmt: skip
+    print(format_table(headers, [time_row(w, r, cores) for w, r in results.items()]), flush=True)
     counted = [r for r in results.values() if not isinstance(r, str)]
     if counted:
         print()
