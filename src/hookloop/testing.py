@@ -207,7 +207,8 @@ class SyncCounts:
             if record.ordinary and (wanted is None or step in wanted)
         ]
 
-    def _count(self, kind: str, name: str, args: tuple[Any, ...]) -> None:
+    def add(self, kind: str, name: str, args: tuple[Any, ...]) -> None:
+        """Count one call (``kind`` is ``"host_read"`` or ``"collective"``)."""
         if kind == "host_read":
             self.host_reads[name] += 1
             return
@@ -322,7 +323,7 @@ def _counted(counts: SyncCounts, depth: _Depth, kind: str, name: str, original: 
     def counted(*args: Any, **kwargs: Any) -> Any:
         if depth.value:
             return original(*args, **kwargs)
-        counts._count(kind, name, args)
+        counts.add(kind, name, args)
         depth.value += 1
         try:
             return original(*args, **kwargs)
