@@ -28,8 +28,9 @@ def test_counts_each_kind_of_host_read_and_nothing_after_the_block():
         x.tolist(), x[:2].tolist()
         if x[1]:  # Tensor.__bool__
             float(x[2]), int(x[3])
+        x.cpu().numpy()  # .cpu() counts on every device: the same line waits on a GPU
     assert dict(counts.host_reads) == {"item": 3, "tolist": 2, "__bool__": 1, "__float__": 1,
-                                       "__int__": 1}  # fmt: skip
+                                       "__int__": 1, "cpu": 1, "numpy": 1}  # fmt: skip
     x[0].item()
     assert counts.host_reads["item"] == 3  # the block is over: nothing counts any more
     assert not counts.collectives

@@ -132,8 +132,11 @@ COLLECTIVES: tuple[str, ...] = (
     "scatter_object_list", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
     "send", "recv", "isend", "irecv", "batch_isend_irecv",
 )  # fmt: skip
-#: The ``torch.Tensor`` methods that read a value back to the host (on a GPU: a sync).
-HOST_READS: tuple[str, ...] = ("item", "tolist", "__bool__", "__float__", "__int__")
+#: The ``torch.Tensor`` methods that read values back to the host (on a GPU: a sync).
+#: ``cpu`` counts on every device: free on the CPU, the same call waits on a GPU.
+HOST_READS: tuple[str, ...] = (
+    "item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy",
+)  # fmt: skip
 #: Collectives whose second argument is what this rank sends (the first is the output).
 _INPUT_SECOND = frozenset(
     {"all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
@@ -273,9 +276,9 @@ _active: list[SyncCounts] = []
 def count_sync_points() -> Iterator[SyncCounts]:
     """Count, inside the block, this process's ``torch.distributed`` collectives and
     host reads of tensor values (``Tensor.item``, ``.tolist``, ``bool()``, ``float()``,
-    ``int()``). Instrumentation for tests and benchmarks: it replaces those functions
-    for the block's duration (every thread of the process) and restores the originals
-    on exit, error or not.
+    ``int()``, ``.cpu()``, ``.numpy()``; not ``.to("cpu")``). Instrumentation for tests
+    and benchmarks: it replaces those functions for the block's duration (every thread
+    of the process) and restores the originals on exit, error or not.
 
     Only the outermost call counts: the host reads torch makes inside
     ``all_gather_object`` belong to that collective. Collectives are counted where
