@@ -50,8 +50,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
 
 from _timing import environment, format_table
+from hookloop.config import apply_overrides
+from hookloop.distributed import leave_process_group
+from hookloop.entry import build_trainer, seed_everything
+from hookloop.recipes import default_config, get_recipe
+from hookloop.testing import count_sync_points
 
 #: NCCL's tuning model of a small all-reduce (tree algorithm, LL protocol), the latency
 #: NCCL itself uses to pick an algorithm: ``base + 2 * ((ppn - 1) * nvlink + log2(nodes)
@@ -92,8 +99,6 @@ def rank_main(rank: int, plan: Plan) -> None:
     # The store lives in the parent, so no rank's exit takes it from the others.
     store = dist.TCPStore("127.0.0.1", plan.port, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=plan.world, timeout=timeout)
-    from hookloop.distributed import leave_process_group
-
     result: dict[str, Any] = {"rank": rank, "hookloop": count_native(plan)}
     result["raw"] = count_raw(plan)
     if plan.timed:
@@ -107,10 +112,6 @@ def rank_main(rank: int, plan: Plan) -> None:
 
 def native_trainer(plan: Plan, steps: int) -> Any:
     """The native loop on mlp-regression, with nothing due on ordinary steps."""
-    from hookloop.config import apply_overrides
-    from hookloop.entry import build_trainer
-    from hookloop.recipes import default_config
-
     cfg = default_config("mlp-regression")
     apply_overrides(cfg, overrides(plan, steps))
     return build_trainer(cfg)
@@ -126,8 +127,6 @@ def overrides(plan: Plan, steps: int) -> list[str]:
 
 
 def count_native(plan: Plan) -> dict[str, Any]:
-    from hookloop.testing import count_sync_points
-
     trainer = native_trainer(plan, plan.steps)
     with count_sync_points() as counts:
         trainer.callbacks.add(counts.marker)
@@ -136,16 +135,11 @@ def count_native(plan: Plan) -> dict[str, Any]:
 
 
 class RawLoop:
-    """ "Control off": the same model, data and optimizer under DDP, and no hookloop."""
+    """Control off: the same model, data and optimizer under DDP, and no hookloop. With
+    ``agreements`` (count, bytes), also that many small all-reduces a step, each read
+    back: the collectives hookloop's control makes, alone."""
 
     def __init__(self, plan: Plan, steps: int, agreements: tuple[int, int] = (0, 0)) -> None:
-        from torch.nn.parallel import DistributedDataParallel
-        from torch.utils.data import DataLoader, DistributedSampler
-
-        from hookloop.config import apply_overrides
-        from hookloop.entry import seed_everything
-        from hookloop.recipes import default_config, get_recipe
-
         cfg = default_config("mlp-regression")
         apply_overrides(cfg, overrides(plan, steps))
         seed_everything(cfg.seed)
@@ -178,12 +172,14 @@ class RawLoop:
 
 
 def count_raw(plan: Plan) -> dict[str, Any]:
-    from hookloop.testing import count_sync_points
-
     loop = RawLoop(plan, min(plan.steps, 20))
     with count_sync_points() as counts:
-        # Step 0 holds DDP's first-iteration work: not ordinary, as in the native count.
-        loop.run(lambda step: counts.close_step(step - 1, ordinary=step > 1) if step else None)
+
+        def close_previous(step: int) -> None:
+            if step:  # step 0 holds DDP's first-iteration work: not ordinary, as natively
+                counts.close_step(step - 1, ordinary=step > 1)
+
+        loop.run(close_previous)
     return summarise([asdict(s) for s in counts.ordinary_steps()])
 
 
@@ -345,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per size")
     parser.add_argument("--json", help="also write every rank's result here")
     args = parser.parse_args(argv)
+    if args.steps < 4 or args.timed_steps < 8 or args.rounds < 1:
+        parser.error("--steps must be >= 4, --timed-steps >= 8 and --rounds >= 1")
     default = "2,4" if args.quick else "2,4,8,16"
     sizes = [int(s) for s in (args.sizes or default).split(",")]
     if args.quick:

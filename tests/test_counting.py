@@ -175,7 +175,7 @@ def test_two_gloo_ranks_count_the_same_known_collectives_and_the_agreement_each_
 @pytest.mark.slow
 def test_the_scale_benchmark_prints_the_counts_table_at_two_ranks(tmp_path):
     cmd = [sys.executable, str(ROOT / "bench" / "scale.py"), "--quick", "--no-time",
-           "--sizes", "2", "--json", str(tmp_path / "scale.json")]  # fmt: skip
+           "--sizes", "2", "--timeout", "200", "--json", str(tmp_path / "scale.json")]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-6000:]
     lines = proc.stdout.splitlines()
