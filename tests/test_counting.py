@@ -71,7 +71,7 @@ def test_counts_collectives_by_name_once_each_with_their_tensor_bytes(one_rank_g
     flags = torch.zeros(4, dtype=torch.int64)
     with count_sync_points() as counts:
         dist.all_reduce(flags)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        dist.all_reduce(tensor=flags, op=dist.ReduceOp.MAX)
         dist.distributed_c10d.broadcast(torch.zeros(3), src=0)  # the module torch defines it in
         out: list[object] = [None]
         dist.all_gather_object(out, {"stop": "why"})  # its own all_gather and item() not counted

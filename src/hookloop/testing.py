@@ -142,6 +142,9 @@ _INPUT_SECOND = frozenset(
     {"all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
      "all_to_all", "all_to_all_single", "scatter"}
 )  # fmt: skip
+#: What torch's collectives call the tensors this rank sends, when passed by keyword.
+_INPUT_KEYWORDS = ("tensor", "input_tensor", "input", "input_tensor_list", "input_list",
+                   "scatter_list")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -210,13 +213,17 @@ class SyncCounts:
             if record.ordinary and (wanted is None or step in wanted)
         ]
 
-    def add(self, kind: str, name: str, args: tuple[Any, ...]) -> None:
+    def add(self, kind: str, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Count one call (``kind`` is ``"host_read"`` or ``"collective"``)."""
         if kind == "host_read":
             self.host_reads[name] += 1
             return
         self.collectives[name] += 1
-        sent = args[1] if name in _INPUT_SECOND and len(args) > 1 else args[0] if args else None
+        index = 1 if name in _INPUT_SECOND else 0
+        if len(args) > index:
+            sent = args[index]
+        else:
+            sent = next((kwargs[k] for k in _INPUT_KEYWORDS if k in kwargs), None)
         tensors = sent if isinstance(sent, (list, tuple)) else [sent]
         self.payload_bytes += sum(
             t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)
@@ -326,7 +333,7 @@ def _counted(counts: SyncCounts, depth: _Depth, kind: str, name: str, original: 
     def counted(*args: Any, **kwargs: Any) -> Any:
         if depth.value:
             return original(*args, **kwargs)
-        counts.add(kind, name, args)
+        counts.add(kind, name, args, kwargs)
         depth.value += 1
         try:
             return original(*args, **kwargs)
