@@ -82,3 +82,16 @@ def test_a_resume_that_changes_the_global_batch_is_refused_in_one_line(legs, tmp
         "resuming on 4 ranks a run saved on 2: the global batch was 8 (2 ranks x 4 per rank "
         "x 1 micro-batches), now 16; keep it with data.batch_size=2 with train.grad_accum=1"
     ) in proc.stderr
+
+
+def test_fsdp_shards_saved_on_four_ranks_load_on_two(legs, tmp_path):
+    # torch.distributed.checkpoint reshards on load: no offline step. fp32, so FSDP's
+    # numbers equal DDP's uninterrupted run's up to summation order.
+    fsdp = [*BASE, "train.parallel=fsdp"]
+    run_job("train", tmp_path / "run", *fsdp, *FOUR, "train.exit_interval=4", ranks=4)
+    resumed = run_job("resume", tmp_path / "run", *fsdp, *TWO, ranks=2)
+    assert [r["step"] for r in resumed] == [12, 12]
+    for a, b in zip(legs["reference"][0]["params"], resumed[0]["params"], strict=True):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=1e-4)
+    assert verify_ledger(tmp_path / "run").ok
+    assert steps_taken(tmp_path / "run") == steps_taken(legs["root"] / "ref")

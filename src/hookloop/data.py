@@ -276,10 +276,16 @@ class DataPosition:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = state.get("layout")  # absent in checkpoints of hookloop before 0.9
-        if saved is not None and saved != self.layout():
-            check_resize(saved, self.layout(), exact=isinstance(self.sampler, EpochSampler),
-                         stateful="loader" in state)  # fmt: skip
+        saved = state.get("layout")  # absent in older checkpoints: not checked
+        exact = isinstance(self.sampler, EpochSampler)
+        # The native loop keeps its global batch; a dialect may change it on a resume as its
+        # original allows (transformers warns), so only a change of ranks is checked there.
+        if (
+            saved is not None
+            and saved != self.layout()
+            and ((exact and self.check_rows) or saved.get("world_size") != self.world_size)
+        ):
+            check_resize(saved, self.layout(), exact=exact, stateful="loader" in state)
             if saved["world_size"] != self.world_size:
                 self.resized_from = saved["world_size"]
         if "loader" in state and hasattr(self.loader, "load_state_dict"):
@@ -328,8 +334,6 @@ def check_resize(
     else is refused). Raises ``ValueError`` with one line naming what would fit."""
     was, now_ranks = saved["world_size"], now["world_size"]
     if not exact:
-        if was == now_ranks and saved.get("grad_accum") == now["grad_accum"]:
-            return  # the loader's own batch size: its business, as before
         what = "its own state_dict()" if stateful else "no state (its batches are read again)"
         if not stateful:
             raise ConfigError(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -170,15 +170,14 @@ def verify_ledger(run_dir: str | Path) -> LedgerReport:
             order = orders.get(epoch) or orders.setdefault(epoch, _order(order_of, epoch))
             taken = seen.setdefault(epoch, set())
             again = taken & set(positions)
+            again |= {p for p, n in Counter(positions).items() if n > 1}  # twice in one step
             if again:
                 report.repeated.append(f"step {step}: epoch {epoch} positions {sorted(again)[:5]}")
-            start = expected_next.get(epoch, 0)
-            if min(positions) != start or sorted(positions) != list(
-                range(start, start + len(positions))
-            ):
+            start, distinct = expected_next.get(epoch, 0), sorted(set(positions))
+            if distinct != list(range(start, start + len(distinct))):
                 report.lost.append(f"step {step}: epoch {epoch} expected from position {start}")
             taken.update(positions)
-            expected_next[epoch] = max(positions) + 1
+            expected_next[epoch] = distinct[-1] + 1
             report.samples += len(positions)
         for record in by_step[step]:
             indices = [order[p] for p in _record_positions(record) if p < len(order)]
