@@ -228,10 +228,10 @@ def test_sigterm_saves_at_the_current_step_exits_143_and_resume_is_exact(tmp_pat
 # -- corruption -----------------------------------------------------------------------------
 
 
-def toy_trainer(out: Path, resume=None, callbacks=None, **train) -> Trainer:
+def toy_trainer(out: Path, resume=None, callbacks=None, batch_size=4, **train) -> Trainer:
     cfg = Config(
         train=TrainConfig(**{"max_steps": 6, "log_every": 0, **train}),
-        data=DataConfig(batch_size=4),
+        data=DataConfig(batch_size=batch_size),
     )
     cfg.checkpoint.every = 2
     cfg.checkpoint.keep_last = None
@@ -371,8 +371,8 @@ def test_callback_state_mismatch_warns_by_default_and_raises_in_strict_mode(tmp_
     for run in ("lenient", "strict"):
         patience_trainer(tmp_path / run, exit_interval=2).train()
     with pytest.warns(UserWarning, match="'Patience' has no matching callback"):
-        toy_trainer(tmp_path / "lenient", resume="auto").train()
-    strict = toy_trainer(tmp_path / "strict", resume="auto")
+        toy_trainer(tmp_path / "lenient", resume="auto", batch_size=8).train()
+    strict = toy_trainer(tmp_path / "strict", resume="auto", batch_size=8)
     strict.checkpoints.strict = True  # what checkpoint.strict_resume=true sets up
     with pytest.raises(CheckpointError, match="Patience"):
         strict.train()

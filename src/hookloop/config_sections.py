@@ -37,6 +37,11 @@ class DataConfig:
     eval_batch_size: int | None = opt(None, "Evaluation batch size (default: batch_size).")
     shuffle: bool = opt(True, "Shuffle training data each epoch (reproducibly, by seed).")
     num_workers: int = opt(0, "DataLoader worker processes.")
+    ledger: bool = opt(
+        False,
+        "Write which samples each step took to <run>/ledger/ (checked by "
+        "hookloop runs RUN --verify-ledger).",
+    )
 
     def validate(self) -> None:
         _positive(self, "batch_size", "data")

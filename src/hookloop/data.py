@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
 
+from hookloop.errors import ConfigError
+
 
 class EpochSampler(Sampler[int]):
     """Indices for one epoch: seeded shuffle, per-rank share, resumable offset."""
@@ -47,6 +49,9 @@ class EpochSampler(Sampler[int]):
         self.world_size = world_size
         self.epoch = 0
         self.start = 0  # samples of this rank's share already consumed this epoch
+        #: Where a ledger (:mod:`hookloop.ledger`) wants (position, index, epoch) of each
+        #: index dealt; None: not recorded.
+        self.recorder: Any = None
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         """Select the epoch (its order) and how many of its samples to skip."""
@@ -68,7 +73,15 @@ class EpochSampler(Sampler[int]):
         return order[self.rank : per_rank * self.world_size : self.world_size]
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.order()[self.start :])
+        if self.recorder is None:
+            return iter(self.order()[self.start :])
+        return self._recorded(self.order())
+
+    def _recorded(self, order: list[int]) -> Iterator[int]:
+        record, epoch = self.recorder.append, self.epoch
+        for position in range(self.start, len(order)):
+            record((position, order[position], epoch))
+            yield order[position]
 
 
 #: Sized indexables taken as batches (or refused), never as datasets of rows.
@@ -232,21 +245,56 @@ class DataPosition:
       with a warning, which is exact only if the data comes in the same order.
     """
 
-    def __init__(self, loader: Iterable[Any], grad_accum: int, *, check_rows: bool = False) -> None:
+    def __init__(
+        self,
+        loader: Iterable[Any],
+        grad_accum: int,
+        *,
+        check_rows: bool = False,
+        world_size: int = 1,
+    ) -> None:
         self.loader = loader
         self.grad_accum = grad_accum
         self.check_rows = check_rows  # refuse an iterable that yields rows (the native loop)
+        self.world_size = world_size
         self._positioned = False  # the loader's own state was restored
+        #: The world size the restored checkpoint was saved with, when it was another one.
+        self.resized_from: int | None = None
+
+    def layout(self) -> dict[str, Any]:
+        """How the data is dealt: ranks, per-rank batch, micro-batches per step."""
+        return {
+            "world_size": self.world_size,
+            "batch_size": getattr(self.loader, "batch_size", None),
+            "grad_accum": self.grad_accum,
+        }
 
     def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"layout": self.layout()}
         if callable(getattr(self.loader, "state_dict", None)):
-            return {"loader": self.loader.state_dict()}  # type: ignore[attr-defined]  # checked above
-        return {}
+            state["loader"] = self.loader.state_dict()  # type: ignore[attr-defined]  # checked above
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("layout")  # absent in older checkpoints: not checked
+        exact = isinstance(self.sampler, EpochSampler)
+        # The native loop keeps its global batch; a dialect may change it on a resume as its
+        # original allows (transformers warns), so only a change of ranks is checked there.
+        if (
+            saved is not None
+            and saved != self.layout()
+            and ((exact and self.check_rows) or saved.get("world_size") != self.world_size)
+        ):
+            check_resize(saved, self.layout(), exact=exact, stateful="loader" in state)
+            if saved["world_size"] != self.world_size:
+                self.resized_from = saved["world_size"]
         if "loader" in state and hasattr(self.loader, "load_state_dict"):
             self.loader.load_state_dict(state["loader"])
             self._positioned = True
+
+    @property
+    def sampler(self) -> Any:
+        return getattr(self.loader, "sampler", None)
 
     def epoch(self, epoch: int, epoch_step: int) -> Iterator[Any]:
         """Micro-batches of ``epoch``, starting after ``epoch_step`` optimizer steps."""
@@ -275,6 +323,51 @@ class DataPosition:
             )
             batches = itertools.islice(batches, consumed, None)
         return batches
+
+
+def check_resize(
+    saved: dict[str, Any], now: dict[str, Any], *, exact: bool, stateful: bool
+) -> None:
+    """A resume on another number of ranks: the global batch (ranks x per-rank batch x
+    micro-batches) must stay the same, and the data must be dealt by hookloop's sampler
+    (a loader with a state of its own is restored as saved, with a warning; anything
+    else is refused). Raises ``ValueError`` with one line naming what would fit."""
+    was, now_ranks = saved["world_size"], now["world_size"]
+    if not exact:
+        what = "its own state_dict()" if stateful else "no state (its batches are read again)"
+        if not stateful:
+            raise ConfigError(
+                f"cannot resume with {now_ranks} ranks x {now['grad_accum']} micro-batches a "
+                f"run saved with {was} x {saved.get('grad_accum')}: its train data is a loader "
+                f"with {what}, whose position does not carry over; resume with the saved layout, "
+                "or pass a dataset (hookloop deals it by a global order that does not depend on "
+                "the number of ranks)"
+            )
+        warnings.warn(
+            f"hookloop resume: saved with {was} ranks, resuming with {now_ranks}; the train "
+            f"loader restores {what}, which hookloop cannot check is exact on another number "
+            "of ranks",
+            stacklevel=4,
+        )
+        return
+    sizes = (saved.get("batch_size"), saved.get("grad_accum"))
+    if None in sizes:
+        return
+    global_batch = was * sizes[0] * sizes[1]
+    per_rank, accum = now["batch_size"], now["grad_accum"]
+    if now_ranks * per_rank * accum == global_batch:
+        return
+    fits = [
+        f"data.batch_size={global_batch // (now_ranks * k)} with train.grad_accum={k}"
+        for k in range(1, global_batch + 1)
+        if global_batch % (now_ranks * k) == 0
+    ][:3]
+    hint = "; ".join(fits) if fits else f"no split of {global_batch} over {now_ranks} ranks"
+    raise ConfigError(
+        f"resuming on {now_ranks} ranks a run saved on {was}: the global batch was "
+        f"{global_batch} ({was} ranks x {sizes[0]} per rank x {sizes[1]} micro-batches), now "
+        f"{now_ranks * per_rank * accum}; keep it with {hint}"
+    )
 
 
 def _opened(loader: Iterable[Any], *, keep_rng: bool) -> Iterator[Any]:

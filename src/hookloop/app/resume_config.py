@@ -30,9 +30,7 @@ FROZEN_ON_RESUME: dict[str, str] = {
     "recipe": "the checkpoint holds another recipe's model",
     "model.": "the checkpoint's weights have the saved model's shape",
     "seed": "the data order and the saved data position follow the seed",
-    "data.batch_size": "the saved data position counts batches of the saved size",
     "data.shuffle": "the saved data position indexes the saved order",
-    "train.grad_accum": "the saved data position counts micro-batches per step",
     "optimizer.name": "the saved optimizer state belongs to the saved optimizer",
 }
 

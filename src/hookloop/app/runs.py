@@ -251,12 +251,23 @@ def add_runs_command(subparsers: Any) -> argparse.ArgumentParser:
         "dir", nargs="?", default="runs", help="directory of runs, or one run (default: runs)"
     )
     parser.add_argument("--json", action="store_true", help="one JSON object per run")
+    parser.add_argument(
+        "--verify-ledger",
+        action="store_true",
+        help="check the run's sample ledger (data.ledger=true): nothing lost, nothing repeated",
+    )
     parser.set_defaults(run=main_runs)
     return parser
 
 
 def main_runs(args: argparse.Namespace) -> int:
     """Print the runs under ``args.dir``; raises ValueError if it is not a directory."""
+    if getattr(args, "verify_ledger", False):
+        from hookloop.ledger import verify_ledger
+
+        report = verify_ledger(args.dir)
+        print(report.summary(), file=sys.stdout if report.ok else sys.stderr)
+        return 0 if report.ok else 1
     runs = list_runs(args.dir)
     if getattr(args, "json", False):
         for run in runs:

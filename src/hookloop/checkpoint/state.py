@@ -18,6 +18,7 @@ live state untouched, so that ``resume="auto"`` can try an older one.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import random
@@ -55,6 +56,28 @@ class RNGState:
 
     def state_dict(self) -> dict[str, Any]:
         return _rng_state()
+
+    @staticmethod
+    def for_rank(saved: dict[str, Any], rank: int) -> dict[str, Any]:
+        """The RNG state of ``rank`` in a resume on another number of ranks than the
+        checkpoint's: drawn from rank 0's saved torch state and the rank number, so every
+        rank gets its own streams and a second such resume gets the same ones. (The
+        dropout masks after a change of world size follow the new layout, not the old.)"""
+        torch_state = saved["torch"]
+        digest = hashlib.blake2b(bytes(torch_state.numpy()), digest_size=8, key=b"hookloop-rng")
+        digest.update(rank.to_bytes(8, "little"))
+        seed = int.from_bytes(digest.digest(), "little") >> 1
+        np_state = np.random.RandomState(seed % 2**32).get_state(legacy=True)
+        assert isinstance(np_state, tuple), "a RandomState is always MT19937"
+        derived: dict[str, Any] = {
+            "python": random.Random(seed).getstate(),
+            "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]],
+            "torch": torch.Generator().manual_seed(seed).get_state(),
+        }
+        if "cuda" in saved:
+            derived["cuda"] = saved["cuda"]  # reseeded below, per device, from the same seed
+            derived["cuda_seed"] = seed
+        return derived
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         _set_rng_state(state)
@@ -247,6 +270,8 @@ def _own_share(saved: dict[str, Any], name: str, rank: int, world_size: int) -> 
     per_rank = saved.get(f"{name}_per_rank") or []
     if len(per_rank) == world_size and rank < len(per_rank):
         return per_rank[rank]
+    if name == "rng" and (world_size > 1 or len(per_rank) > 1):
+        return RNGState.for_rank(saved[name], rank)  # another number of ranks: derived
     if world_size > 1:
         warnings.warn(
             f"hookloop resume: checkpoint saved with {len(per_rank) or 1} rank(s), running "
@@ -327,6 +352,8 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+        if "cuda_seed" in state:  # derived for another number of ranks (RNGState.for_rank)
+            torch.cuda.manual_seed_all(state["cuda_seed"])
 
 
 def bare_model(model: torch.nn.Module) -> torch.nn.Module:

@@ -35,7 +35,7 @@ from hookloop.checkpoint.manager import CheckpointManager
 from hookloop.checkpoint.rewind import Rewinder
 from hookloop.compile import check_can_compile, compile_loss, compile_module, unwrap_compiled
 from hookloop.config import CheckpointConfig, Config, TrainConfig
-from hookloop.data import DataPosition, is_map_style, make_loader
+from hookloop.data import DataPosition, EpochSampler, is_map_style, make_loader
 from hookloop.distributed import parallelize, rank_info
 from hookloop.errors import ConfigError
 from hookloop.gcpolicy import GCPolicy
@@ -196,7 +196,11 @@ def build_parts(given: Inputs, dialect: Dialect | None = None) -> tuple[Parts, S
     (dialect.plan_budget or plan_budget)(loaders.train, cfg, progress)
     # A dialect's data comes as its original's does; the native loop refuses rows.
     train = loaders.train if loaders.train is not None else ()
-    position = DataPosition(train, cfg.grad_accum, check_rows=native)
+    position = DataPosition(
+        train, cfg.grad_accum, check_rows=native, world_size=progress.world_size
+    )
+    if config.data.ledger:
+        _add_ledger(callbacks, position, given.out_dir)
     scheduler = make_scheduler(given.scheduler, config, optimizer, progress.max_steps)
     trained = Trained(model, train_model, optimizer, scheduler)
     compute = _compute(given, progress, device)
@@ -234,6 +238,24 @@ def build_parts(given: Inputs, dialect: Dialect | None = None) -> tuple[Parts, S
         stepper, logbook, evaluation, checkpointer, live, dialect,
     )  # fmt: skip
     return parts, _schedule(parts)
+
+
+def _add_ledger(callbacks: CallbackManager, position: DataPosition, out_dir: str | None) -> None:
+    """``data.ledger``: a :class:`~hookloop.ledger.SampleLedger` over the sampler hookloop
+    deals the train data with; refused by name where there is none or no run directory."""
+    from hookloop.ledger import SampleLedger
+
+    sampler = position.sampler
+    if out_dir is None or not isinstance(sampler, EpochSampler):
+        what = (
+            "no out_dir" if out_dir is None else f"train data dealt by a {type(sampler).__name__}"
+        )
+        raise ConfigError(
+            f"data.ledger needs a run directory and a dataset hookloop deals (an object "
+            f"with __getitem__ and __len__); this run has {what}"
+        )
+    batch = getattr(position.loader, "batch_size", None) or 1
+    callbacks.add(SampleLedger(sampler, RunDir(out_dir).root, batch))
 
 
 def _compute(given: Inputs, progress: Progress, device: torch.device) -> Compute:
