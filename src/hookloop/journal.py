@@ -306,6 +306,7 @@ def check_chain(
         problem = _link_problem(record, heads, seen)
         if problem is not None:
             raise ChainError(Path(path), index, record, problem)
+        assert isinstance(claimed, str)  # a record without its hash has a problem above
         heads = {claimed}
         seen.add(claimed)
     return legacy

@@ -304,7 +304,7 @@ def count_sync_points() -> Iterator[SyncCounts]:
         raise RuntimeError("count_sync_points() is already counting in this process")
     counts, depth = SyncCounts(), _Depth()
     saved: list[tuple[Any, str, Any, bool]] = []  # (owner, name, original, own attribute)
-    targets = [(torch.Tensor, name, "host_read") for name in HOST_READS]
+    targets: list[tuple[Any, str, str]] = [(torch.Tensor, name, "host_read") for name in HOST_READS]
     if dist.is_available():
         modules = (dist, dist.distributed_c10d)
         targets += [(m, name, "collective") for m in modules for name in COLLECTIVES]

@@ -17,11 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+from hookloop.control.service import one_line
 from hookloop.runlock import RunDirLocked, holder, run_lock
+
+log = logging.getLogger("hookloop.diloco")
 
 _serving: set[Path] = set()  # output directories a server of this process serves
 
@@ -84,3 +89,15 @@ async def serve_until_signal(
         for signum in handled:
             loop.remove_signal_handler(signum)
     return caught[0] if caught else None
+
+
+def save_then_stop(server: Any, signum: int) -> None:
+    """SIGINT/SIGTERM: save the round reached (unless saving is off), then stop serving."""
+    name, done = signal.Signals(signum).name, server.rounds.sync_round
+    log.warning("diloco: %s at round %d: saving, then stopping", name, done)
+    if server.save_every_n_rounds > 0 and server.running:
+        try:
+            server.save_state()
+        except Exception as err:  # the stop goes on; the checkpoint before stays newest
+            log.error("diloco: saving round %d failed (%s)", done, one_line(err))
+    server.request_stop()

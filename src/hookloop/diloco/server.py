@@ -72,7 +72,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -80,13 +79,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hookloop.control.service import (
-    Address,
-    Serving,
-    bearer_matches,
-    is_loopback,
-    one_line,
-)
+from hookloop.control.service import Address, Serving, bearer_matches, is_loopback, one_line
 from hookloop.diloco import admin, lifecycle, options, storage
 from hookloop.diloco.contributions import Contributions, worker_id_in
 from hookloop.diloco.membership import Caller
@@ -353,6 +346,10 @@ class DiLoCoServer:
         return self.rounds.global_params()
 
     @property
+    def running(self) -> bool:
+        return self._running
+
+    @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
@@ -576,14 +573,7 @@ class DiLoCoServer:
         return await lifecycle.serve_until_signal(lambda: self.serve(ready), self._on_signal)
 
     def _on_signal(self, signum: int) -> None:
-        name, done = signal.Signals(signum).name, self.rounds.sync_round
-        log.warning("diloco: %s at round %d: saving, then stopping", name, done)
-        if self.save_every_n_rounds > 0 and self._running:
-            try:
-                self.save_state()
-            except Exception as err:  # the stop goes on; the checkpoint before stays newest
-                log.error("diloco: saving round %d failed (%s)", done, one_line(err))
-        self.request_stop()
+        lifecycle.save_then_stop(self, signum)
 
     def run(self) -> None:
         """Serve in this thread until shut down; Ctrl-C (or SIGTERM) saves first, as in

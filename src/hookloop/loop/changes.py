@@ -42,7 +42,9 @@ def read_changes(path: Path) -> list[dict[str, Any]]:
     return read_records(path, strict=True, check=_is_change, what=CHANGE_RECORD)
 
 
-def read_replayable(path: Path, skip: Collection[str] = (), *, warn: bool = True) -> list[dict]:
+def read_replayable(
+    path: Path, skip: Collection[str] = (), *, warn: bool = True
+) -> list[dict[str, Any]]:
     """The records of ``path`` a resume or a replay may apply: every line a change record,
     the chain whole, none repeating an id; ``skip`` (``--skip-change`` ids) left out.
 

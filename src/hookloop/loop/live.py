@@ -71,6 +71,7 @@ from hookloop.loop.live_values import (
     SettingChange,
     SettingError,
     check_groups,
+    check_recorded,
     fixed_keys,
     interval,
     plain,
@@ -381,7 +382,9 @@ class LiveSettings:
             applied.extend(changes)
         return applied
 
-    def _apply_one(self, ident: str, asked: dict[str, Any]) -> tuple[dict, list[SettingChange]]:
+    def _apply_one(
+        self, ident: str, asked: dict[str, Any]
+    ) -> tuple[dict[str, Any], list[SettingChange]]:
         """Check, set, verify, record (in that order); on any failure put the old values
         back and raise :class:`SettingError` with the reason."""
         values = self.check(asked["values"])
@@ -538,7 +541,8 @@ class LiveSettings:
         for record in records or ():
             if record["id"] in done or record["step"] < step:
                 continue
-            self._check_recorded(record, source)
+            assert source is not None  # records come from a run directory
+            check_recorded(record, source.changes)
             entry = {
                 "values": record["values"],
                 "client": record.get("client") or "unknown",
@@ -557,20 +561,6 @@ class LiveSettings:
         """The records of ``source`` a replay may apply (chain checked, ``--skip-change``
         ids left out), or a one-line ConfigError naming the first that is not."""
         return read_replayable(source.changes, self.skip_changes)
-
-    @staticmethod
-    def _check_recorded(record: dict[str, Any], source: RunDir) -> None:
-        """Each value of a record to replay within its key's range, checked before any
-        step is trained (a one-line ConfigError naming the record and ``--skip-change``)."""
-        for key, value in record["values"].items():
-            check = OPTIMIZER_CHECKS.get(key.split("@")[0])
-            try:
-                positive(key, value) if key == "lr_scale" else check and check(key, value)
-            except SettingError as err:
-                raise ConfigError(
-                    f"{source.changes}: change {describe(record)} cannot be applied: "
-                    f"{err}; to go on without it, add --skip-change {record['id']}"
-                ) from None
 
     def _set_aside(self) -> None:
         """A former run's ``changes.jsonl`` becomes ``changes-<time>.jsonl`` (rank 0)."""

@@ -156,6 +156,23 @@ OPTIMIZER_CHECKS = {
 ALLOWED = {"lr": "(0, 1000]", "weight_decay": "[0, 1000]", "eps": "(0, 1000]"}
 
 
+def check_recorded(record: dict[str, Any], changes: Any) -> None:
+    """Each value of a record to replay within its key's range, checked before any step is
+    trained (a one-line ConfigError naming the record in ``changes`` and ``--skip-change``)."""
+    from hookloop.errors import ConfigError
+    from hookloop.loop.changes import describe
+
+    for key, value in record["values"].items():
+        check = OPTIMIZER_CHECKS.get(key.split("@")[0])
+        try:
+            positive(key, value) if key == "lr_scale" else check and check(key, value)
+        except SettingError as err:
+            raise ConfigError(
+                f"{changes}: change {describe(record)} cannot be applied: "
+                f"{err}; to go on without it, add --skip-change {record['id']}"
+            ) from None
+
+
 def check_groups(groups: list[dict[str, Any]], peaks: list[float]) -> None:
     """Every parameter group's ``lr`` (its schedule's peak, ``peaks``), ``weight_decay``
     and ``eps`` at most :data:`MAX_RATE` and finite in its parameters' dtype
