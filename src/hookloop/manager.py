@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import sys
 from collections.abc import Callable, Iterable
+from types import FrameType
 from typing import Any, overload
 
 from hookloop.callback import Callback, Stateful
@@ -518,6 +519,25 @@ def _filtered(
 
     filtered.__qualname__ = getattr(fn, "__qualname__", repr(fn))
     return filtered
+
+
+def dispatch_in(frame: FrameType | None) -> tuple[str, str] | None:
+    """``(event, callback)`` of the innermost dispatch running in ``frame``'s stack, or None.
+
+    For a watchdog thread reading another thread's stack (``sys._current_frames()``): the
+    hot path records nothing, the dispatch's own locals say where it is.
+    """
+    while frame is not None:
+        if frame.f_code in _DISPATCH_CODES:
+            names = frame.f_locals
+            manager, handler = names.get("self"), names.get("handler")
+            if isinstance(manager, CallbackManager) and handler is not None:
+                return str(names.get("event")), manager.label_of(handler)
+        frame = frame.f_back
+    return None
+
+
+_DISPATCH_CODES = (CallbackManager.fire.__code__, CallbackManager._go_on.__code__)
 
 
 def _identity(handler: Handler) -> int:

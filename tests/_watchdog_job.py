@@ -1,0 +1,82 @@
+"""A two-rank job whose rank 1 hangs at step 3, for tests/test_watchdog.py (not collected).
+
+    python tests/_watchdog_job.py MODE OUT [KEY=VALUE ...]
+
+with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set per rank. MODE ``stop``: rank 1
+stops itself (SIGSTOP) in a callback; ``loop``: rank 1 loops forever in a callback;
+``plain``: nobody hangs, but rank 0's ``on_train_end`` outlasts the watchdog's deadline
+after rank 1 is done. Each rank that returns from training writes ``result-rankN.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from hookloop import Callback, CallbackContext
+from hookloop.config import apply_overrides
+from hookloop.distributed import init_from_env, leave_process_group, rank_info
+from hookloop.entry import build_trainer
+from hookloop.recipes import default_config
+
+HANG_STEP = 3
+
+
+class StopAtStep(Callback):
+    """Rank 1 stops itself at step 3: after a pause, so a heartbeat records where it is
+    (a real stop comes at any time; the beat before it is what the others are shown)."""
+
+    def __init__(self, pause: float) -> None:
+        self.pause = pause
+
+    def on_train_step_end(self, ctx: CallbackContext) -> None:
+        if ctx.state.rank == 1 and ctx.state.step == HANG_STEP:
+            time.sleep(self.pause)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def spin_forever() -> int:
+    """A callback's own bug: a loop that never ends."""
+    turns = 0
+    while True:
+        turns += 1
+
+
+class LoopAtStep(Callback):
+    def on_train_step_end(self, ctx: CallbackContext) -> None:
+        if ctx.state.rank == 1 and ctx.state.step == HANG_STEP:
+            spin_forever()
+
+
+class SlowEnd(Callback):
+    """Rank 0 ends training long after rank 1 is done."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_end(self, ctx: CallbackContext) -> None:
+        if ctx.state.rank == 0:
+            time.sleep(self.seconds)
+
+
+def main() -> None:
+    mode, out, *overrides = sys.argv[1:]
+    init_from_env()
+    rank, _, _ = rank_info()
+    cfg = default_config("mlp-regression")
+    apply_overrides(cfg, ["data.batch_size=16", "train.max_steps=8", *overrides])
+    trainer = build_trainer(cfg, out_dir=out)
+    deadline = float(cfg.train.watchdog_seconds)
+    hang = {"stop": StopAtStep(pause=deadline * 2 / 3), "loop": LoopAtStep()}
+    trainer.callbacks.add(hang.get(mode) or SlowEnd(seconds=deadline * 2))
+    result = trainer.train()
+    Path(out, f"result-rank{rank}.json").write_text(json.dumps({"step": result.step}))
+    leave_process_group()
+
+
+if __name__ == "__main__":
+    main()
