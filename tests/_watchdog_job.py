@@ -19,6 +19,10 @@ from pathlib import Path
 
 from hookloop import Callback, CallbackContext
 from hookloop.config import apply_overrides
+from hookloop.control.cli import format_status
+from hookloop.control.client import JobClient
+from hookloop.control.registry import find_job
+from hookloop.control.server import ControlServer
 from hookloop.distributed import init_from_env, leave_process_group, rank_info
 from hookloop.entry import build_trainer
 from hookloop.recipes import default_config
@@ -53,14 +57,28 @@ class LoopAtStep(Callback):
 
 
 class SlowEnd(Callback):
-    """Rank 0 ends training long after rank 1 is done."""
+    """Rank 0 ends training long after rank 1 is done; meanwhile it reads its own status
+    the way ``hookloop ctl JOB status`` does, until it shows rank 1 finished."""
 
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
+    def __init__(self, seconds: float, out: str) -> None:
+        self.seconds, self.out = seconds, out
 
     def on_train_end(self, ctx: CallbackContext) -> None:
-        if ctx.state.rank == 0:
-            time.sleep(self.seconds)
+        if ctx.state.rank != 0:
+            return
+        until = time.monotonic() + self.seconds
+        client = JobClient.from_record(find_job(f"watchdog-{os.getpid()}"))
+        status = client.status()
+        while time.monotonic() < until and not _shows_rank_1_finished(status):
+            time.sleep(0.1)
+            status = client.status()
+        shown = {"ranks": status.get("ranks"), "text": format_status(status)}
+        Path(self.out, "status.json").write_text(json.dumps(shown))
+        time.sleep(max(0.0, until - time.monotonic()))
+
+
+def _shows_rank_1_finished(status: dict) -> bool:
+    return any(row["rank"] == 1 and row["state"] == "finished" for row in status["ranks"] or [])
 
 
 def main() -> None:
@@ -72,7 +90,11 @@ def main() -> None:
     trainer = build_trainer(cfg, out_dir=out)
     deadline = float(cfg.train.watchdog_seconds)
     hang = {"stop": StopAtStep(pause=deadline * 2 / 3), "loop": LoopAtStep()}
-    trainer.callbacks.add(hang.get(mode) or SlowEnd(seconds=deadline * 2))
+    if mode == "plain":
+        trainer.callbacks.add([ControlServer(job_id=f"watchdog-{os.getpid()}", required=True),
+                               SlowEnd(seconds=deadline * 2, out=out)])  # fmt: skip
+    else:
+        trainer.callbacks.add(hang[mode])
     result = trainer.train()
     Path(out, f"result-rank{rank}.json").write_text(json.dumps({"step": result.step}))
     leave_process_group()

@@ -235,10 +235,14 @@ class Watch:
                 return Verdict(rank, f"stuck for {stuck:.1f} s", beat, now - stuck,
                                float(beat["deadline"]))  # fmt: skip
         since = self._unanswered_since
-        if since is not None and 0 in others and now - since > deadline:
+        if since is not None:  # nothing could be read: only the store's host can be named
+            host = self.beats.get(0, {})
+            limit = max(deadline, float(host.get("deadline") or 0.0))
             silent = now - self.seen.get(0, since)
+            if 0 not in others or silent <= limit:
+                return None
             return Verdict(0, f"its store stopped answering; no heartbeat for {silent:.1f} s",
-                           self.beats.get(0, {}), now - silent, deadline)  # fmt: skip
+                           host, now - silent, limit)  # fmt: skip
         for rank in others:
             beat = self.beats.get(rank, {})
             limit = max(deadline, float(beat.get("deadline") or 0.0))
@@ -590,7 +594,8 @@ def _rank_rows(watch: Watch, now: float) -> list[dict[str, Any]]:
         where = Where(beat["event"], beat["callback"], beat["collective"], beat["frame"])
         rows.append({
             "rank": rank, "host": beat["host"], "pid": beat["pid"], "state": beat["state"],
-            "step": beat["step"], "where": where.describe(),
+            "step": beat["step"],
+            "where": where.describe() if beat["state"] in ("running", "hung") else "-",
             "age_s": round(now - watch.seen.get(rank, now), 1),
         })  # fmt: skip
     return rows
