@@ -3,9 +3,10 @@
     python tests/_watchdog_job.py MODE OUT [KEY=VALUE ...]
 
 with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set per rank. MODE ``stop``: rank 1
-stops itself (SIGSTOP) in a callback; ``loop``: rank 1 loops forever in a callback;
-``plain``: nobody hangs, but rank 0's ``on_train_end`` outlasts the watchdog's deadline
-after rank 1 is done. Each rank that returns from training writes ``result-rankN.json``.
+stops itself (SIGSTOP) in a callback (``stop-rank-0``: rank 0 does); ``loop``: rank 1
+loops forever in a callback; ``plain``: nobody hangs, but rank 0's ``on_train_end``
+outlasts the watchdog's deadline after rank 1 is done. Each rank that returns from
+training writes ``result-rankN.json``.
 """
 
 from __future__ import annotations
@@ -31,14 +32,14 @@ HANG_STEP = 3
 
 
 class StopAtStep(Callback):
-    """Rank 1 stops itself at step 3: after a pause, so a heartbeat records where it is
-    (a real stop comes at any time; the beat before it is what the others are shown)."""
+    """Rank ``rank`` stops itself at step 3: after a pause, so a heartbeat records where it
+    is (a real stop comes at any time; the beat before it is what the others are shown)."""
 
-    def __init__(self, pause: float) -> None:
-        self.pause = pause
+    def __init__(self, pause: float, rank: int = 1) -> None:
+        self.pause, self.rank = pause, rank
 
     def on_train_step_end(self, ctx: CallbackContext) -> None:
-        if ctx.state.rank == 1 and ctx.state.step == HANG_STEP:
+        if ctx.state.rank == self.rank and ctx.state.step == HANG_STEP:
             time.sleep(self.pause)
             os.kill(os.getpid(), signal.SIGSTOP)
 
@@ -89,7 +90,11 @@ def main() -> None:
     apply_overrides(cfg, ["data.batch_size=16", "train.max_steps=8", *overrides])
     trainer = build_trainer(cfg, out_dir=out)
     deadline = float(cfg.train.watchdog_seconds)
-    hang = {"stop": StopAtStep(pause=deadline * 2 / 3), "loop": LoopAtStep()}
+    hang = {
+        "stop": StopAtStep(pause=deadline * 2 / 3),
+        "stop-rank-0": StopAtStep(pause=deadline * 2 / 3, rank=0),  # the store's host
+        "loop": LoopAtStep(),
+    }
     if mode == "plain":
         trainer.callbacks.add([ControlServer(job_id=f"watchdog-{os.getpid()}", required=True),
                                SlowEnd(seconds=deadline * 2, out=out)])  # fmt: skip

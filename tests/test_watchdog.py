@@ -103,16 +103,25 @@ def _progress_lines(out: Path) -> list[list[str]]:
 
 
 @pytest.mark.slow
-def test_a_stopped_rank_is_named_by_the_other_which_exits_with_the_documented_code(tmp_path):
-    with two_ranks("stop", tmp_path) as (rank0, rank1):
-        code = rank0.wait(timeout=JOB_TIMEOUT)
-        assert rank1.poll() is None  # still there, stopped: only the test can end it
-        said = _log(tmp_path, 0)
+@pytest.mark.parametrize(
+    ("mode", "culprit", "why"),
+    [("stop", 1, "no heartbeat for"),
+     # rank 0 serves the store: the other rank's calls go unanswered, which names it
+     ("stop-rank-0", 0, "its store stopped answering; no heartbeat for")],
+)  # fmt: skip
+def test_a_stopped_rank_is_named_by_the_other_which_exits_with_the_documented_code(
+    tmp_path, mode, culprit, why
+):
+    witness = 1 - culprit
+    with two_ranks(mode, tmp_path) as procs:
+        code = procs[witness].wait(timeout=JOB_TIMEOUT)
+        assert procs[culprit].poll() is None  # still there, stopped: only the test ends it
+        said = _log(tmp_path, witness)
     assert code == HUNG_EXIT == 5, said[-4000:]
-    host = socket.gethostname()
+    host, pid = socket.gethostname(), procs[culprit].pid
     assert (
-        f"hookloop watchdog: rank 1 of 2 (host {host}, pid {rank1.pid}) hangs at step 3, "
-        "callback StopAtStep (on_train_step_end): no heartbeat for "
+        f"hookloop watchdog: rank {culprit} of 2 (host {host}, pid {pid}) hangs at step 3, "
+        f"callback StopAtStep (on_train_step_end): {why} "
     ) in said
     # The watchdog's own clock: named within 5 s of its deadline, gone within 15 s of the
     # last heartbeat (the stop).
@@ -121,10 +130,10 @@ def test_a_stopped_rank_is_named_by_the_other_which_exits_with_the_documented_co
     assert _seconds(r"exiting with code 5, ([\d.]+) s after the hang began", said) <= 15
     assert "Nothing saved: a checkpoint needs every rank" in said
     assert said.index("hangs at step 3") < said.index("exiting with code 5")
-    [line] = _progress_lines(tmp_path)
-    assert line[4:9] == ["Rank: 1", f"Host: {host}", f"Pid: {rank1.pid}", "Iteration: 3",
+    [line] = _progress_lines(tmp_path)  # written once, by the witness
+    assert line[4:9] == [f"Rank: {culprit}", f"Host: {host}", f"Pid: {pid}", "Iteration: 3",
                          "Where: callback StopAtStep (on_train_step_end)"]  # fmt: skip
-    assert not (tmp_path / "result-rank0.json").exists()  # it did not go on training
+    assert not (tmp_path / f"result-rank{witness}.json").exists()  # it did not go on
 
 
 @pytest.mark.slow

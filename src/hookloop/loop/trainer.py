@@ -196,8 +196,8 @@ class Trainer:
         self.schedule.begin()
         self.stepper.bind()  # to the optimizer trained with now
         restore_signals = p.signals.install() if cfg.handle_signals else None
-        p.watchdog.start()  # several ranks: one that hangs is named, not waited for
         try:
+            p.watchdog.start()  # several ranks: one that hangs is named, not waited for
             if self.resume is not None and self.checkpoints is not None:
                 self.checkpointer.resume(self.resume)
             # live changes past the restored step, or those of the run --replay names
