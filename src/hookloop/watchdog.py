@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
-from typing import Any, TextIO
+from typing import Any
 
 import torch.distributed as dist
 
@@ -89,6 +89,11 @@ class Where:
     callback: str | None = None
     collective: str | None = None
     frame: str | None = None
+
+    @classmethod
+    def of_beat(cls, beat: Mapping[str, Any]) -> Where:
+        """Where a beat says its rank was."""
+        return cls(*(beat.get(key) for key in ("event", "callback", "collective", "frame")))
 
     def describe(self) -> str:
         """``collective: agree_flags``, ``callback Foo (on_log)``, both, or the frame."""
@@ -255,8 +260,7 @@ class Watch:
 def message(verdict: Verdict, world: int, latest: str | None) -> str:
     """What every rank still running prints: the culprit, where, why, what is saved."""
     beat = verdict.beat
-    where = Where(beat.get("event"), beat.get("callback"), beat.get("collective"),
-                  beat.get("frame"))  # fmt: skip
+    where = Where.of_beat(beat)
     who = f"rank {verdict.rank} of {world}"
     if beat:
         who += f" (host {beat['host']}, pid {beat['pid']})"
@@ -285,14 +289,10 @@ class Watchdog:
         progress: Progress,
         setting: float | str | None,
         run_dir: RunDir | None = None,
-        *,
         beat_seconds: float = BEAT_SECONDS,
-        err: TextIO | None = None,
-        exit: Callable[[int], object] = os._exit,
     ) -> None:
         self.progress, self.setting, self.run_dir = progress, setting, run_dir
         self.beat_seconds = beat_seconds
-        self._err, self._exit = err, exit
         self._calls = StoreCalls(None)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -302,14 +302,10 @@ class Watchdog:
         self._watch = Watch(0, 1)
         self._deadline: float = AUTO_FLOOR
 
-    @property
-    def running(self) -> bool:
-        return self._thread is not None
-
     def start(self) -> None:
         """Open the store (rank 0 serves it), beat once, and start the thread."""
         rank, world = self.progress.rank, self.progress.world_size
-        if world <= 1 or deadline_for(self.setting, 0.0) is None or self.running:
+        if world <= 1 or deadline_for(self.setting, 0.0) is None or self._thread is not None:
             return
         self._training_thread = threading.get_ident()
         self._calls = StoreCalls(_open_store(rank, world))
@@ -433,7 +429,7 @@ class Watchdog:
     def _give_up(self, beat: Mapping[str, Any]) -> None:
         """This rank is the stuck one: say where, wait (bounded) until the others have read
         its stack, exit."""
-        where = Where(beat["event"], beat["callback"], beat["collective"], beat["frame"])
+        where = Where.of_beat(beat)
         self._say(
             f"hookloop watchdog: this rank ({beat['rank']}) hangs at step {beat['step']}, "
             f"{where.describe()}: stuck for {beat['stuck_s']:.1f} s while other ranks wait "
@@ -455,11 +451,10 @@ class Watchdog:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):  # a closed stream: nothing to flush
                 stream.flush()
-        self._exit(HUNG_EXIT)
+        os._exit(HUNG_EXIT)
 
     def _say(self, text: str) -> None:
-        stream = self._err or sys.stderr
-        print(text, file=stream, flush=True)
+        print(text, file=sys.stderr, flush=True)
 
     def _append_progress(self, verdict: Verdict) -> None:
         if self.run_dir is None or not self.run_dir.root.is_dir():
@@ -500,8 +495,7 @@ class Watchdog:
 def progress_line(verdict: Verdict, world: int, now: float) -> str:
     """The ``progress.txt`` line (:mod:`hookloop.callbacks.progress_log`'s format)."""
     beat = verdict.beat
-    where = Where(beat.get("event"), beat.get("callback"), beat.get("collective"),
-                  beat.get("frame"))  # fmt: skip
+    where = Where.of_beat(beat)
     job = os.environ.get("SLURM_JOB_ID") or f"local-{os.getpid()}"
     fields = [
         time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)), f"Job ID: {job}",
@@ -591,7 +585,7 @@ def _rank_rows(watch: Watch, now: float) -> list[dict[str, Any]]:
         if beat is None:
             rows.append({"rank": rank, "state": "not started", "age_s": None})
             continue
-        where = Where(beat["event"], beat["callback"], beat["collective"], beat["frame"])
+        where = Where.of_beat(beat)
         rows.append({
             "rank": rank, "host": beat["host"], "pid": beat["pid"], "state": beat["state"],
             "step": beat["step"],
