@@ -57,7 +57,7 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def two_ranks(mode: str, out: Path, *overrides: str) -> Iterator[list[subprocess.Popen]]:
+def two_ranks(mode: str, out: Path, deadline: float = DEADLINE) -> Iterator[list[subprocess.Popen]]:
     """Both ranks of the job, each in a session of its own with its output in
     ``out/rankN.log``; on the way out every rank still there is killed and reaped."""
     out.mkdir(parents=True, exist_ok=True)
@@ -74,8 +74,7 @@ def two_ranks(mode: str, out: Path, *overrides: str) -> Iterator[list[subprocess
             }  # fmt: skip
             with open(out / f"rank{rank}.log", "w") as log:
                 procs.append(subprocess.Popen(
-                    [sys.executable, JOB, mode, str(out), f"train.watchdog_seconds={DEADLINE}",
-                     *overrides],
+                    [sys.executable, JOB, mode, str(out), f"train.watchdog_seconds={deadline}"],
                     env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 ))  # fmt: skip
         yield procs
@@ -159,7 +158,8 @@ def test_a_run_where_nobody_hangs_finishes_and_a_rank_done_first_is_not_reported
     # Rank 0's on_train_end lasts twice the deadline after rank 1 is done: rank 1 is not
     # reported, and rank 0, alone in its callback, waits on nobody. Meanwhile it reads its
     # status as `hookloop ctl JOB status` does.
-    with two_ranks("plain", tmp_path) as (rank0, rank1):
+    # A longer deadline than the hangs': a loaded machine must not make a false one.
+    with two_ranks("plain", tmp_path, deadline=5.0) as (rank0, rank1):
         codes = [rank0.wait(timeout=JOB_TIMEOUT), rank1.wait(timeout=JOB_TIMEOUT)]
         logs = [_log(tmp_path, 0), _log(tmp_path, 1)]
     assert codes == [0, 0], logs
