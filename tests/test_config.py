@@ -12,6 +12,7 @@ from hookloop.recipes import default_config
 #: add the new key here in the same change that adds it to hookloop.config.
 BASE_KEYS = {
     "train.parallel",
+    "train.watchdog_seconds",
     "logging.tensorboard",
     "logging.wandb",
     "logging.wandb_project",

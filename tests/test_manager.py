@@ -214,6 +214,61 @@ def test_firing_an_unhandled_event_calls_no_python_function():
     assert called == ["fire", "fire", "on_log"]
 
 
+def test_a_handler_that_changes_the_callbacks_changes_the_dispatch_it_runs_in():
+    # As transformers' CallbackHandler: an added handler runs in this same dispatch, a removed
+    # one that has not run yet does not, and handlers already run do not run twice.
+    manager, ran = CallbackManager(), []
+
+    def later(ctx):
+        ran.append("later")
+
+    def added(ctx):
+        ran.append("added")
+        if chained not in manager.list_callbacks("on_log"):  # an edit in an edited dispatch
+            manager.register("on_log", chained, priority=40)
+
+    def chained(ctx):
+        ran.append("chained")
+
+    def editor(ctx):
+        ran.append("editor")
+        if not manager.list_callbacks("on_log").count(added):  # the first dispatch only
+            manager.remove(later)
+            manager.register("on_log", added, priority=30)
+
+    manager.register("on_log", lambda ctx: ran.append("first"), priority=10)
+    manager.register("on_log", editor, priority=20)
+    manager.register("on_log", later, priority=25)
+    manager.fire("on_log", CallbackContext())
+    assert ran == ["first", "editor", "added", "chained"]
+    ran.clear()
+    manager.fire("on_log", CallbackContext())  # the next dispatch runs the list as it is now
+    assert ran == ["first", "editor", "added", "chained"]
+
+
+def test_a_failure_after_an_edit_in_the_dispatch_is_attributed_to_its_callback():
+    manager = CallbackManager()
+
+    def broken(ctx):
+        raise RuntimeError("boom")
+
+    manager.register("on_log", lambda ctx: manager.register("on_log", broken, priority=90))
+    with pytest.raises(RuntimeError) as info:
+        manager.fire("on_log", CallbackContext())
+    assert info.value.__notes__ == [
+        "hookloop: raised by callback "
+        "'test_a_failure_after_an_edit_in_the_dispatch_is_attributed_to_its_callback.<locals>"
+        ".broken' during event 'on_log'"
+    ]
+
+
+def test_an_edit_leaves_the_lists_of_events_it_did_not_change_alone():
+    manager = CallbackManager(OnlyLog())
+    before = manager.index["on_log"]
+    manager.register("on_train_start", lambda ctx: None)
+    assert manager.index["on_log"] is before and before.retired is None
+
+
 # -- registration errors -------------------------------------------------------------------
 
 

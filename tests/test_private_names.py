@@ -49,6 +49,10 @@ THIRD_PARTY = {
         "torch documents the memory snapshot API under this name",
     ("checkpoint/storage.py", "os._exit"): "documented in the standard library (crash tests)",
     ("tune/worker.py", "os._exit"): "documented in the standard library",
+    ("watchdog.py", "os._exit"):
+        "documented in the standard library: a thread ends a process whose main thread is stuck",
+    ("watchdog.py", "sys._current_frames"):
+        "documented in the standard library: the one way to read another thread's stack",
     ("compat/megatron_bridge/training/megatron_core.py",
      "inner._copy_main_params_to_param_buffer"):
         "Megatron-Core's DistributedOptimizer refreshes its mxfp8 buffer only under this name",

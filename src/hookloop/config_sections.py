@@ -211,6 +211,11 @@ class TrainConfig:
     )
     log_timers: bool = opt(False, "Add the loop timers (ms per step) to each log.")
     log_num_zeros_in_grad: bool = opt(False, "Log the count of zero gradient elements.")
+    watchdog_seconds: float | Literal["auto"] | None = opt(
+        "auto",
+        "With several ranks: a rank silent or stuck in one callback this long hangs; the others "
+        "name it and exit 5 ('auto': max(10, 3 x slowest of 20 steps); null or 0: off).",
+    )
 
     def validate(self) -> None:
         for name in (
@@ -265,6 +270,20 @@ class TrainConfig:
         if self.log_timers and self.timers == "off":
             raise ConfigError(
                 "train.log_timers needs the timers: set train.timers to 'on' or 'sync'"
+            )
+        wd = self.watchdog_seconds
+        if (
+            wd != "auto"
+            and wd is not None
+            and (
+                isinstance(wd, bool)
+                or not isinstance(wd, (int, float))
+                or not 0 <= wd < float("inf")
+            )
+        ):
+            raise ConfigError(
+                f"train.watchdog_seconds must be 'auto', a number of seconds >= 0 or null "
+                f"(0 and null: off), got {wd!r}"
             )
         parallel_modes = typing.get_args(type_hints(TrainConfig)["parallel"])
         if self.parallel not in parallel_modes:

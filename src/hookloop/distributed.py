@@ -18,6 +18,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
+from types import FrameType
 from typing import Any, TypeVar
 
 import torch
@@ -359,3 +360,23 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+#: hookloop's own agreement collectives, as a watchdog names them (hookloop.watchdog).
+COLLECTIVES = frozenset({
+    "agree_flags", "all_reduce_sum", "all_reduce_mean", "gather_objects", "all_gather_tensor",
+    "barrier", "broadcast_object", "leave_process_group",
+})  # fmt: skip
+
+
+def collective_in(frame: FrameType | None) -> str | None:
+    """The innermost of hookloop's collectives running in ``frame``'s stack, or None.
+
+    Read from the stack by a watchdog thread, so the collectives themselves record nothing.
+    """
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in COLLECTIVES and code.co_filename == __file__:
+            return code.co_name
+        frame = frame.f_back
+    return None

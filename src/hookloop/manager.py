@@ -1,10 +1,17 @@
 """CallbackManager: registration, ordering, and dispatch of events.
 
 Dispatch is precomputed. Whenever the set of callbacks changes, the manager
-rebuilds one ``event -> tuple of bound handlers`` index, sorted by priority
+rebuilds one ``event -> list of bound handlers`` index, sorted by priority
 (ties keep registration order) and leaving out every method a callback did not
-override. Firing an event is then one dict lookup and a loop over that tuple;
-an event nobody handles loops over an empty tuple.
+override. Firing an event is then one dict lookup and a plain ``for`` loop over
+that list, which costs what a loop over bound methods costs; an event nobody
+handles returns at once.
+
+A handler that adds or removes callbacks changes its own dispatch, as
+transformers' CallbackHandler does: the rebuild *retires* each list whose handlers
+changed (empties it, keeping what it held), which ends any loop running over it
+after the current handler; the dispatch then goes on over the new list with the
+handlers that have not run yet. Only a dispatch whose list changed pays for this.
 
 Profiling (:meth:`CallbackManager.profile`) rebuilds the same index with each
 handler wrapped in a timer, and switching it off rebuilds it bare: the
@@ -16,6 +23,7 @@ from __future__ import annotations
 import itertools
 import sys
 from collections.abc import Callable, Iterable
+from types import FrameType
 from typing import Any, overload
 
 from hookloop.callback import Callback, Stateful
@@ -32,6 +40,18 @@ from hookloop.profile import CallbackProfile, publish
 from hookloop.state import CallbackContext
 
 Handler = Callable[[CallbackContext], Any]
+
+
+class Handlers(list):  # type: ignore[type-arg]  # a list of Handler
+    """One event's handlers in order. ``retired`` is what it held until the callbacks
+    changed (it is then empty), or None while it is the live one."""
+
+    __slots__ = ("retired",)
+
+    def __init__(self, handlers: Iterable[Handler] = ()) -> None:
+        super().__init__(handlers)
+        self.retired: tuple[Handler, ...] | None = None
+
 
 _BASE_METHODS = {name: getattr(Callback, name) for name in EVENT_NAMES}
 
@@ -67,8 +87,8 @@ class CallbackManager:
         self._registrations: list[_Registration] = []
         self._callbacks: list[Callback] = []
         self._seq = itertools.count()
-        # The live index: every valid event is a key, unhandled ones map to ().
-        self._index: dict[str, tuple[Handler, ...]] = dict.fromkeys(EVENT_NAMES, ())
+        # The live index: every valid event is a key, unhandled ones map to an empty list.
+        self._index: dict[str, Handlers] = {event: Handlers() for event in EVENT_NAMES}
         self._profile: CallbackProfile | None = None
         self.user_state: dict[str, Any] = {}
         if callbacks is not None:
@@ -215,9 +235,15 @@ class CallbackManager:
         for reg in ordered:
             call = reg.call if prof is None else prof.wrap(reg.seq, reg.label, reg.event, reg.call)
             fresh[reg.event].append(call)
-        # Update in place: the Trainer keeps a reference to this very dict.
+        # Update in place: the Trainer keeps a reference to this very dict. A list whose
+        # handlers changed is retired (emptied), which ends a dispatch running over it.
         for event, calls in fresh.items():
-            self._index[event] = tuple(calls)
+            old = self._index[event]
+            if list.__eq__(old, calls):
+                continue
+            old.retired = tuple(old)
+            old.clear()
+            self._index[event] = Handlers(calls)
 
     # -- profiling ---------------------------------------------------------
     def profile(self, enabled: bool = True) -> CallbackProfile | None:
@@ -254,9 +280,13 @@ class CallbackManager:
         return list(self._callbacks)
 
     @property
-    def index(self) -> dict[str, tuple[Handler, ...]]:
+    def index(self) -> dict[str, Handlers]:
         """The live event -> handlers mapping (read it, never modify it)."""
         return self._index
+
+    def label_of(self, handler: object) -> str:
+        """Who registered ``handler`` (a callback's name or a function's qualified name)."""
+        return self._label_of(handler)
 
     def has_callbacks(self, event: str) -> bool:
         return bool(self._index[check_event(event)])
@@ -316,24 +346,36 @@ class CallbackManager:
         if not handlers:
             return
         handler: Handler | None = None
-        current, i = handlers, 0
-        called: set[int] | None = None
         try:
-            while i < len(current):
-                handler = current[i]
-                i += 1
+            for handler in handlers:
                 handler(ctx)
-                if self._index[event] is not current:
-                    # A handler added or removed callbacks: this dispatch goes on with the
-                    # handlers now registered that have not run yet (an added one runs
-                    # now, a removed one does not), as transformers' CallbackHandler does.
-                    called = set() if called is None else called
-                    called.update(_identity(h) for h in current[:i])
-                    current = tuple(h for h in self._index[event] if _identity(h) not in called)
-                    i = 0
+            if handlers.retired is not None:  # a handler changed the callbacks
+                self._go_on(event, ctx, handlers, handler)
         except Exception as exc:
             self._handler_failed(event, handler, ctx, exc)
             raise
+
+    def _go_on(self, event: str, ctx: CallbackContext, ran: Handlers, last: object) -> None:
+        """Finish a dispatch whose handlers changed while it ran: the handlers now
+        registered that have not run yet (an added one runs now, a removed one does not)."""
+        called: set[int] = set()
+        handler: Handler | None = None
+        while ran.retired is not None:
+            before = ran.retired
+            upto = next(i for i, h in enumerate(before) if h is last)
+            called.update(_identity(h) for h in before[: upto + 1])
+            ran = self._index[event]
+            for handler in [h for h in ran if _identity(h) not in called]:
+                try:
+                    handler(ctx)
+                except Exception as exc:
+                    self._handler_failed(event, handler, ctx, exc)
+                    raise
+                last = handler
+                if ran.retired is not None:
+                    break
+            else:
+                return
 
     def _handler_failed(
         self, event: str, handler: object, ctx: CallbackContext, exc: Exception
@@ -477,6 +519,25 @@ def _filtered(
 
     filtered.__qualname__ = getattr(fn, "__qualname__", repr(fn))
     return filtered
+
+
+def dispatch_in(frame: FrameType | None) -> tuple[str, str] | None:
+    """``(event, callback)`` of the innermost dispatch running in ``frame``'s stack, or None.
+
+    For a watchdog thread reading another thread's stack (``sys._current_frames()``): the
+    hot path records nothing, the dispatch's own locals say where it is.
+    """
+    while frame is not None:
+        if frame.f_code in _DISPATCH_CODES:
+            names = frame.f_locals
+            manager, handler = names.get("self"), names.get("handler")
+            if isinstance(manager, CallbackManager) and handler is not None:
+                return str(names.get("event")), manager.label_of(handler)
+        frame = frame.f_back
+    return None
+
+
+_DISPATCH_CODES = (CallbackManager.fire.__code__, CallbackManager._go_on.__code__)
 
 
 def _identity(handler: Handler) -> int:

@@ -319,6 +319,10 @@ def format_status(st: dict[str, Any], url: str | None = None, *, pid: int | None
             f"{c['key']} {num(c['old'])} -> {num(c['new'])}" for c in record["changes"]
         )
         lines.append(f"changed     step {record['step']}: {what} ({record['client']})")
+    for row in st.get("ranks") or []:  # the watchdog's last heartbeat of each rank
+        age = "never" if row.get("age_s") is None else f"{row['age_s']:.1f} s ago"
+        where = f"step {row['step']}, {row['where']}" if "step" in row else ""
+        lines.append(f"rank {row['rank']:<6} {row['state']}, {age}   {where}".rstrip())
     if url:
         lines.append(f"{'dashboard' if hookloop else 'url':<11} {url}")
     return "\n".join(lines)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from hookloop.control.commands import COMMANDS, SERVER_COMMANDS, CommandError
 from hookloop.profile import current_profile
+from hookloop.watchdog import rank_beats
 
 if TYPE_CHECKING:
     from hookloop.state import Control, TrainState
@@ -218,6 +219,8 @@ class LiveJob:
                 "rewinds": [r.to_json() for r in state.rewinds] if state is not None else [],
                 # StragglerDetection's latest report (replaced whole, never mutated), or None
                 "stragglers": self.user_state.get("stragglers"),
+                # each rank's last heartbeat as the watchdog read it (hookloop.watchdog), or None
+                "ranks": rank_beats(),
                 "stopping": snap.stopping,
                 # the values `set` can change now, and the changes applied so far
                 "settings": self.settings.values() if self.settings is not None else None,

@@ -55,6 +55,7 @@ from hookloop.rundir import RunDir
 from hookloop.state import CallbackContext, Progress, RunInfo, TrainState
 from hookloop.step import bind_forward_step, default_forward_step
 from hookloop.timers import LOOP_TIMERS, NULL_TIMER, Timers, loop_clock
+from hookloop.watchdog import Watchdog
 
 
 @dataclass
@@ -127,6 +128,8 @@ class Parts:
     checkpointer: Checkpointer
     live: LiveSettings
     dialect: Dialect
+    #: Names a rank that hangs while training runs on several ranks (hookloop.watchdog).
+    watchdog: Watchdog
 
     # What the loop and the schedule read, by the names they read it.
     @property
@@ -236,6 +239,7 @@ def build_parts(given: Inputs, dialect: Dialect | None = None) -> tuple[Parts, S
         StopSignals(dialect.stop_signals or (signal.SIGTERM, signal.SIGINT)),
         GCPolicy(cfg.gc_every, around_eval=cfg.gc_eval),
         stepper, logbook, evaluation, checkpointer, live, dialect,
+        Watchdog(progress, cfg.watchdog_seconds, ctx.run.dir),
     )  # fmt: skip
     return parts, _schedule(parts)
 

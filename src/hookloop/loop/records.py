@@ -14,7 +14,7 @@ into its own attributes (one attribute lookup, as before the records existed).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +32,7 @@ class Events:
     there are any, so a part builds an event's payload only when someone handles it."""
 
     ctx: CallbackContext
-    hooks: Mapping[str, tuple[Any, ...]]
+    hooks: Mapping[str, Sequence[Any]]
     fire: Callable[[str, CallbackContext], None]
 
     def emit(self, event: str) -> None:

@@ -197,6 +197,7 @@ class Trainer:
         self.stepper.bind()  # to the optimizer trained with now
         restore_signals = p.signals.install() if cfg.handle_signals else None
         try:
+            p.watchdog.start()  # several ranks: one that hangs is named, not waited for
             if self.resume is not None and self.checkpoints is not None:
                 self.checkpointer.resume(self.resume)
             # live changes past the restored step, or those of the run --replay names
@@ -213,11 +214,13 @@ class Trainer:
                 self._run_epoch()
             self._end_training()
         except BaseException as exc:
+            p.watchdog.stop(exc)  # this rank failed on its own: the others are not told it hangs
             self.checkpointer.finish_quietly()  # any exit waits for the checkpoint being written
             self.callbacks.fire_exception(self.ctx, exc)
             self.ctx.clear_event_fields()  # nothing stale for a later evaluate() or test()
             raise
         finally:
+            p.watchdog.stop()  # a "finished" beat: a rank done before the others is not hung
             self.stepper.release()  # a finished Trainer holds no autograd graph
             self.checkpointer.close()
             p.gc.end()
