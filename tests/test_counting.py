@@ -166,9 +166,11 @@ def test_two_gloo_ranks_count_the_same_known_collectives_and_the_agreement_each_
         assert sorted(steps, key=int) == [str(s) for s in range(7)]
         ordinary = {s: v for s, v in steps.items() if v[0]}
         assert sorted(ordinary, key=int) == ["2", "3", "4", "5"]
-        for _, collectives, _ in ordinary.values():
-            # Every ordinary step agrees its decisions across ranks: at least one all-reduce.
-            assert collectives.get("all_reduce", 0) >= 1
+        for _, collectives, reads in ordinary.values():
+            # Every decision of the step in one all-reduce; two scalars read back: the
+            # non-finite verdict (one however many gradients) and the agreement's result.
+            assert collectives == {"all_reduce": 1}
+            assert reads == {"item": 1, "tolist": 1}
     assert ranks[0]["steps"] == ranks[1]["steps"]  # both ranks did the same, step by step
 
 
