@@ -29,7 +29,15 @@ from typing import Any
 import torch
 
 from hookloop.compat.hf import accelerator as hf_accelerator
-from hookloop.compat.hf import arguments, construction, prediction, results, search, training
+from hookloop.compat.hf import (
+    arguments,
+    construction,
+    prediction,
+    results,
+    search,
+    switches,
+    training,
+)
 from hookloop.compat.hf import data as hf_data
 from hookloop.compat.hf import loss as hf_loss
 from hookloop.compat.hf import optim as hf_optim
@@ -130,18 +138,20 @@ class Trainer(construction.BuiltAttributes, ScriptMethods):
         self._memory, self._hf_loss = built.memory, built.hf_loss
         self._accelerator_settings = built.accelerator_settings
 
-    def _rebuild(self, changed: list[str]) -> None:
+    def _rebuild(self, changed: list[str], batch_size: int | None = None) -> None:
         """transformers builds the optimizer, schedule and loaders at each train() from
         the arguments as they are then; the loop here was built from them once, so it
         is built again (same model, the callback list as it now stands, the same
         ``preprocess_logits_for_metrics``, a fresh optimizer unless one was given, a
-        fresh TrainerState as transformers' train() starts with)."""
+        fresh TrainerState as transformers' train() starts with); ``batch_size``: the
+        per-device training batch auto_find_batch_size settled on."""
         log.info("TrainingArguments changed since the Trainer was built (%s)", changed)
         model = None if self.model_init is not None else self.model
         kept = list(self.callback_handler.callbacks)
-        with arguments.batch_size_as_built(self.args, self.args_built):
+        built = arguments.with_batch_size(self.args_built, batch_size)
+        with arguments.batch_size_as_built(self.args, built):
             self._build(model, self.preprocess_logits_for_metrics, kept)
-        self.args_built = arguments.snapshot(self.args)
+        self.args_built = arguments.with_batch_size(arguments.snapshot(self.args), batch_size)
 
     # -- HF's objects ---------------------------------------------------------------
     @property
@@ -250,13 +260,29 @@ class Trainer(construction.BuiltAttributes, ScriptMethods):
         changed = training.changed_since_build(self)
         if changed:
             self._rebuild(changed)
-        training.prepare(self, trial, foreign_folder, ignore_keys_for_eval)
-        self._view.show_training_objects()
-        if self.hf.drives_loop:
-            training.announce(self.args, self.loop, self.model)
-        self._memory.start("train")
+        if self.hf.drives_loop:  # as transformers' train(): the model's own checkpointing
+            switches.enable_checkpointing(self.args, self.model)
+        built = training.batch_size_built(self)
+
+        def attempt(batch_size: int) -> Any:
+            """One run from the start; with ``auto_find_batch_size`` a smaller batch after
+            running out of memory: the loop built again for it, as transformers starts over."""
+            nonlocal foreign_folder
+            if batch_size != built:
+                with arguments.random_state_kept():  # as transformers: not seeded again
+                    self._rebuild([f"auto_find_batch_size: a batch of {batch_size}"], batch_size)
+                foreign_folder = training.resume(resume_from_checkpoint, args=self.args,
+                                                 loop=self.loop)  # fmt: skip
+            training.prepare(self, trial, foreign_folder, ignore_keys_for_eval, batch_size)
+            self._view.show_training_objects()
+            if self.hf.drives_loop:
+                training.announce(self.args, self.loop, self.model)
+            self._memory.start("train")
+            return self.loop.train()
+
         alpha = training.neftune_alpha(self.args, drives_loop=self.hf.drives_loop)
-        result = training.run_with_neftune(self.loop.train, self.model, alpha)
+        run = functools.partial(switches.shrink_on_out_of_memory, attempt, self.args, built)
+        result = training.run_with_neftune(run, self.model, alpha)
         return training.output(result, self.hf.summary)
 
     def evaluate(

@@ -126,11 +126,24 @@ def changed_since_build(trainer: Any) -> list[str]:
     return changed
 
 
-def prepare(trainer: Any, trial: Any, foreign_folder: Path | None, ignore_keys: Any) -> None:
+def batch_size_built(trainer: Any) -> int:
+    """The per-device training batch the loop was built with."""
+    built = trainer.args_built or {}
+    size = built.get("per_device_train_batch_size")
+    if size is None:
+        size = hf_optim.arg(trainer.args, "per_device_train_batch_size", 8)
+    return int(size)
+
+
+def prepare(
+    trainer: Any, trial: Any, foreign_folder: Path | None, ignore_keys: Any, batch_size: int
+) -> None:
     """What transformers' ``train()`` does before its loop: the model from ``model_init``
     again, the sampler's seed, a folder transformers' Trainer wrote read, the summary
-    cleared, the outputs evaluation in training leaves out."""
+    cleared, the outputs evaluation in training leaves out, the batch size the state
+    records."""
     loop, drives_loop = trainer.loop, trainer.hf.drives_loop
+    trainer.hf.train_batch_size = batch_size
     if trainer.model_init is not None and drives_loop:
         # As transformers: seeded again, the model built anew (its weights copied into
         # the model the optimizer holds), so the data order follows the same RNG.
