@@ -84,6 +84,12 @@ NO_EFFECT: dict[str, str] = {
 }
 
 
+#: Values other than transformers' default that ask for what the dialect does anyway:
+#: transformers sets ``torch_compile_backend="inductor"`` for ``torch_compile=True``, and
+#: the loop's ``train.compile`` is ``torch.compile`` with that backend.
+SAME_AS_DIALECT: dict[str, tuple[Any, ...]] = {"torch_compile_backend": ("inductor",)}
+
+
 def _default(field: dataclasses.Field[Any]) -> Any:
     if field.default is not dataclasses.MISSING:
         return field.default
@@ -131,6 +137,8 @@ def ignored_fields(args: Any, honoured: set[str]) -> dict[str, tuple[Any, Any]]:
             continue
         default = _default(field)
         value = getattr(args, name, default)
+        if value in SAME_AS_DIALECT.get(name, ()):
+            continue
         if default is dataclasses.MISSING or not _same(value, default):
             odd[name] = (value, default)
     return odd

@@ -29,15 +29,7 @@ from typing import Any
 import torch
 
 from hookloop.compat.hf import accelerator as hf_accelerator
-from hookloop.compat.hf import (
-    arguments,
-    construction,
-    prediction,
-    results,
-    search,
-    switches,
-    training,
-)
+from hookloop.compat.hf import arguments, construction, prediction, results, search, training
 from hookloop.compat.hf import data as hf_data
 from hookloop.compat.hf import loss as hf_loss
 from hookloop.compat.hf import optim as hf_optim
@@ -260,30 +252,22 @@ class Trainer(construction.BuiltAttributes, ScriptMethods):
         changed = training.changed_since_build(self)
         if changed:
             self._rebuild(changed)
-        if self.hf.drives_loop:  # as transformers' train(): the model's own checkpointing
-            switches.enable_checkpointing(self.args, self.model)
-        built = training.batch_size_built(self)
-
-        def attempt(batch_size: int) -> Any:
-            """One run from the start; with ``auto_find_batch_size`` a smaller batch after
-            running out of memory: the loop built again for it, as transformers starts over."""
-            nonlocal foreign_folder
-            if batch_size != built:
-                with arguments.random_state_kept():  # as transformers: not seeded again
-                    self._rebuild([f"auto_find_batch_size: a batch of {batch_size}"], batch_size)
-                foreign_folder = training.resume(resume_from_checkpoint, args=self.args,
-                                                 loop=self.loop)  # fmt: skip
-            training.prepare(self, trial, foreign_folder, ignore_keys_for_eval, batch_size)
-            self._view.show_training_objects()
-            if self.hf.drives_loop:
-                training.announce(self.args, self.loop, self.model)
-            self._memory.start("train")
-            return self.loop.train()
-
+        call = training.TrainCall(
+            resume_from_checkpoint, trial, ignore_keys_for_eval, foreign_folder,
+            built=training.batch_size_built(self), trainer=self, rebuild=self._rebuild,
+            run=self._run_loop,
+        )  # fmt: skip
         alpha = training.neftune_alpha(self.args, drives_loop=self.hf.drives_loop)
-        run = functools.partial(switches.shrink_on_out_of_memory, attempt, self.args, built)
-        result = training.run_with_neftune(run, self.model, alpha)
+        result = training.run_with_neftune(call.run_all, self.model, alpha)
         return training.output(result, self.hf.summary)
+
+    def _run_loop(self) -> Any:
+        """The loop's ``train()``, announced as transformers announces its own."""
+        self._view.show_training_objects()
+        if self.hf.drives_loop:
+            training.announce(self.args, self.loop, self.model)
+        self._memory.start("train")
+        return self.loop.train()
 
     def evaluate(
         self,

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hookloop.compat.hf import arguments, foreign, layout, results
+from hookloop.compat.hf import arguments, foreign, layout, results, switches
 from hookloop.compat.hf import data as hf_data
 from hookloop.compat.hf import optim as hf_optim
 from hookloop.compat.hf import parts as hf_parts
@@ -124,6 +124,43 @@ def changed_since_build(trainer: Any) -> list[str]:
     if not changed and trainer.model_init is not None and trainer.hf.trained:
         changed = ["model_init: a new model, optimizer and schedule at each train()"]
     return changed
+
+
+@dataclasses.dataclass
+class TrainCall:
+    """One ``train()`` call: :meth:`attempt` runs it from the start, and again with a
+    smaller batch each time ``auto_find_batch_size`` finds it ran out of memory (the loop
+    built anew for that batch, the random generators left as they are, as transformers
+    starts over)."""
+
+    resume_from_checkpoint: Any
+    trial: Any
+    ignore_keys: Any
+    foreign_folder: Path | None
+    built: int  # the per-device batch the loop was built with
+    trainer: Any
+    rebuild: Callable[[list[str], int], None]  # the loop again, for a batch size
+    run: Callable[[], TrainResult]  # the loop's train(), announced
+
+    def run_all(self) -> TrainResult:
+        """The model's own checkpointing switched on when asked (as transformers' train()
+        does), then the attempts."""
+        trainer = self.trainer
+        if trainer.hf.drives_loop:
+            switches.enable_checkpointing(trainer.args, trainer.model)
+        return switches.shrink_on_out_of_memory(self.attempt, trainer.args, self.built)
+
+    def attempt(self, batch_size: int) -> TrainResult:
+        trainer = self.trainer
+        if batch_size != self.built:
+            with arguments.random_state_kept():
+                self.rebuild([f"auto_find_batch_size: a batch of {batch_size}"], batch_size)
+            self.built = batch_size
+            self.foreign_folder = resume(
+                self.resume_from_checkpoint, args=trainer.args, loop=trainer.loop
+            )
+        prepare(trainer, self.trial, self.foreign_folder, self.ignore_keys, batch_size)
+        return self.run()
 
 
 def batch_size_built(trainer: Any) -> int:
