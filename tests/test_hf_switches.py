@@ -256,3 +256,31 @@ def test_torch_compile_in_transformers_arguments_is_the_loops_compile(tmp_path: 
                                            torch_compile_backend="eager")  # fmt: skip
     with pytest.raises(ValueError, match="torch_compile_backend='eager'"):
         hf.Trainer(RegressionModel(), other, train_dataset=RegressionDataset(8))
+
+
+def test_auto_find_batch_size_resumes_with_the_batch_the_checkpoint_records(tmp_path: Path):
+    settings = {"auto_find_batch_size": True, "per_device_train_batch_size": 8,
+                "logging_steps": 1, "save_strategy": "steps", "save_steps": 2}  # fmt: skip
+    resumed = {}
+    for kind in FACTORIES:
+        first, _, _ = lm_run(kind, tmp_path / kind, model=hungry, **settings)
+        assert first.state.train_batch_size == 3
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            args = transformers.TrainingArguments(
+                output_dir=str(tmp_path / f"{kind}-again"),
+                **{**BASE, "max_steps": 4, **settings},
+            )
+            recorder = Recorder()
+            trainer = FACTORIES[kind](
+                hungry(), args, train_dataset=[{"input_ids": r} for r in token_rows(24, seed=1)],
+                data_collator=transformers.DataCollatorForLanguageModeling(tokenizer(), mlm=False),
+                processing_class=tokenizer(), callbacks=[recorder],
+            )  # fmt: skip
+            trainer.train(resume_from_checkpoint=str(tmp_path / kind / "checkpoint-2"))
+        resumed[kind] = trainer, recorder
+    (theirs, their_events), (ours, our_events) = resumed["hf"], resumed["hookloop"]
+    assert our_events.seen == their_events.seen
+    assert [e for e, _ in their_events.seen].count("train_begin") == 1  # no out-of-memory
+    assert ours.state.train_batch_size == theirs.state.train_batch_size == 3
+    assert_same_history(ours, theirs)

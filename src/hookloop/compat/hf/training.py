@@ -148,7 +148,24 @@ class TrainCall:
         trainer = self.trainer
         if trainer.hf.drives_loop:
             switches.enable_checkpointing(trainer.args, trainer.model)
-        return switches.shrink_on_out_of_memory(self.attempt, trainer.args, self.built)
+        start = self.starting_batch_size()
+        return switches.shrink_on_out_of_memory(self.attempt, trainer.args, start)
+
+    def starting_batch_size(self) -> int:
+        """The batch the loop was built with; as transformers, with ``auto_find_batch_size``
+        a resume starts from the one its checkpoint's ``trainer_state.json`` records."""
+        args, target = self.trainer.args, self.resume_from_checkpoint
+        if not hf_optim.arg(args, "auto_find_batch_size", False) or target in (None, False):
+            return self.built
+        folder = (
+            layout.last_checkpoint(results.output_dir(args, None)) if target is True else target
+        )
+        try:
+            state = json.loads((Path(folder) / layout.TRAINER_STATE_NAME).read_text("utf-8"))
+        except (OSError, TypeError, ValueError):
+            return self.built  # no readable trainer_state.json: the resume says what is wrong
+        saved = state.get("train_batch_size") if isinstance(state, dict) else None
+        return saved if isinstance(saved, int) and saved > 0 else self.built
 
     def attempt(self, batch_size: int) -> TrainResult:
         trainer = self.trainer
