@@ -875,9 +875,9 @@ def test_transformers_arguments_the_dialect_does_not_reproduce_are_refused():
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     args = transformers.TrainingArguments(
-        output_dir="unused", use_cpu=True, report_to="none", auto_find_batch_size=True
+        output_dir="unused", use_cpu=True, report_to="none", ignore_data_skip=True
     )
-    with pytest.raises(ValueError, match=r"auto_find_batch_size=True; leave them at .*=False"):
+    with pytest.raises(ValueError, match=r"ignore_data_skip=True; leave them at .*=False"):
         Trainer(TupleModel(), args, train_dataset=PlainRegression(8))
 
 

@@ -36,6 +36,7 @@ from hookloop.compat._toolkit import (
 from hookloop.compat.hf import calling, flow, layout, results
 from hookloop.compat.hf.handler import instance, is_exportable
 from hookloop.compat.hf.plain_args import PlainTrainingArguments
+from hookloop.compat.hf.switches import InputTokens
 from hookloop.compat.hf.types import (
     CONTROL_FLAGS,
     TrainerControl,
@@ -114,6 +115,13 @@ class HFSession:
         self.evaluating = False  # inside evaluate(): Trainer.log leaves the metrics to on_eval_end
         self.before_summary: Callable[[dict[str, Any]], None] | None = None  # adds to the summary
         self.loss_poisoned = False  # a logged loss was NaN/Inf (see HFLogBook.log)
+        #: include_num_input_tokens_seen's counter (None: not counted); see switches.py
+        self.tokens: InputTokens | None = None
+        #: eval_on_start's evaluation, run after every on_train_begin handler (None: off)
+        self.evaluate_at_start: Callable[[], None] | None = None
+        self.evaluating_at_start = False  # that evaluation sets no best metric
+        #: the per-device batch auto_find_batch_size settled on (None: the arguments')
+        self.train_batch_size: int | None = None
         # HF's compute_metrics(EvalPrediction): predictions and labels of one evaluation
         self.compute_metrics: Callable[[Any], dict[str, Any]] | None = None
         self._predictions: list[Any] = []
@@ -234,12 +242,20 @@ class HFSession:
             "eval_dataloader": loop.eval_loader if loop is not None else None,
             "trainer": trainer,
         }
-        self.state.set_budget(ctx.state, self.args)
+        self.set_budget(ctx)
 
     def refresh(self, ctx: CallbackContext, native_event: str) -> None:
         if self.kwargs is None:
             self.bind(ctx)
         self.state.refresh(ctx.state, inside_step=native_event in _INSIDE_STEP)
+        if self.tokens is not None:  # counted here, not by the native loop
+            self.state.num_input_tokens_seen = self.tokens.seen()
+
+    def set_budget(self, ctx: CallbackContext) -> None:
+        """The state's fields fixed for a run, with the batch size trained with."""
+        self.state.set_budget(ctx.state, self.args)
+        if self.train_batch_size is not None:
+            self.state.train_batch_size = self.train_batch_size
 
     def apply(self, before: tuple[bool, ...], ctx: CallbackContext, who: str) -> None:
         """File a native request for each flag a handler switched on."""
@@ -404,7 +420,9 @@ class _SessionFirst(_SessionPart):
         self.session.loss_poisoned = False
         session = self.session
         session.refresh(ctx, "on_train_start")
-        session.state.set_budget(ctx.state, session.args)
+        session.set_budget(ctx)
+        if session.tokens is not None:  # the tokens per second count this train()'s
+            session.tokens.at_train_start = session.tokens.seen()
         session.control.new_training()
         session.train_start = time.monotonic()
         session.first_step = session.last_logged_step = ctx.state.step
@@ -497,8 +515,11 @@ class _SessionFirst(_SessionPart):
         return {**session.state.resumable(), "stateful_callbacks": session.state.stateful_callbacks}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.session.state.restore(state)
-        self.session.restore_callbacks()
+        session = self.session
+        session.state.restore(state)
+        if session.tokens is not None:
+            session.tokens.restore(session.state.num_input_tokens_seen)
+        session.restore_callbacks()
 
 
 class _SessionLast(_SessionPart):
@@ -507,8 +528,14 @@ class _SessionLast(_SessionPart):
     priority = _LAST
     label = "hf.best_metric"
 
+    def on_train_start(self, ctx: CallbackContext) -> None:
+        if self.session.evaluate_at_start is not None:  # eval_on_start, after on_train_begin
+            self.session.evaluate_at_start()
+
     def on_eval_end(self, ctx: CallbackContext) -> None:
         args, state = self.session.args, self.session.state
+        if self.session.evaluating_at_start:  # as transformers: no best from eval_on_start
+            return
         metric = getattr(args, "metric_for_best_model", None)
         if not metric or not ctx.metrics:
             return

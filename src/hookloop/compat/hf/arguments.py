@@ -84,6 +84,12 @@ NO_EFFECT: dict[str, str] = {
 }
 
 
+#: Values other than transformers' default that ask for what the dialect does anyway:
+#: transformers sets ``torch_compile_backend="inductor"`` for ``torch_compile=True``, and
+#: the loop's ``train.compile`` is ``torch.compile`` with that backend.
+SAME_AS_DIALECT: dict[str, tuple[Any, ...]] = {"torch_compile_backend": ("inductor",)}
+
+
 def _default(field: dataclasses.Field[Any]) -> Any:
     if field.default is not dataclasses.MISSING:
         return field.default
@@ -131,6 +137,8 @@ def ignored_fields(args: Any, honoured: set[str]) -> dict[str, tuple[Any, Any]]:
             continue
         default = _default(field)
         value = getattr(args, name, default)
+        if value in SAME_AS_DIALECT.get(name, ()):
+            continue
         if default is dataclasses.MISSING or not _same(value, default):
             odd[name] = (value, default)
     return odd
@@ -182,6 +190,19 @@ _LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.
                "error": logging.ERROR, "critical": logging.CRITICAL}  # fmt: skip
 
 
+@contextlib.contextmanager
+def random_state_kept() -> Iterator[None]:
+    """Python's, numpy's and torch's generators as they were before the block (which may
+    seed them)."""
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+
+
 def apply_log_level(args: Any) -> None:
     """``log_level``: the verbosity of transformers' loggers (and so of the dialect's
     messages on them); ``"passive"`` leaves it alone, as transformers does."""
@@ -222,6 +243,13 @@ def changed_fields(before: dict[str, Any] | None, args: Any) -> list[str]:
         if not same:
             changed.append(name)
     return changed
+
+
+def with_batch_size(built: dict[str, Any] | None, batch_size: int | None) -> Any:
+    """A snapshot with another training batch size (``batch_size`` None: as it is)."""
+    if built is None or batch_size is None:
+        return built
+    return {**built, "per_device_train_batch_size": batch_size}
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ import torch
 
 from hookloop.compat._toolkit import as_list
 from hookloop.compat.hf import accelerator as hf_accelerator
-from hookloop.compat.hf import arguments, reporting
+from hookloop.compat.hf import arguments, reporting, switches
 from hookloop.compat.hf import data as hf_data
 from hookloop.compat.hf import optim as hf_optim
 from hookloop.compat.hf import parts as hf_parts
@@ -206,6 +206,8 @@ def build(
     )
     memory.stop_and_update("init")
     session.before_summary = functools.partial(memory.stop_and_update, "train")
+    if session.drives_loop:
+        switches.connect(trainer.loop, session, args, trainer.processing_class)
     connect_hooks(
         trainer, trainer.loop, overridden, preprocess_logits=preprocess_logits,
         eval_sets=loaders.eval_sets,

@@ -22,7 +22,7 @@ import torch
 
 from hookloop.compat.hf import data as hf_data
 from hookloop.compat.hf import evaluation as hf_evaluation
-from hookloop.compat.hf import flow
+from hookloop.compat.hf import flow, switches
 from hookloop.compat.hf import optim as hf_optim
 from hookloop.compat.hf.evaluation import Evaluation as Collected
 from hookloop.compat.hf.evaluation import ignored_keys
@@ -101,6 +101,14 @@ class HFEvaluation(Evaluation):
 
     def run(self, loader: Any, kind: str) -> dict[str, float]:
         training = kind == "eval" and self.progress.in_training and not self._delegated
+        try:
+            return self._run(loader, kind, training)
+        except RuntimeError as error:
+            if training:  # not a reason for auto_find_batch_size to shrink the training batch
+                switches.refuse_evaluation_out_of_memory(self.session.args, error)
+            raise
+
+    def _run(self, loader: Any, kind: str, training: bool) -> dict[str, float]:
         if self.evaluate_hook is not None and training:
             return self._through_evaluate_hook()
         if training and self.eval_sets and self.prefix is None:
@@ -221,6 +229,8 @@ class HFEvaluation(Evaluation):
         session = self.session
         session.refresh(self.ctx, "on_eval_end")
         metrics["epoch"] = session.state.epoch
+        if session.tokens is not None:
+            session.tokens.add_to_log(metrics)
         if self.log_hook is not None:
             # the evaluation's own log event (on_eval_end) then publishes them.
             session.evaluating = True
@@ -233,8 +243,8 @@ class HFEvaluation(Evaluation):
         """HF steps a ``ReduceLROnPlateau`` after each evaluation in training, on
         ``metric_for_best_model`` (``eval_``-prefixed), once ``on_evaluate`` has run."""
         scheduler = self.scheduler
-        if not steps_on_a_metric(scheduler):
-            return
+        if not steps_on_a_metric(scheduler) or self.session.evaluating_at_start:
+            return  # as transformers: eval_on_start's evaluation steps no schedule
         key = eval_key(hf_optim.arg(self.session.args, "metric_for_best_model", None) or "loss")
         if key not in metrics:
             raise KeyError(

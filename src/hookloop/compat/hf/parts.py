@@ -184,6 +184,8 @@ class HFMicroStep(MicroStep):
         inputs = move_to(batch, self.device)
         if hf_loss.floating_point_ops is not None:  # total_flos, as HF counts it
             self.progress.add_flops(float(hf_loss.floating_point_ops(inputs)))
+        if self.session.tokens is not None:  # include_num_input_tokens_seen
+            self.session.tokens.count(inputs)
         hf_loss.group_size = k
         if hf_loss.training_step is not None:  # a subclass's training_step: it backpropagates
             outputs, part = None, hf_loss.training_step(model, inputs, self.num_items)
@@ -210,6 +212,8 @@ class HFMicroStep(MicroStep):
         return torch.where(torch.isfinite(part), part, total / (1 + steps_done))
 
     def end(self) -> None:
+        if not self.native and self.session.tokens is not None:
+            self.session.tokens.end_step()
         if not self.native:
             if self.nan_filter and self.step_loss is not None:
                 kept = self.window_total
@@ -352,6 +356,8 @@ class HFLogBook(LogBook):
             used = self.optimizer.param_groups[0]["lr"]
         logs["learning_rate"] = float(used)
         logs["epoch"] = session.state.epoch
+        if session.tokens is not None:
+            session.tokens.add_to_log(logs, started=session.train_start)
         window.clear()
         session.last_logged_step = st.step
         self.emit(logs)
@@ -378,6 +384,8 @@ class HFLogBook(LogBook):
         )
         session.refresh(self.ctx, "on_log")
         summary["epoch"] = session.state.epoch
+        if session.tokens is not None:
+            session.tokens.add_to_log(summary)
         if session.before_summary is not None:  # the memory metrics, when asked for
             session.before_summary(summary)
         session.summary = summary

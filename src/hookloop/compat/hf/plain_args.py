@@ -108,6 +108,14 @@ class PlainTrainingArguments:
     enable_jit_checkpoint: bool = False
     label_smoothing_factor: float = 0.0
     use_cache: bool = False
+    # hookloop.compat.hf.switches carries these out.
+    eval_on_start: bool = False
+    include_num_input_tokens_seen: str | bool = "no"
+    activation_checkpointing: bool | None = None
+    activation_checkpointing_kwargs: dict[str, Any] | None = None
+    gradient_checkpointing: bool | None = None  # transformers' older name of the one above
+    gradient_checkpointing_kwargs: dict[str, Any] | None = None
+    auto_find_batch_size: bool = False
     # Passed to the DataLoader (hookloop.compat.hf.data).
     dataloader_pin_memory: bool = True
     dataloader_persistent_workers: bool = False
@@ -128,24 +136,17 @@ class PlainTrainingArguments:
     optim_target_modules: Any = _theirs(None)
     average_tokens_across_devices: bool = _theirs(True)
     tf32: Any = _theirs(None)
-    activation_checkpointing: Any = _theirs(None)
-    activation_checkpointing_kwargs: Any = _theirs(None)
-    gradient_checkpointing: Any = _theirs(None)
-    gradient_checkpointing_kwargs: Any = _theirs(None)
     torch_compile_backend: Any = _theirs(None)
     torch_compile_mode: Any = _theirs(None)
     use_liger_kernel: bool = _theirs(False)
     liger_kernel_config: Any = _theirs(None)
     torch_empty_cache_steps: Any = _theirs(None)
-    auto_find_batch_size: bool = _theirs(False)
     log_on_each_node: bool = _theirs(True)
-    include_num_input_tokens_seen: str | bool = _theirs("no")
     log_level_replica: str = _theirs("warning")
     project: str = _theirs("huggingface")
     trackio_space_id: Any = _theirs(None)
     trackio_bucket_id: Any = _theirs(None)
     trackio_static_space_id: Any = _theirs(None)
-    eval_on_start: bool = _theirs(False)
     eval_do_concat_batches: bool = _theirs(True)
     eval_use_gather_object: bool = _theirs(False)
     save_only_model: bool = _theirs(False)
@@ -194,6 +195,7 @@ class PlainTrainingArguments:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TrainingArguments.{name} must be an int >= 1, got {value!r}")
+        _resolve_old_names(self)
         for name in ("lr_scheduler_type", "optim", "train_sampling_strategy"):
             value = getattr(self, name)
             setattr(self, name, str(getattr(value, "value", value)))
@@ -323,6 +325,23 @@ class PlainTrainingArguments:
     def to_config(self, base: Config | None = None) -> Config:
         """A hookloop ``Config`` (a copy of ``base``, or the defaults) that runs these args."""
         return config_for(self, base)
+
+
+def _resolve_old_names(args: PlainTrainingArguments) -> None:
+    """As transformers 5.x: ``gradient_checkpointing*`` stand for ``activation_checkpointing*``
+    when those are unset, and then mirror them; ``include_num_input_tokens_seen`` True /
+    False is ``"all"`` / ``"no"``."""
+    for old, new in (
+        ("gradient_checkpointing", "activation_checkpointing"),
+        ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"),
+    ):
+        if getattr(args, new) is None and getattr(args, old) is not None:
+            setattr(args, new, getattr(args, old))
+        setattr(args, old, getattr(args, new))
+    if args.activation_checkpointing is None:
+        args.activation_checkpointing = args.gradient_checkpointing = False
+    if isinstance(args.include_num_input_tokens_seen, bool):
+        args.include_num_input_tokens_seen = "all" if args.include_num_input_tokens_seen else "no"
 
 
 def check_training_fields(args: Any) -> None:

@@ -130,18 +130,20 @@ class Trainer(construction.BuiltAttributes, ScriptMethods):
         self._memory, self._hf_loss = built.memory, built.hf_loss
         self._accelerator_settings = built.accelerator_settings
 
-    def _rebuild(self, changed: list[str]) -> None:
+    def _rebuild(self, changed: list[str], batch_size: int | None = None) -> None:
         """transformers builds the optimizer, schedule and loaders at each train() from
         the arguments as they are then; the loop here was built from them once, so it
         is built again (same model, the callback list as it now stands, the same
         ``preprocess_logits_for_metrics``, a fresh optimizer unless one was given, a
-        fresh TrainerState as transformers' train() starts with)."""
+        fresh TrainerState as transformers' train() starts with); ``batch_size``: the
+        per-device training batch auto_find_batch_size settled on."""
         log.info("TrainingArguments changed since the Trainer was built (%s)", changed)
         model = None if self.model_init is not None else self.model
         kept = list(self.callback_handler.callbacks)
-        with arguments.batch_size_as_built(self.args, self.args_built):
+        built = arguments.with_batch_size(self.args_built, batch_size)
+        with arguments.batch_size_as_built(self.args, built):
             self._build(model, self.preprocess_logits_for_metrics, kept)
-        self.args_built = arguments.snapshot(self.args)
+        self.args_built = arguments.with_batch_size(arguments.snapshot(self.args), batch_size)
 
     # -- HF's objects ---------------------------------------------------------------
     @property
@@ -250,14 +252,22 @@ class Trainer(construction.BuiltAttributes, ScriptMethods):
         changed = training.changed_since_build(self)
         if changed:
             self._rebuild(changed)
-        training.prepare(self, trial, foreign_folder, ignore_keys_for_eval)
+        call = training.TrainCall(
+            resume_from_checkpoint, trial, ignore_keys_for_eval, foreign_folder,
+            built=training.batch_size_built(self), trainer=self, rebuild=self._rebuild,
+            run=self._run_loop,
+        )  # fmt: skip
+        alpha = training.neftune_alpha(self.args, drives_loop=self.hf.drives_loop)
+        result = training.run_with_neftune(call.run_all, self.model, alpha)
+        return training.output(result, self.hf.summary)
+
+    def _run_loop(self) -> Any:
+        """The loop's ``train()``, announced as transformers announces its own."""
         self._view.show_training_objects()
         if self.hf.drives_loop:
             training.announce(self.args, self.loop, self.model)
         self._memory.start("train")
-        alpha = training.neftune_alpha(self.args, drives_loop=self.hf.drives_loop)
-        result = training.run_with_neftune(self.loop.train, self.model, alpha)
-        return training.output(result, self.hf.summary)
+        return self.loop.train()
 
     def evaluate(
         self,

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hookloop.compat.hf import arguments, foreign, layout, results
+from hookloop.compat.hf import arguments, foreign, layout, results, switches
 from hookloop.compat.hf import data as hf_data
 from hookloop.compat.hf import optim as hf_optim
 from hookloop.compat.hf import parts as hf_parts
@@ -126,11 +126,78 @@ def changed_since_build(trainer: Any) -> list[str]:
     return changed
 
 
-def prepare(trainer: Any, trial: Any, foreign_folder: Path | None, ignore_keys: Any) -> None:
+@dataclasses.dataclass
+class TrainCall:
+    """One ``train()`` call: :meth:`attempt` runs it from the start, and again with a
+    smaller batch each time ``auto_find_batch_size`` finds it ran out of memory (the loop
+    built anew for that batch, the random generators left as they are, as transformers
+    starts over)."""
+
+    resume_from_checkpoint: Any
+    trial: Any
+    ignore_keys: Any
+    foreign_folder: Path | None
+    built: int  # the per-device batch the loop was built with
+    trainer: Any
+    rebuild: Callable[[list[str], int], None]  # the loop again, for a batch size
+    run: Callable[[], TrainResult]  # the loop's train(), announced
+
+    def run_all(self) -> TrainResult:
+        """The model's own checkpointing switched on when asked (as transformers' train()
+        does), then the attempts."""
+        trainer = self.trainer
+        if trainer.hf.drives_loop:
+            switches.enable_checkpointing(trainer.args, trainer.model)
+        start = self.starting_batch_size()
+        return switches.shrink_on_out_of_memory(self.attempt, trainer.args, start)
+
+    def starting_batch_size(self) -> int:
+        """The batch the loop was built with; as transformers, with ``auto_find_batch_size``
+        a resume starts from the one its checkpoint's ``trainer_state.json`` records."""
+        args, target = self.trainer.args, self.resume_from_checkpoint
+        if not hf_optim.arg(args, "auto_find_batch_size", False) or target in (None, False):
+            return self.built
+        folder = (
+            layout.last_checkpoint(results.output_dir(args, None)) if target is True else target
+        )
+        try:
+            state = json.loads((Path(folder) / layout.TRAINER_STATE_NAME).read_text("utf-8"))
+        except (OSError, TypeError, ValueError):
+            return self.built  # no readable trainer_state.json: the resume says what is wrong
+        saved = state.get("train_batch_size") if isinstance(state, dict) else None
+        return saved if isinstance(saved, int) and saved > 0 else self.built
+
+    def attempt(self, batch_size: int) -> TrainResult:
+        trainer = self.trainer
+        if batch_size != self.built:
+            with arguments.random_state_kept():
+                self.rebuild([f"auto_find_batch_size: a batch of {batch_size}"], batch_size)
+            self.built = batch_size
+            self.foreign_folder = resume(
+                self.resume_from_checkpoint, args=trainer.args, loop=trainer.loop
+            )
+        prepare(trainer, self.trial, self.foreign_folder, self.ignore_keys, batch_size)
+        return self.run()
+
+
+def batch_size_built(trainer: Any) -> int:
+    """The per-device training batch the loop was built with."""
+    built = trainer.args_built or {}
+    size = built.get("per_device_train_batch_size")
+    if size is None:
+        size = hf_optim.arg(trainer.args, "per_device_train_batch_size", 8)
+    return int(size)
+
+
+def prepare(
+    trainer: Any, trial: Any, foreign_folder: Path | None, ignore_keys: Any, batch_size: int
+) -> None:
     """What transformers' ``train()`` does before its loop: the model from ``model_init``
     again, the sampler's seed, a folder transformers' Trainer wrote read, the summary
-    cleared, the outputs evaluation in training leaves out."""
+    cleared, the outputs evaluation in training leaves out, the batch size the state
+    records."""
     loop, drives_loop = trainer.loop, trainer.hf.drives_loop
+    trainer.hf.train_batch_size = batch_size
     if trainer.model_init is not None and drives_loop:
         # As transformers: seeded again, the model built anew (its weights copied into
         # the model the optimizer holds), so the data order follows the same RNG.

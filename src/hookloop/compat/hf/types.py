@@ -112,6 +112,7 @@ class TrainerState:
             "best_metric": self.best_metric,
             "best_global_step": self.best_global_step,
             "best_model_checkpoint": self.best_model_checkpoint,
+            "num_input_tokens_seen": self.num_input_tokens_seen,
         }
 
     def restore(self, saved: dict[str, Any]) -> None:
