@@ -9,8 +9,7 @@ native callbacks of the session run first and last at every event they handle:
 the first applies HF's flag resets and keeps ``log_history``; the last updates
 ``best_metric`` after every ``on_evaluate`` handler has seen the previous one.
 
-Which methods of a callback are handlers, and how each is called, is decided once
-when it is wrapped (:mod:`hookloop.compat.hf.calling`).
+Which methods are handlers, and how each is called: :mod:`hookloop.compat.hf.calling`.
 """
 
 from __future__ import annotations

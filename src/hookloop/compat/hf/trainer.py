@@ -9,12 +9,8 @@ budget, ``compute_loss``, log keys and evaluation), and checkpoints get HF's
 ``checkpoint-N`` folders (:mod:`hookloop.compat.hf.layout`).
 
 This file is the class: HF's attributes, and each of transformers' methods handing
-its work to the module of its concern: :mod:`~hookloop.compat.hf.arguments` (what
-the arguments decide), :mod:`~hookloop.compat.hf.construction` (building the parts
-and the loop), :mod:`~hookloop.compat.hf.training` (``train()`` and resuming),
-:mod:`~hookloop.compat.hf.prediction` (``evaluate()``, ``predict()``),
-:mod:`~hookloop.compat.hf.results` (what is saved) and
-:mod:`~hookloop.compat.hf.search` (``hyperparameter_search``).
+its work to the module of its concern (in :mod:`hookloop.compat.hf`: ``arguments``,
+``construction``, ``training`` with resuming, ``prediction``, ``results``, ``search``).
 """
 
 from __future__ import annotations
@@ -131,12 +127,9 @@ class Trainer(construction.BuiltAttributes, ScriptMethods):
         self._accelerator_settings = built.accelerator_settings
 
     def _rebuild(self, changed: list[str], batch_size: int | None = None) -> None:
-        """transformers builds the optimizer, schedule and loaders at each train() from
-        the arguments as they are then; the loop here was built from them once, so it
-        is built again (same model, the callback list as it now stands, the same
-        ``preprocess_logits_for_metrics``, a fresh optimizer unless one was given, a
-        fresh TrainerState as transformers' train() starts with); ``batch_size``: the
-        per-device training batch auto_find_batch_size settled on."""
+        """Build the loop again, as transformers builds its parts at each train() from the
+        arguments as they are then (same model and callbacks, a fresh optimizer unless one
+        was given, a fresh TrainerState); ``batch_size``: auto_find_batch_size's."""
         log.info("TrainingArguments changed since the Trainer was built (%s)", changed)
         model = None if self.model_init is not None else self.model
         kept = list(self.callback_handler.callbacks)
@@ -249,14 +242,11 @@ class Trainer(construction.BuiltAttributes, ScriptMethods):
         newest one in ``output_dir``; ``trial`` is what ``model_init(trial)`` gets."""
         training.check_ignore_keys(ignore_keys_for_eval)
         foreign_folder = training.resume(resume_from_checkpoint, args=self.args, loop=self.loop)
-        changed = training.changed_since_build(self)
-        if changed:
+        if changed := training.changed_since_build(self):
             self._rebuild(changed)
-        call = training.TrainCall(
-            resume_from_checkpoint, trial, ignore_keys_for_eval, foreign_folder,
-            built=training.batch_size_built(self), trainer=self, rebuild=self._rebuild,
-            run=self._run_loop,
-        )  # fmt: skip
+        call = training.TrainCall(resume_from_checkpoint, trial, ignore_keys_for_eval,
+            foreign_folder, built=training.batch_size_built(self), trainer=self,
+            rebuild=self._rebuild, run=self._run_loop)  # fmt: skip
         alpha = training.neftune_alpha(self.args, drives_loop=self.hf.drives_loop)
         result = training.run_with_neftune(call.run_all, self.model, alpha)
         return training.output(result, self.hf.summary)

@@ -160,6 +160,8 @@ class TrainCall:
         folder = (
             layout.last_checkpoint(results.output_dir(args, None)) if target is True else target
         )
+        if folder is None:
+            return self.built  # nothing to resume: the resume says so
         try:
             state = json.loads((Path(folder) / layout.TRAINER_STATE_NAME).read_text("utf-8"))
         except (OSError, TypeError, ValueError):
