@@ -38,6 +38,7 @@ BASE_KEYS = {
     "data.eval_batch_size",
     "data.shuffle",
     "data.num_workers",
+    "data.ledger",
     "optimizer.name",
     "optimizer.lr",
     "optimizer.weight_decay",

@@ -229,7 +229,7 @@ def test_the_same_command_again_runs_no_more_trials_and_a_changed_one_is_refused
 
 
 def test_a_nan_run_reports_inf(tmp_path):
-    space = _space_file(tmp_path, {"optimizer.lr": {"choices": [1.0e6]}})
+    space = _space_file(tmp_path, {"optimizer.lr": {"choices": [1.0e3]}})  # the most allowed
     study_dir = tmp_path / "nan"
     url = f"sqlite:///{tmp_path / 'elsewhere.db'}"  # --storage: any Optuna storage URL
     assert _tune(study_dir, space, 2, "--pruner", "none", "--no-plots", "--storage", url) == 0

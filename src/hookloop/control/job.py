@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import threading
 import time
 from collections import deque
@@ -21,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 from hookloop.control.commands import COMMANDS, SERVER_COMMANDS, CommandError
 from hookloop.profile import current_profile
-from hookloop.watchdog import rank_beats
 
 if TYPE_CHECKING:
     from hookloop.state import Control, TrainState
@@ -220,7 +220,7 @@ class LiveJob:
                 # StragglerDetection's latest report (replaced whole, never mutated), or None
                 "stragglers": self.user_state.get("stragglers"),
                 # each rank's last heartbeat as the watchdog read it (hookloop.watchdog), or None
-                "ranks": rank_beats(),
+                "ranks": _rank_beats(),
                 "stopping": snap.stopping,
                 # the values `set` can change now, and the changes applied so far
                 "settings": self.settings.values() if self.settings is not None else None,
@@ -239,3 +239,10 @@ class LiveJob:
         profile = current_profile()  # callbacks.profile=true: the cost report per callback
         out["callback_profile"] = profile.rows() if profile is not None else None
         return out
+
+
+def _rank_beats() -> Any:
+    """The watchdog's table of beats, when a run in this process loaded it (importing it
+    here would load torch into commands that only talk to a server)."""
+    watchdog = sys.modules.get("hookloop.watchdog")
+    return watchdog.rank_beats() if watchdog is not None else None
