@@ -98,3 +98,48 @@ def test_nothing_to_wrap_and_reentrant_are_refused() -> None:
         wrap_for_checkpointing(MLP(), torch.nn.TransformerEncoderLayer)
     with pytest.raises(ValueError, match="use_reentrant=False"):
         wrap_for_checkpointing(MLP(), Block, use_reentrant=True)
+
+
+# -- the native loop's switch: train.activation_checkpointing ----------------------------
+
+
+def _gpt_run(*overrides: str) -> tuple[list[float], int]:
+    """Losses of 3 steps of the small GPT recipe, and the bytes autograd saved for backward
+    in the first step (what activation checkpointing trades for recomputation)."""
+    from hookloop.config import apply_overrides
+    from hookloop.entry import build_trainer
+    from hookloop.recipes import default_config
+
+    cfg = default_config("gpt-stdlib")
+    apply_overrides(cfg, ["train.max_steps=3", "train.log_every=1", "model.n_layer=2",
+                          "model.n_embd=32", "model.n_head=2", "model.block_size=32",
+                          "data.batch_size=4", "train.eval_every=1000", *overrides])  # fmt: skip
+    trainer = build_trainer(cfg)
+    losses: list[float] = []
+    trainer.callbacks.register("on_log", lambda ctx: losses.append(ctx.logs["loss"]))
+    saved = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        trainer.train()
+    return losses, saved[0]
+
+
+def test_the_native_switch_gives_the_same_losses_keeping_fewer_activations() -> None:
+    plain, plain_bytes = _gpt_run()
+    checkpointed, checkpointed_bytes = _gpt_run("train.activation_checkpointing=Block")
+    assert checkpointed == plain
+    assert checkpointed_bytes < plain_bytes / 2  # the blocks keep only their inputs
+
+
+def test_the_native_switch_names_the_classes_a_model_has() -> None:
+    from hookloop.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"names Blok, which GPT has no submodule of; its "
+                       r"classes: .*Block"):  # fmt: skip
+        _gpt_run("train.activation_checkpointing=Blok")
+    with pytest.raises(ConfigError, match="must be module class names separated by commas"):
+        _gpt_run("train.activation_checkpointing=Block;rm")

@@ -20,6 +20,7 @@ BASE_KEYS = {
     "callbacks.profile",
     "callbacks.diloco",
     "train.compile",
+    "train.activation_checkpointing",
     "callbacks.info",
     "callbacks.metrics",
     "callbacks.peak_flops",

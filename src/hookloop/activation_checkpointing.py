@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["unwrap", "wrap_for_checkpointing"]
+__all__ = ["checkpoint_by_name", "unwrap", "wrap_for_checkpointing"]
 
 #: The attribute a wrapped module keeps its own ``forward`` under.
 _ORIGINAL = "hookloop_forward_before_checkpointing"
@@ -53,6 +53,22 @@ def wrap_for_checkpointing(
         names = ", ".join(t.__name__ for t in types)
         raise ValueError(f"{type(model).__name__} has no submodule of type {names} to checkpoint")
     return wrapped
+
+
+def checkpoint_by_name(model: torch.nn.Module, names: str) -> list[torch.nn.Module]:
+    """``train.activation_checkpointing``: checkpoint the submodules whose class is named in
+    ``names`` (comma-separated); a name no submodule has is one line listing those it has."""
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    present = {type(m).__name__: type(m) for m in model.modules()}
+    missing = [n for n in wanted if n not in present]
+    if missing:
+        from hookloop.errors import ConfigError
+
+        raise ConfigError(
+            f"train.activation_checkpointing names {', '.join(missing)}, which "
+            f"{type(model).__name__} has no submodule of; its classes: {', '.join(sorted(present))}"
+        )
+    return wrap_for_checkpointing(model, [present[n] for n in wanted])
 
 
 def unwrap(model: torch.nn.Module) -> None:

@@ -199,6 +199,11 @@ class TrainConfig:
     handle_signals: bool = opt(True, "On SIGTERM/SIGINT finish the step, save, exit.")
     deterministic: bool = opt(False, "torch.use_deterministic_algorithms(True).")
     compile: bool = opt(False, "torch.compile the model (and the loss_fn) for training.")
+    activation_checkpointing: str | None = opt(
+        None,
+        "Recompute the activations of these submodule classes in backward instead of keeping "
+        "them (comma-separated class names, e.g. Block); null: off.",
+    )
     flops_per_sample: float | None = opt(
         None, "Training FLOPs per sample, for throughput (null: the recipe's estimate)."
     )
@@ -230,6 +235,15 @@ class TrainConfig:
                 _positive(self, name, "train")
         _positive(self, "grad_accum", "train")
         _non_negative(self, "log_every", "train")
+        names = self.activation_checkpointing
+        if names is not None and (
+            not isinstance(names, str)
+            or not all(n.strip().isidentifier() for n in names.split(","))
+        ):
+            raise ConfigError(
+                "train.activation_checkpointing must be module class names separated by commas "
+                f"(e.g. Block), or null; got {names!r}"
+            )
         if self.max_skipped_fraction is not None and not 0 <= self.max_skipped_fraction < 1:
             raise ConfigError(
                 "train.max_skipped_fraction must lie in [0, 1) or be null, got "

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from hookloop.activation_checkpointing import checkpoint_by_name
 from hookloop.checkpoint.checkpointer import Checkpointer, CheckpointStores
 from hookloop.checkpoint.local import local_manager
 from hookloop.checkpoint.manager import CheckpointManager
@@ -286,6 +287,8 @@ def place_model(
     cfg = config.train
     model, compiled = unwrap_compiled(model)
     model = model.to(device)
+    if cfg.activation_checkpointing:
+        checkpoint_by_name(model, cfg.activation_checkpointing)  # before DDP / FSDP wrap it
     train_model = parallelize(model, cfg.parallel, device, optimizer)
     if cfg.compile or compiled is not None:
         if cfg.compile:
