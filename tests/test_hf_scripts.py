@@ -31,11 +31,10 @@ ARGV = ["--do_train", "--do_eval", "--do_predict", "--max_steps", "6",
         "--eval_steps", "3", "--learning_rate", "5e-3", "--report_to", "none", "--use_cpu",
         "--seed", "0", "--disable_tqdm", "true"]  # fmt: skip
 
-#: The tasks, with what each adds to the command line. The masked LM evaluates only
-#: after training: its collator draws the masks from one generator, which evaluations
-#: in the middle of training draw from in another order on transformers (whose loop
-#: fetches the next batch ahead).
-TASKS = {"clm": [], "mlm": ["--eval_strategy", "no"], "glue": [], "ner": [],
+#: The tasks, with what each adds to the command line. The masked LM's collator draws
+#: its masks from the generator dropout and evaluations draw from: its numbers match
+#: only because the dialect, as transformers' loader, fetches each batch ahead.
+TASKS = {"clm": [], "mlm": [], "glue": [], "ner": [],
          "summarization": ["--predict_with_generate"]}  # fmt: skip
 
 

@@ -370,6 +370,19 @@ def check_resize(
     )
 
 
+def one_ahead(items: Iterator[Any]) -> Iterator[Any]:
+    """``items`` with each next one fetched before the current one is handed out (what
+    accelerate's loader does, so that it knows which batch is the last)."""
+    try:
+        ahead = next(items)
+    except StopIteration:
+        return
+    for item in items:
+        current, ahead = ahead, item
+        yield current
+    yield ahead
+
+
 def _opened(loader: Iterable[Any], *, keep_rng: bool) -> Iterator[Any]:
     """``iter(loader)``. A DataLoader without a generator of its own draws its workers'
     seed from torch's global RNG as it opens; resumed mid-epoch, the checkpoint's RNG

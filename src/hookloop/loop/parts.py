@@ -91,6 +91,10 @@ class Dialect:
     #: The dialect steps a metric-driven LR scheduler (``ReduceLROnPlateau``) after its
     #: evaluations itself; the native loop refuses one (it has no metric per step).
     steps_metric_scheduler: bool = False
+    #: Each training batch is fetched before the one ahead of it is trained on, as
+    #: transformers' loader (accelerate's) does: a collator that draws random numbers
+    #: (masks) then draws them in its order, relative to dropout and evaluations.
+    fetch_ahead: bool = False
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ import torch
 
 from hookloop.callback import Callback
 from hookloop.config import Config, TrainConfig
+from hookloop.data import one_ahead
 from hookloop.loop.actions import handler_of
 from hookloop.loop.inputs import Inputs, as_config, as_manager, check_flops, check_inputs
 from hookloop.loop.parts import Dialect, build_parts, checkpoint_managers
@@ -256,6 +257,8 @@ class Trainer:
         batches = p.rewinder.reposition(  # less what rewinds skipped in it
             p.position.epoch(st.epoch, st.epoch_step), st.epoch, self.train_loader
         )
+        if p.dialect.fetch_ahead:
+            batches = one_ahead(batches)
         if schedule.opens_epoch():
             p.fire("on_epoch_start")
         plan = schedule.at_epoch_end(self._run_steps(batches))
