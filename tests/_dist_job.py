@@ -30,6 +30,19 @@ def trainer_with_own_optimizer(cfg) -> Trainer:
                    eval_data=parts.eval_data, loss_fn=parts.loss_fn, config=cfg)  # fmt: skip
 
 
+def trainer_that_fits_less_on_rank_1(cfg, rank: int) -> Trainer:
+    """data.batch_size=auto where rank 1 runs out of memory above 16 rows, rank 0 never."""
+    seed_everything(cfg.seed)
+    parts = get_recipe(cfg.recipe).build(cfg)
+
+    def oom_above_16(module, args):
+        if rank == 1 and args[0].shape[0] > 16:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected on rank 1)")
+
+    parts.model.register_forward_pre_hook(oom_above_16)
+    return Trainer(parts.model, train_data=parts.train_data, loss_fn=parts.loss_fn, config=cfg)
+
+
 def main() -> None:
     mode, out, *overrides = sys.argv[1:]
     init_from_env()
@@ -38,6 +51,8 @@ def main() -> None:
     apply_overrides(cfg, ["train.log_every=1", *overrides])
     if mode == "own-optimizer":
         trainer = trainer_with_own_optimizer(cfg)
+    elif mode == "auto-batch":
+        trainer = trainer_that_fits_less_on_rank_1(cfg, rank)
     else:
         trainer = build_trainer(cfg, out_dir=out if mode != "plain" else None,
                                 resume="auto" if mode == "resume" else None)  # fmt: skip
@@ -146,6 +161,7 @@ def main() -> None:
         "losses": losses,
         "params": whole_params(trainer),
         "eval_loss": result.metrics.get("eval_loss"),
+        "batch_size": cfg.data.batch_size,
     }
     if mode == "stop-on-rank-1":
         record["applied"] = applied

@@ -40,6 +40,7 @@ BASE_KEYS = {
     "data.shuffle",
     "data.num_workers",
     "data.ledger",
+    "data.auto_batch_start",
     "optimizer.name",
     "optimizer.lr",
     "optimizer.weight_decay",

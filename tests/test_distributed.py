@@ -134,3 +134,12 @@ def test_diloco_refuses_per_step_gradient_sync(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0
     assert "train.parallel='local'" in proc.stderr
+
+
+def test_an_auto_batch_size_that_fails_on_one_rank_fails_on_both(tmp_path):
+    # Rank 1 runs out of memory above 16 rows; 64 and 32 fail there, so both ranks
+    # train with 16 and stay in step.
+    results = launch("auto-batch", tmp_path, "data.batch_size=auto", "data.auto_batch_start=64")
+    assert [r["batch_size"] for r in results] == [16, 16]
+    assert [r["step"] for r in results] == [24, 24]
+    assert results[0]["params"] == results[1]["params"]

@@ -33,7 +33,12 @@ class ModelConfig:
 class DataConfig:
     """Data loading; recipes may subclass this to add source-specific fields."""
 
-    batch_size: int = opt(32, "Micro-batch size per process.")
+    batch_size: int | Literal["auto"] = opt(
+        32, "Micro-batch size per process; auto: the largest that fits (found at start)."
+    )
+    auto_batch_start: int = opt(
+        1024, "With batch_size=auto: the first size tried (then halved until one fits)."
+    )
     eval_batch_size: int | None = opt(None, "Evaluation batch size (default: batch_size).")
     shuffle: bool = opt(True, "Shuffle training data each epoch (reproducibly, by seed).")
     num_workers: int = opt(0, "DataLoader worker processes.")
@@ -44,7 +49,9 @@ class DataConfig:
     )
 
     def validate(self) -> None:
-        _positive(self, "batch_size", "data")
+        if self.batch_size != "auto":
+            _positive(self, "batch_size", "data")
+        _positive(self, "auto_batch_start", "data")
         if self.eval_batch_size is not None:
             _positive(self, "eval_batch_size", "data")
         _non_negative(self, "num_workers", "data")

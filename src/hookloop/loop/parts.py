@@ -40,6 +40,7 @@ from hookloop.data import DataPosition, EpochSampler, is_map_style, make_loader
 from hookloop.distributed import parallelize, rank_info
 from hookloop.errors import ConfigError
 from hookloop.gcpolicy import GCPolicy
+from hookloop.loop.auto_batch import fit_batch_size
 from hookloop.loop.contents import CheckpointContents
 from hookloop.loop.evaluation import Evaluation
 from hookloop.loop.inputs import Inputs
@@ -197,21 +198,16 @@ def build_parts(given: Inputs, dialect: Dialect | None = None) -> tuple[Parts, S
     progress.place(*rank_info())
     device = resolve_device(cfg.device, progress.local_rank)
     model, train_model, optimizer = place_model(given.model, given.optimizer, config, device)
+    compute = _compute(given, progress, device)
+    fit_batch_size(config, model, given.data[0], compute, progress.world_size, given.collate_fn)
     open_loader = functools.partial(
         _open_loader, config=config, progress=progress, collate_fn=given.collate_fn
     )
     loaders = Loaders(*(open_loader(data, i == 0) for i, data in enumerate(given.data)))
     (dialect.plan_budget or plan_budget)(loaders.train, cfg, progress)
-    # A dialect's data comes as its original's does; the native loop refuses rows.
-    train = loaders.train if loaders.train is not None else ()
-    position = DataPosition(
-        train, cfg.grad_accum, check_rows=native, world_size=progress.world_size
-    )
-    if config.data.ledger:
-        _add_ledger(callbacks, position, given.out_dir)
+    position = _train_position(loaders.train, config, callbacks, native, progress, given)
     scheduler = make_scheduler(given.scheduler, config, optimizer, progress.max_steps)
     trained = Trained(model, train_model, optimizer, scheduler)
-    compute = _compute(given, progress, device)
     stores = checkpoint_managers(config, dialect, given.out_dir, given.resume)
     ctx = _context(given, trained, compute, loaders, stores)
     events = Events(ctx, callbacks.index, callbacks.fire)  # the index is live
@@ -247,6 +243,20 @@ def build_parts(given: Inputs, dialect: Dialect | None = None) -> tuple[Parts, S
         Watchdog(progress, cfg.watchdog_seconds, ctx.run.dir),
     )  # fmt: skip
     return parts, _schedule(parts)
+
+
+def _train_position(
+    train: Any, config: Config, callbacks: Any, native: bool, progress: Progress, given: Inputs
+) -> DataPosition:
+    """Where the training data stands (a dialect's data comes as its original's does; the
+    native loop refuses rows), with the sample ledger when ``data.ledger`` asks."""
+    position = DataPosition(
+        train if train is not None else (), config.train.grad_accum, check_rows=native,
+        world_size=progress.world_size,
+    )  # fmt: skip
+    if config.data.ledger:
+        _add_ledger(callbacks, position, given.out_dir)
+    return position
 
 
 def _add_ledger(callbacks: CallbackManager, position: DataPosition, out_dir: str | None) -> None:
@@ -355,7 +365,7 @@ def _open_loader(
         dc = config.data
         return make_loader(
             data,
-            batch_size=dc.batch_size if train else (dc.eval_batch_size or dc.batch_size),
+            batch_size=int(dc.batch_size if train else (dc.eval_batch_size or dc.batch_size)),
             shuffle=dc.shuffle and train,
             seed=config.seed,
             rank=progress.rank,

@@ -292,6 +292,11 @@ class PlainTrainingArguments:
     ) -> PlainTrainingArguments:
         """What a hookloop ``Config`` means, under HF's names."""
         t, d, o, c = config.train, config.data, config.optimizer, config.checkpoint
+        if d.batch_size == "auto":
+            raise ValueError(
+                "data.batch_size=auto is the native loop's; with transformers' arguments use "
+                "auto_find_batch_size=True"
+            )
         if not has_eval_data:
             eval_strategy = "no"
         elif t.eval_every:
