@@ -28,6 +28,7 @@ Linear(in_features=4, out_features=3, bias=True)
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -66,9 +67,11 @@ def summarize(model: torch.nn.Module) -> list[ModuleRow]:
     return rows
 
 
-def _row(name: str, module: torch.nn.Module, params: object, seen: set[int]) -> ModuleRow:
+def _row(
+    name: str, module: torch.nn.Module, params: Iterable[torch.nn.Parameter], seen: set[int]
+) -> ModuleRow:
     count = trainable = size = 0
-    for p in params:  # type: ignore[attr-defined]  # an iterator of parameters
+    for p in params:
         if id(p) in seen:
             continue
         seen.add(id(p))
@@ -121,7 +124,9 @@ class ModelSummary(Callback):
         if not ctx.state.is_rank_zero or ctx.model is None:
             return
         self.rows = summarize(ctx.model)
-        out = {"stdout": sys.stdout, "stderr": sys.stderr}.get(self.stream, self.stream)  # type: ignore[call-overload]  # else a stream
+        out = self.stream
+        if isinstance(out, str):
+            out = sys.stdout if out == "stdout" else sys.stderr
         print("model summary:\n" + format_summary(self.rows), file=out, flush=True)
 
 
