@@ -223,3 +223,21 @@ def test_a_missing_mlflow_names_the_extra(monkeypatch):
         monkeypatch.delitem(sys.modules, module)
     with pytest.raises(MissingExtraError, match=r"hookloop\[mlflow\]"):
         MLflowLogger()
+
+
+def test_a_rewind_cuts_the_csv_back_and_marks_the_mlflow_run(tmp_path):
+    from _rewind_job import build as rewinding_run
+    from hookloop.callbacks.mlflow_logger import MLflowLogger
+
+    uri = (tmp_path / "store").as_uri()
+    path = tmp_path / "metrics.csv"
+    run, _ = rewinding_run(tmp_path, callbacks=[CSVLogger(path), MLflowLogger(uri)])
+    run.train()  # the loss spikes at step 8; the run goes back to step 6 and on to 14
+
+    losses = [(int(r["step"]), float(r["loss"])) for r in read_csv_rows(path) if r["loss"]]
+    assert [step for step, _ in losses] == list(range(1, 15))  # the spike's row was cut
+    assert max(loss for _, loss in losses) < 100
+    client, mlrun = only_run(uri)
+    assert mlrun.data.tags["rewind.1"] == "8 -> 6"
+    points = sorted(m.step for m in client.get_metric_history(mlrun.info.run_id, "train/loss"))
+    assert points == sorted([*range(1, 15), 7, 8])  # MLflow keeps the old 7 and 8 beside the new
