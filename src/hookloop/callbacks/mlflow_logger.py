@@ -29,7 +29,8 @@ the store has for that metric is left out (a resumed training repeats the killed
 steps with the same numbers). A **rewind** after a divergence trains the steps again with
 other batches or another learning rate: those points are logged, so the history of a metric
 holds two points at a rewound step, the old and the new; the tag ``rewind.<count>`` =
-``from_step -> to_step`` marks where that happened.
+``from_step -> to_step`` marks where that happened. A resume that finds no checkpoint (a
+run killed before its first save, restarted with ``--resume auto``) starts a new MLflow run.
 """
 
 from __future__ import annotations
