@@ -45,6 +45,12 @@ def build(cls: type, tmp_path) -> Callback:
         return cls(optuna.trial.FixedTrial({}))
     if cls is builtins.JsonLogger:
         return cls(tmp_path / "metrics.jsonl")
+    if cls is builtins.CSVLogger:
+        return cls(tmp_path / "metrics.csv")
+    if cls is builtins.MLflowLogger:
+        return cls((tmp_path / "mlruns").as_uri())
+    if cls is builtins.ModelSummary:
+        return cls(stream=io.StringIO())
     if cls in (builtins.TBLogger, builtins.ResumableSummaryWriter):
         return cls(tmp_path / "tb")
     if cls is builtins.WandbLoggingCallback:

@@ -98,6 +98,12 @@ BASE_KEYS = {
     "callbacks.max_rewinds",
     "logging.progress",
     "logging.json",
+    "logging.csv",
+    "logging.mlflow",
+    "logging.mlflow_uri",
+    "logging.mlflow_experiment",
+    "callbacks.model_summary",
+    "callbacks.torch_profile",
 }
 
 

@@ -191,6 +191,8 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
         except yaml.YAMLError:
             value = raw
         hint = type_hints(type(target))[f.name]
+        if isinstance(value, int) and ":" in raw and str in (*typing.get_args(hint), hint):
+            value = raw.strip()  # YAML 1.1 reads 5:10 as 310 (base 60); a string key means text
         setattr(target, f.name, coerce(value, hint, dotted))
     return cfg
 

@@ -379,6 +379,14 @@ class LoggingConfig:
     tensorboard: bool = opt(True, "Write TensorBoard events under tb/ (needs the extra).")
     wandb: bool = opt(False, "Log to Weights & Biases (offline unless WANDB_MODE says).")
     wandb_project: str = opt("hookloop", "W&B project name.")
+    csv: bool = opt(False, "Write metrics.csv in the run directory (Lightning's CSVLogger).")
+    mlflow: bool = opt(False, "Log params, metrics and artifacts to MLflow (needs the extra).")
+    mlflow_uri: str | None = opt(
+        None, "MLflow tracking URI (null: a file store in the run directory's mlruns/)."
+    )
+    mlflow_experiment: str | None = opt(
+        None, "MLflow experiment name (null: the recipe's name, else 'hookloop')."
+    )
     progress_interval: float = opt(
         1.0, "Least seconds between two shown progress rows (0: every log event)."
     )
@@ -386,6 +394,9 @@ class LoggingConfig:
     def validate(self) -> None:
         if not self.wandb_project:
             raise ConfigError("logging.wandb_project must be a non-empty string")
+        for name in ("mlflow_uri", "mlflow_experiment"):
+            if getattr(self, name) == "":
+                raise ConfigError(f"logging.{name} must be a non-empty string or null")
         pi = self.progress_interval
         if isinstance(pi, bool) or not isinstance(pi, (int, float)) or not 0 <= pi < float("inf"):
             raise ConfigError(
@@ -424,6 +435,12 @@ class CallbacksConfig:
         1.4, "A rank slower than this many times the median step time is a straggler."
     )
     profile: bool = opt(False, "Time every callback handler; print the cost table at the end.")
+    torch_profile: str | None = opt(
+        None, "START:END: torch.profiler traces of steps START..END under profile/ (null: off)."
+    )
+    model_summary: bool = opt(
+        True, "Print parameters per top-level module at the start (ModelSummary)."
+    )
     diloco: bool | None = opt(
         None, "DiLoCo worker of the server in DILOCO_SERVER (null: on when that is set)."
     )
@@ -441,6 +458,8 @@ class CallbacksConfig:
             raise ConfigError(f"callbacks.straggler_threshold must be a number > 1, got {st!r}")
         if self.diloco is not None and not isinstance(self.diloco, bool):
             raise ConfigError(f"callbacks.diloco must be true, false or null, got {self.diloco!r}")
+        if self.torch_profile is not None:
+            profile_window(self.torch_profile)
 
     def _validate_rewind(self) -> None:
         if self.divergence_action not in ("stop", "abort", "rewind"):
@@ -502,6 +521,21 @@ class ControlConfig:
                     "reaches it stop the job: use 127.0.0.1, keep authentication, or also set "
                     "control.allow_remote_without_auth=true"
                 )
+
+
+def profile_window(text: str) -> tuple[int, int]:
+    """``callbacks.torch_profile``'s ``START:END`` as two ints, START < END, both >= 1."""
+    start, sep, end = str(text).partition(":")
+    try:
+        first, last = int(start), int(end)
+    except ValueError:
+        first = last = 0
+    if not sep or not 1 <= first < last:
+        raise ConfigError(
+            f"callbacks.torch_profile must be START:END with 1 <= START < END (steps, e.g. "
+            f"5:10; quote it in YAML), got {text!r}"
+        )
+    return first, last
 
 
 _HINTS: dict[type, dict[str, Any]] = {}

@@ -5,6 +5,8 @@ Everything one training run leaves behind lives under one directory::
     <run>/
       config.yaml      the resolved config (recipe defaults + file + overrides)
       metrics.jsonl    JSON Lines: one record per log, evaluation, start and end
+      metrics.csv      the same numbers as a CSV table (logging.csv)
+      mlruns/          a local MLflow store (logging.mlflow)
       tb/              TensorBoard event files
       checkpoints/     step-XXXXXXXX/ checkpoint directories and the "latest" pointer
       local_checkpoints/  the newest local (non-persistent) checkpoint (checkpoint.local_every)
@@ -36,6 +38,8 @@ from hookloop.journal import read_records
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
+CSV_FILE = "metrics.csv"
+MLRUNS_DIR = "mlruns"
 TB_DIR = "tb"
 CHECKPOINTS_DIR = "checkpoints"
 LOCAL_CHECKPOINTS_DIR = "local_checkpoints"
@@ -68,6 +72,15 @@ class RunDir:
     @property
     def metrics(self) -> Path:
         return self.root / METRICS_FILE
+
+    @property
+    def metrics_csv(self) -> Path:
+        return self.root / CSV_FILE
+
+    @property
+    def mlruns(self) -> Path:
+        """A local MLflow store, unless ``logging.mlflow_uri`` names another."""
+        return self.root / MLRUNS_DIR
 
     @property
     def tensorboard(self) -> Path:

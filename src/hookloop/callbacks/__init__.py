@@ -3,18 +3,19 @@
 Native names only: the compatible systems' names (``NaNDetectionCallback``,
 ``ProgressCallback``, ...) live with their dialects in :mod:`hookloop.compat`,
 and importing one from here says where. Optional libraries (optuna, wandb,
-tensorboard) are imported only when their callback is built.
+tensorboard, mlflow) are imported only when their callback is built.
 
 Each built-in's priority is its class's ``priority`` attribute, within the bands of
 :data:`hookloop.callback.PRIORITY_BANDS`; docs/callbacks.md's priority table is
 generated from them (``scripts/docs_reference.py``).
 
-JsonLogger, TBLogger and WandbLoggingCallback are backends of :class:`Logger`
-(:mod:`hookloop.callbacks.logger`), which owns what every logger does the same way:
+JsonLogger, CSVLogger, TBLogger, WandbLoggingCallback and MLflowLogger are backends of
+:class:`Logger` (:mod:`hookloop.callbacks.logger`), which owns what every logger does the same way:
 the events, rank 0 alone writing, the cut back on resume and rewind, the flushes.
 """
 
 from hookloop.callbacks.checkpoint_policy import CheckpointPolicy
+from hookloop.callbacks.csv_logger import CSVLogger
 from hookloop.callbacks.defaults import default_callbacks
 from hookloop.callbacks.diloco import DiLoCo
 from hookloop.callbacks.divergence import DivergenceDetector, SpikeTracker
@@ -26,6 +27,8 @@ from hookloop.callbacks.logger import Logger, Record
 from hookloop.callbacks.loss_prediction import LossPrediction
 from hookloop.callbacks.memory import PeakMemory
 from hookloop.callbacks.metrics import DefaultMetrics
+from hookloop.callbacks.mlflow_logger import MLflowLogger
+from hookloop.callbacks.model_summary import ModelSummary
 from hookloop.callbacks.monitor import MetricTracker
 from hookloop.callbacks.nan_detection import NaNDetection
 from hookloop.callbacks.norms import GradNormLogger, ParameterNormLogger, WeightNormLogger
@@ -78,6 +81,7 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "CSVLogger",
     "CheckpointPolicy",
     "DefaultMetrics",
     "DiLoCo",
@@ -89,7 +93,9 @@ __all__ = [
     "JsonLogger",
     "Logger",
     "LossPrediction",
+    "MLflowLogger",
     "MetricTracker",
+    "ModelSummary",
     "NaNDetection",
     "OptimizerMode",
     "OptunaPruning",

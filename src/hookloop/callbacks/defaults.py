@@ -4,6 +4,8 @@
 callback               priority  config key
 =====================  ========  ==================================
 InfoCallback                  1  callbacks.info
+ModelSummary                  1  callbacks.model_summary
+ProfilerCallback             15  callbacks.torch_profile (START:END; off by default)
 NaNDetection                  5  callbacks.nan_detection
 DefaultMetrics               20  callbacks.metrics (callbacks.peak_flops for MFU)
 TextgenCallback              60  callbacks.textgen (text recipes)
@@ -12,6 +14,8 @@ EarlyStopping                90  callbacks.early_stopping_patience
 StragglerDetection            2  callbacks.straggler_every (off by default)
 DiLoCoCallback               15  callbacks.diloco (on when DILOCO_SERVER is set)
 JsonLogger                  100  logging.json
+CSVLogger                   100  logging.csv (metrics.csv; off by default)
+MLflowLogger                100  logging.mlflow (off by default)
 ProgressLog                 100  logging.progress_log (progress.txt: writes only at saves)
 TBLogger                    100  logging.tensorboard
 WandbLoggingCallback         80  logging.wandb
@@ -56,6 +60,12 @@ def default_callbacks(cfg: Config, run_dir: str | Path | None) -> list[Callback]
     callbacks: list[Callback] = []
     if on.info:
         callbacks.append(InfoCallback())
+    if on.model_summary:
+        from hookloop.callbacks.model_summary import ModelSummary
+
+        callbacks.append(ModelSummary())
+    if on.torch_profile is not None:
+        callbacks.append(_torch_profiler(on.torch_profile, run))
     if on.nan_detection:
         callbacks.append(NaNDetection())
     if on.metrics:
@@ -107,6 +117,15 @@ def _loggers(cfg: Config, run: RunDir | None) -> list[Callback]:
         from hookloop.callbacks.progress_log import ProgressLog
 
         callbacks.append(ProgressLog(run.progress_log))
+    if log.csv and run is not None:
+        from hookloop.callbacks.csv_logger import CSVLogger
+
+        callbacks.append(CSVLogger(run.metrics_csv))
+    if log.mlflow:
+        from hookloop.callbacks.mlflow_logger import MLflowLogger
+
+        uri = log.mlflow_uri or (run.mlruns.resolve().as_uri() if run is not None else None)
+        callbacks.append(MLflowLogger(tracking_uri=uri, experiment=log.mlflow_experiment))
     if log.tensorboard and run is not None:
         from hookloop.callbacks.tensorboard import TBLogger
 
@@ -120,6 +139,17 @@ def _loggers(cfg: Config, run: RunDir | None) -> list[Callback]:
     if log.progress:
         callbacks.append(ProgressBar(min_interval=log.progress_interval))
     return callbacks
+
+
+def _torch_profiler(window: str, run: RunDir | None) -> Callback:
+    """``callbacks.torch_profile=START:END``: steps START..END (counted from 1) traced,
+    after a warm-up step where there is one; the files are named after step END."""
+    from hookloop.callbacks.profiler import ProfilerCallback
+    from hookloop.config_sections import profile_window
+
+    first, last = profile_window(window)
+    output_dir = run.profile if run is not None else None
+    return ProfilerCallback(start_step=first - 1, num_steps=last - first + 1, output_dir=output_dir)
 
 
 class ResumeNotice(Callback):

@@ -11,8 +11,10 @@ output directory (default ``<out_dir>/profile``, or ``./profile`` without an
 - ``summary_step<N>_rank<R>.txt``: operator tables sorted by self CPU time
   and, on CUDA, by self device time.
 
-``N`` is the optimizer step that closed the window. Once every cycle is
-recorded the profiler is stopped, so the rest of training runs unprofiled.
+``N`` is the optimizer step that closed the window. Each step is marked in the trace
+as ``hookloop step <n>``, numbered as the run counts (torch's own ``ProfilerStep#k``
+counts from 0 where profiling began). Once every cycle is recorded the profiler is
+stopped, so the rest of training runs unprofiled.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ class ProfilerCallback(Callback):
         self._rank = 0
         self._cuda = False
         self._step = 0
+        self._mark: Any = None  # the open ``hookloop step <n>`` range of the trace
 
     def on_train_start(self, ctx: CallbackContext) -> None:
         self._rank = ctx.state.rank
@@ -133,7 +136,13 @@ class ProfilerCallback(Callback):
         )
         self._prof.start()
 
+    def on_train_step_start(self, ctx: CallbackContext) -> None:
+        if self._prof is not None:
+            self._mark = torch.profiler.record_function(f"hookloop step {ctx.state.step}")
+            self._mark.__enter__()
+
     def on_train_step_end(self, ctx: CallbackContext) -> None:
+        self._close_mark()
         if self._prof is None:
             return
         self._step = ctx.state.step
@@ -147,7 +156,13 @@ class ProfilerCallback(Callback):
     def on_exception(self, ctx: CallbackContext) -> None:
         self._stop()
 
+    def _close_mark(self) -> None:
+        mark, self._mark = self._mark, None
+        if mark is not None:
+            mark.__exit__(None, None, None)
+
     def _stop(self) -> None:
+        self._close_mark()
         prof, self._prof = self._prof, None
         if prof is not None:
             prof.stop()
