@@ -182,6 +182,8 @@ def parent_problem(origin: Origin) -> str | None:
     from hookloop.loop.changes import CHAIN_SEED, read_changes
 
     path = RunDir(origin.run).changes
+    if not RunDir(origin.run).config.is_file():
+        return f"{origin.run} holds no run any more"
     try:
         records = read_changes(path)[: origin.records]
         check_chain(path, records, CHAIN_SEED)
