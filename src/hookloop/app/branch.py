@@ -250,6 +250,7 @@ def prepare_branch(args: argparse.Namespace) -> tuple[Path, Any, dict[str, Any],
                                  what="on a branch")  # fmt: skip
     inherited, head, covered = parent_records(parent, step, args.skip_change)
     live = live_overrides(changes)
+    _check_live(live)
     origin = Origin(str(parent.resolve()), step, head, covered, f"branch-{time.time_ns()}")
     created = not out.exists()
     try:
@@ -267,6 +268,17 @@ def prepare_branch(args: argparse.Namespace) -> tuple[Path, Any, dict[str, Any],
     args.skip_change = []  # they named RUN's records, left out above
     kept = {k: v for k, v in changes.items() if k not in LIVE_ON_RESUME}
     return out, recorded_config(cfg, changes), kept, True
+
+
+def _check_live(live: dict[str, Any]) -> None:
+    """The command line's live optimizer values within their ranges, before NEW is made."""
+    from hookloop.loop.live_values import OPTIMIZER_CHECKS, SettingError
+
+    for key, value in live.items():
+        try:
+            OPTIMIZER_CHECKS[key](key, value)
+        except SettingError as err:
+            raise ConfigError(f"optimizer.{key} on the command line: {err}") from None
 
 
 def _undo(out: Path, created: bool) -> None:
