@@ -98,45 +98,43 @@ def resume_path(args: argparse.Namespace) -> str:
 # -- choosing and checking --------------------------------------------------------------
 
 
-def _intact_steps(run: RunDir) -> dict[int, str | None]:
-    """Each checkpoint step of ``run``, with why it cannot be used (None: intact)."""
-    from hookloop.checkpoint.storage import CheckpointError, CheckpointStorage, step_of
+def _saved_steps(run: RunDir) -> list[int]:
+    """The steps of ``run``'s complete checkpoints (a manifest written), oldest first."""
+    from hookloop.checkpoint.storage import CheckpointStorage, step_of
 
-    storage, found = CheckpointStorage(run.checkpoints), {}
-    for path in sorted(run.checkpoints.glob("step-*")) if run.checkpoints.is_dir() else []:
-        try:
-            storage.verify(path)
-            found[step_of(path)] = None
-        except CheckpointError as err:
-            found[step_of(path)] = " ".join(str(err).split())
-    return found
+    return [step_of(path) for path in CheckpointStorage(run.checkpoints).complete()]
 
 
-def _last_step(run: RunDir, checkpoints: dict[int, str | None]) -> int:
+def _last_step(run: RunDir, saved: list[int]) -> int:
     from hookloop.rundir import read_jsonl
 
     logged = read_jsonl(run.metrics) if run.metrics.is_file() else []
     steps = [r["step"] for r in logged if isinstance(r.get("step"), int)]
-    return max([*steps, *checkpoints], default=0)
+    return max([*steps, *saved], default=0)
 
 
 def check_source(parent: Path, step: int) -> Path:
-    """The parent's intact checkpoint at ``step``, or a one-line refusal listing the steps
-    a branch can start from."""
+    """The parent's checkpoint at ``step``, verified against its manifest, or a one-line
+    refusal listing the steps a branch can start from (only that one is read whole)."""
+    from hookloop.checkpoint.storage import CheckpointError, CheckpointStorage
+
     run = RunDir(parent)
     if not run.config.is_file():
         raise ConfigError(f"--branch {parent}@{step}: {parent} holds no run (no config.yaml)")
-    checkpoints = _intact_steps(run)
-    usable = ", ".join(str(s) for s, bad in checkpoints.items() if bad is None) or "none"
-    last = _last_step(run, checkpoints)
+    saved = _saved_steps(run)
+    path = run.checkpoints / checkpoint_name(step)
+    last = _last_step(run, saved)
     if step > last:
         why = f"step {step} is beyond the run, which reached step {last}"
-    elif step not in checkpoints:
+    elif not path.is_dir():
         why = f"{parent} has no checkpoint at step {step}"
-    elif checkpoints[step] is not None:
-        why = f"its checkpoint at step {step} is damaged ({checkpoints[step]})"
     else:
-        return run.checkpoints / checkpoint_name(step)
+        try:
+            CheckpointStorage(run.checkpoints).verify(path)
+            return path
+        except CheckpointError as err:
+            why = f"its checkpoint at step {step} is damaged ({' '.join(str(err).split())})"
+    usable = ", ".join(str(s) for s in saved if s != step) or "none"
     raise ConfigError(f"--branch {parent}@{step}: {why}; steps available: {usable}")
 
 
@@ -240,6 +238,7 @@ def prepare_branch(args: argparse.Namespace) -> tuple[Path, Any, dict[str, Any],
         resume_config,
         saved_config,
     )
+    from hookloop.config import dump_yaml
 
     parent, step = parse_spec(args.branch)
     out = Path(args.out)
@@ -252,11 +251,12 @@ def prepare_branch(args: argparse.Namespace) -> tuple[Path, Any, dict[str, Any],
     live = live_overrides(changes)
     _check_live(live)
     origin = Origin(str(parent.resolve()), step, head, covered, f"branch-{time.time_ns()}")
-    created = not out.exists()
-    try:
+    created, recorded = not out.exists(), recorded_config(cfg, changes)
+    try:  # branch.json before changes.jsonl: a resume then always knows the branch record
         copy_checkpoint(source, out)
-        write_changes(out, origin, inherited, live)
         (out / BRANCH_FILE).write_text(json.dumps(origin.to_json(), indent=1) + "\n")
+        write_changes(out, origin, inherited, live)
+        RunDir(out).config.write_text(dump_yaml(recorded.to_dict()))
     except BaseException:
         _undo(out, created)
         raise
@@ -267,7 +267,7 @@ def prepare_branch(args: argparse.Namespace) -> tuple[Path, Any, dict[str, Any],
           f"up to it carried over", file=sys.stderr)  # fmt: skip
     args.skip_change = []  # they named RUN's records, left out above
     kept = {k: v for k, v in changes.items() if k not in LIVE_ON_RESUME}
-    return out, recorded_config(cfg, changes), kept, True
+    return out, recorded, kept, True
 
 
 def _check_live(live: dict[str, Any]) -> None:
