@@ -207,6 +207,9 @@ def test_a_used_out_directory_or_a_value_the_run_cannot_take_is_refused(runs, tm
     assert [p.name for p in used.iterdir()] == ["notes.txt"]
     code, _, err = _run(["train", "--branch", f"{runs['plain']}@10", *QUIET])
     assert code == 2 and "--branch needs --out NEW" in err
+    inside = runs["plain"] / "fork"
+    code, _, err = _run(["train", "--branch", f"{runs['plain']}@10", "--out", str(inside), *QUIET])
+    assert code == 2 and "lies inside the run directory" in err and not inside.exists()
     new = tmp_path / "new"
     code, _, err = _run(["train", "--branch", f"{runs['plain']}@10", "--out", str(new),
                          "optimizer.lr=1e9", *QUIET])  # fmt: skip

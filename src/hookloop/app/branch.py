@@ -138,8 +138,8 @@ def check_source(parent: Path, step: int) -> Path:
     raise ConfigError(f"--branch {parent}@{step}: {why}; steps available: {usable}")
 
 
-def check_target(out: Path, parent: Path) -> None:
-    """NEW: absent or an empty directory, not RUN, inside no run or checkpoint."""
+def check_target(out: Path) -> None:
+    """NEW: absent or an empty directory (so never RUN), inside no run or checkpoint."""
     inside = enclosing_run(out)
     if inside is not None:
         raise ConfigError(
@@ -151,8 +151,6 @@ def check_target(out: Path, parent: Path) -> None:
             f"--out {out} exists and is not an empty directory; a branch starts a new run: "
             "give a new directory"
         )
-    if out.resolve() == parent.resolve():
-        raise ConfigError("--branch writes a new run: give --out a directory other than RUN")
 
 
 def parent_records(parent: Path, step: int, skip: list[str]) -> tuple[list[dict], str | None, int]:
@@ -242,7 +240,7 @@ def prepare_branch(args: argparse.Namespace) -> tuple[Path, Any, dict[str, Any],
 
     parent, step = parse_spec(args.branch)
     out = Path(args.out)
-    check_target(out, parent)
+    check_target(out)
     source = check_source(parent, step)
     saved = saved_config(parent)
     cfg, changes = resume_config(parent, args.recipe, args.config, args.overrides, saved,
