@@ -1,7 +1,7 @@
 """The ``hookloop`` command.
 
 hookloop train [--recipe NAME] [--config FILE] [--out DIR] [--resume auto|PATH] [--replay RUN]
-               [--skip-change ID ...] [KEY=VALUE ...]
+               [--branch RUN@STEP] [--skip-change ID ...] [KEY=VALUE ...]
 hookloop recipes
 hookloop config [--recipe NAME]
 hookloop plot RUN_DIR... [--out FILE] [--log-scale]
@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hookloop import __version__
+from hookloop.app.branch import is_fresh_branch, not_replayed, prepare_branch, resume_path
 from hookloop.app.failures import error_line, is_refusal, one_line
 from hookloop.callback import Callback
 from hookloop.errors import ConfigError
@@ -161,9 +162,7 @@ def build_parser(commands: list[str | None] | None = None) -> argparse.ArgumentP
 def add_train_command(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``hookloop train``; the parser's ``run`` default runs it."""
     train = subparsers.add_parser("train", help=COMMANDS["train"][0])
-    train.add_argument(
-        "--recipe", help="recipe name (see `hookloop recipes`) or package.module:object"
-    )
+    train.add_argument("--recipe", help="a recipe (`hookloop recipes`) or package.module:object")
     train.add_argument("--config", help="YAML file with config values")
     train.add_argument("--out", help="run directory (default: runs/<recipe>-<time>)")
     train.add_argument("--resume", help="'auto' (newest valid checkpoint in --out) or a path")
@@ -173,6 +172,8 @@ def add_train_command(subparsers: Any) -> argparse.ArgumentParser:
         help="train again from scratch with RUN's config.yaml and its live `set` changes "
         "(changes.jsonl) applied at the steps they were applied at",
     )
+    branch = "a new run in --out from RUN's checkpoint at STEP and its changes up to it"
+    train.add_argument("--branch", metavar="RUN@STEP", help=branch)
     train.add_argument(
         "--skip-change",
         metavar="ID",
@@ -265,6 +266,8 @@ def _prepare(args: argparse.Namespace) -> tuple[Path, Config, dict[str, Any], bo
     from hookloop.app.resume_config import resume_config, saved_config
     from hookloop.recipes import resolve_config
 
+    if args.branch is not None:
+        return prepare_branch(args)
     changes: dict[str, Any] = {}
     if args.skip_change and args.resume is None and args.replay is None:
         raise ConfigError("--skip-change leaves out a recorded change: give --resume or --replay")
@@ -357,7 +360,8 @@ def _check_replay(args: argparse.Namespace) -> None:
     if args.out is not None and Path(args.out).resolve() == source.root.resolve():
         raise ConfigError("--replay writes a new run: give --out a directory other than RUN")
     try:
-        records = read_replayable(source.changes, args.skip_change, warn=False)
+        skip = not_replayed(source.root, args.skip_change)
+        records = read_replayable(source.changes, skip, warn=False)
     except (ValueError, OSError) as err:
         raise ConfigError(f"--replay {args.replay}: {err}") from None
     if args.config is None:
@@ -426,9 +430,10 @@ def _signals_during_startup() -> Iterator[None]:
 def _remove_failed_start(run_dir: Path, steps: int) -> None:
     """A run directory this command created: removed when the run trained no step and
     recorded no change (what is there is what the command wrote as it started: its
-    config, a start record); otherwise kept, and said where on stderr."""
+    config, a start record, a branch's copies); otherwise kept, and said where on stderr."""
     changes = RunDir(run_dir).changes
-    if steps == 0 and not (changes.is_file() and changes.stat().st_size):
+    recorded = changes.is_file() and changes.stat().st_size
+    if is_fresh_branch(run_dir, steps) or (steps == 0 and not recorded):
         shutil.rmtree(run_dir, ignore_errors=True)
         return
     print(
@@ -444,6 +449,8 @@ def _train(args: argparse.Namespace) -> int:
 
     if args.allow_restart:
         args.overrides = [*args.overrides, "checkpoint.allow_restart=true"]
+    if args.branch is not None:  # every rank resumes from the copy rank 0 makes
+        args.resume = resume_path(args)
     joined = not is_distributed() and init_from_env()  # under torchrun: gloo on CPU, nccl on GPU
     prepared, done = _decide_on_rank_zero(args)
     rank = rank_info()[0]
@@ -463,7 +470,7 @@ def _train(args: argparse.Namespace) -> int:
             trainer = build_trainer(cfg, callbacks=callbacks, out_dir=run_dir, resume=args.resume)
         if args.replay is not None:
             trainer.parts.live.replay_from = RunDir(args.replay)
-        trainer.parts.live.skip_changes = set(args.skip_change)
+        trainer.parts.live.skip_changes = not_replayed(args.replay or run_dir, args.skip_change)
         if cfg.callbacks.profile:  # callbacks.profile=true: time every handler of this run
             trainer.callbacks.profile()
         result = trainer.train()

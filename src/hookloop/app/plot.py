@@ -17,9 +17,12 @@ which some run has data:
   the norm (from the first run that has them).
 
 Several runs are overlaid, one colour each, with the run directory's name in
-the legend. Noisy curves (many points) are drawn faint with a centred moving
-average on top (not the learning rate, which is exact). The default output is
-``<first run>/plots/metrics.png``.
+the legend. A run made by ``hookloop train --branch RUN@STEP`` has a dash-dot line at
+STEP in its colour on every panel (:func:`branch_marks`); when its parent is plotted
+too, its loss and learning-rate curves start at the parent's record of that step, so the
+branch visibly leaves the parent's whole curve there. Noisy curves (many points) are
+drawn faint with a centred moving average on top (not the learning rate, which is
+exact). The default output is ``<first run>/plots/metrics.png``.
 
 matplotlib is used through its object API with the Agg canvas, so plotting
 never changes the backend of an interactive session.
@@ -36,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from hookloop._optional import require
+from hookloop.app.branch import read_origin
 from hookloop.callbacks.jsonlog import numeric_metrics, read_jsonl
 from hookloop.errors import ConfigError
 from hookloop.rundir import METRICS_FILE, RunDir
@@ -58,6 +62,8 @@ class RunData:
     starts: list[dict[str, Any]] = field(default_factory=list)
     #: Live ``set`` changes (one record per key), in order.
     changes: list[dict[str, Any]] = field(default_factory=list)
+    #: For a branch: (the parent's run directory, resolved; the step it branched at).
+    branched_from: tuple[str, int] | None = None
 
     def series(self, key: str, kind: str = "train") -> tuple[list[int], list[float]]:
         steps, values = [], []
@@ -98,7 +104,52 @@ def load_run(path: str | Path) -> RunData:
             by_kind[kind][step] = record  # the later record of a step wins
     run.train = [by_kind["train"][s] for s in sorted(by_kind["train"])]
     run.eval = [by_kind["eval"][s] for s in sorted(by_kind["eval"])]
+    origin = None if path.is_file() else read_origin(path)
+    if origin is not None:
+        run.branched_from = (str(Path(origin.run).resolve()), origin.step)
     return run
+
+
+@dataclass(frozen=True)
+class BranchMark:
+    """Where a plotted branch left its parent: drawn as a dash-dot line at ``step``."""
+
+    run: str  #: the branch's name in the legend
+    parent: str  #: the parent's directory name
+    step: int
+    parent_plotted: bool  #: whether the parent's curve is on the figure too
+
+    @property
+    def label(self) -> str:
+        return f"{self.run}: branch of {self.parent} at step {self.step}"
+
+
+def branch_marks(runs: list[RunData]) -> list[BranchMark | None]:
+    """For each run (in order), where it branched from its parent; None for a run that is
+    no branch. Each branch plotted with its parent starts its train curves at the
+    parent's record of the branch step (the weights are the same there)."""
+    plotted = {str(run.path.resolve()): run for run in runs}
+    marks: list[BranchMark | None] = []
+    for run in runs:
+        if run.branched_from is None:
+            marks.append(None)
+            continue
+        parent_path, step = run.branched_from
+        parent = plotted.get(parent_path)
+        marks.append(BranchMark(run.name, Path(parent_path).name, step, parent is not None))
+        at_step = [r for r in parent.train if r["step"] == step] if parent else []
+        if at_step and not any(r["step"] <= step for r in run.train):
+            run.train.insert(0, at_step[0])
+    return marks
+
+
+def _mark_branches(ax: Any, marks: list[BranchMark | None], colors: list[Any]) -> None:
+    """A dash-dot vertical line at each branch's step, in the branch's colour; its gid is
+    the mark's label."""
+    for mark, color in zip(marks, colors, strict=True):
+        if mark is not None:
+            line = ax.axvline(mark.step, color=color, linestyle="-.", linewidth=1.2, alpha=0.9)
+            line.set_gid(mark.label)
 
 
 def _throughput(run: RunData) -> tuple[str, list[int], list[float]] | None:
@@ -300,6 +351,7 @@ def make_figure(run_dirs: list[str | Path], *, log_scale: bool = False) -> Any:
     from matplotlib.figure import Figure
 
     runs = [load_run(p) for p in run_dirs]
+    marks = branch_marks(runs)
     panels = _panels(runs, log_scale)
     heatmaps = _heatmaps(runs)
     if not panels and not heatmaps:
@@ -318,6 +370,7 @@ def make_figure(run_dirs: list[str | Path], *, log_scale: bool = False) -> Any:
         ax = fig.add_subplot(grid[row, col])
         draw(ax, colors)
         _mark_changes(ax, runs, colors, label=n == 0)
+        _mark_branches(ax, marks, colors)
     for n, (run, family, keys) in enumerate(heatmaps):
         _draw_heatmap(fig, fig.add_subplot(grid[panel_rows + n, :]), run, family, keys)
     names = ", ".join(r.name for r in runs)

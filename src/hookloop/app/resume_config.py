@@ -64,11 +64,14 @@ def resume_config(
     config_file: str | None,
     overrides: list[str],
     saved_file: Path | None = None,
+    *,
+    what: str = "on resume",
 ) -> tuple[Config, dict[str, tuple[Any, Any]]]:
     """The run's saved config (``saved_file``, default ``<run>/config.yaml``) with
     ``config_file`` and ``overrides`` applied, and the changes.
 
-    Raises ValueError naming a frozen key that changed and why it cannot.
+    Raises ValueError naming a frozen key that changed and why it cannot (``what``: when,
+    in the message: ``on resume``, ``on a branch``).
     """
     saved_file = saved_file or RunDir(run_dir).config
     saved = _load(saved_file, None, [])
@@ -83,7 +86,7 @@ def resume_config(
         why = next((r for k, r in FROZEN_ON_RESUME.items() if key == k or key.startswith(k)), None)
         if why is not None:
             raise ConfigError(
-                f"{key} cannot change on resume ({old!r} in {saved_file}, {new!r} now): {why}; "
+                f"{key} cannot change {what} ({old!r} in {saved_file}, {new!r} now): {why}; "
                 "start a new run in another --out directory instead"
             )
     return cfg, changes

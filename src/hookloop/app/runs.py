@@ -22,6 +22,12 @@ when it ends in an orderly way, an ``end`` record:
   memory, a lost machine). A run started on another host without an ``end``
   record shows as ``killed?`` (it cannot be checked from here); a process id
   reused by an unrelated process makes a dead run look ``running``.
+
+A run made by ``hookloop train --branch RUN@STEP`` names its parent in ``branch.json``
+(:mod:`hookloop.app.branch`): the table's ``FROM`` column says ``RUN@STEP``, the branch is
+listed under its parent when both are, indented, and ``--json`` carries ``branched_from``
+(with ``parent_altered``: what changed in the parent's ``changes.jsonl`` up to the branch
+point since the branch was made, or null).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from hookloop.app.branch import parent_problem, read_origin
 from hookloop.errors import ConfigError
 from hookloop.processes import process_alive
 from hookloop.result import run_status
@@ -68,6 +75,8 @@ class RunSummary:
     params: dict[str, Any] | None = None  # a `hookloop tune` trial's values (params.yaml)
     #: Live ``set`` changes (metrics.jsonl's ``set`` records): step, key, old, new, client.
     changes: list[dict[str, Any]] | None = None
+    #: A branch's parent: ``{run, step, head, records, id, parent_altered}`` (branch.json).
+    branched_from: dict[str, Any] | None = None
 
 
 def is_run_dir(path: Path) -> bool:
@@ -110,7 +119,15 @@ def summarize_run(run_dir: str | Path) -> RunSummary:
             for r in records
             if r.get("kind") == "set"
         ],
+        branched_from=_branched_from(run_dir),
     )
+
+
+def _branched_from(run_dir: Path) -> dict[str, Any] | None:
+    origin = read_origin(run_dir)
+    if origin is None:
+        return None
+    return {**origin.to_json(), "parent_altered": parent_problem(origin)}
 
 
 def _params(run_dir: Path) -> dict[str, Any] | None:
@@ -203,17 +220,22 @@ def format_table(runs: list[RunSummary]) -> str:
     searched values, when the runs are ``hookloop tune`` trials)."""
     with_params = any(run.params for run in runs)
     with_changes = any(run.changes for run in runs)
+    with_from = any(run.branched_from for run in runs)
     header = ("RUN", "STATUS", "STEPS", "BEST EVAL LOSS", "WALL TIME")
+    header += ("FROM",) if with_from else ()
     header += ("PARAMS",) if with_params else ()
     header += ("LIVE CHANGES",) if with_changes else ()
     rows = [header]
-    for run in runs:
+    for run, depth in as_tree(runs):
         status = run.status
         if run.status == "stopped" and run.stop_reason:
             status = f"stopped ({run.stop_reason})"
         steps = f"{run.step}/{run.max_steps}" if run.max_steps else str(run.step)
         best = f"{run.best_eval_loss:.4g}" if run.best_eval_loss is not None else "-"
-        row = (run.name, status, steps, best, format_wall_time(run.wall_time_s))
+        name = "  " * (depth - 1) + "└ " + run.name if depth else run.name
+        row = (name, status, steps, best, format_wall_time(run.wall_time_s))
+        if with_from:
+            row += (format_origin(run.branched_from),)
         if with_params:
             row += (" ".join(f"{k}={_short(v)}" for k, v in (run.params or {}).items()),)
         if with_changes:
@@ -229,6 +251,40 @@ def format_table(runs: list[RunSummary]) -> str:
         for row in rows
     ]
     return "\n".join(lines)
+
+
+def format_origin(origin: dict[str, Any] | None) -> str:
+    """``base@200`` (the parent's directory name and the step), ``-`` for no branch."""
+    if origin is None:
+        return "-"
+    altered = " (parent altered since)" if origin.get("parent_altered") else ""
+    return f"{Path(origin['run']).name}@{origin['step']}{altered}"
+
+
+def as_tree(runs: list[RunSummary]) -> list[tuple[RunSummary, int]]:
+    """``runs`` in their order, each branch moved under its parent when the parent is
+    listed too, with its depth (0: not under another listed run)."""
+    by_path = {str(Path(run.path).resolve()): run for run in runs}
+    children: dict[str, list[RunSummary]] = {}
+    roots = []
+    for run in runs:
+        parent = (run.branched_from or {}).get("run")
+        if parent in by_path and by_path[parent] is not run:
+            children.setdefault(parent, []).append(run)
+        else:
+            roots.append(run)
+    ordered: list[tuple[RunSummary, int]] = []
+
+    def visit(run: RunSummary, depth: int) -> None:
+        if any(seen is run for seen, _ in ordered):
+            return  # a cycle (hand-edited branch.json files): each run once
+        ordered.append((run, depth))
+        for child in children.get(str(Path(run.path).resolve()), []):
+            visit(child, depth + 1)
+
+    for run in [*roots, *runs]:  # then any run of a cycle, at the top level
+        visit(run, 0)
+    return ordered
 
 
 def format_changes(changes: list[dict[str, Any]], shown: int = 3) -> str:
