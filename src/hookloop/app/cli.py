@@ -61,17 +61,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("train a recipe (default: gpt-stdlib)", __name__, "add_train_command"),
     "recipes": ("list the available recipes", __name__, "add_recipes_command"),
     "config": ("print every config key with its value and doc", __name__, "add_config_command"),
-    "summary": (
-        "print the parameters of a recipe's model per module, without training",
-        "hookloop.app.summary",
-        "add_summary_command",
-    ),
+    "summary": ("print a recipe's model per module", "hookloop.app.summary", "add_summary_command"),
     "plot": ("draw training curves of runs as a PNG", "hookloop.app.plot", "add_plot_command"),
-    "runs": (
-        "list runs with their status, steps, best eval loss and wall time",
-        "hookloop.app.runs",
-        "add_runs_command",
-    ),
+    "runs": ("list runs: status, steps, best eval, time", "hookloop.app.runs", "add_runs_command"),
     "tune": (
         "search hyper-parameters of a recipe with Optuna (restartable)",
         "hookloop.tune.cli",
