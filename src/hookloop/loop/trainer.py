@@ -35,6 +35,7 @@ from hookloop.config import Config, TrainConfig
 from hookloop.loop.actions import handler_of
 from hookloop.loop.inputs import Inputs, as_config, as_manager, check_flops, check_inputs
 from hookloop.loop.parts import Dialect, build_parts, checkpoint_managers
+from hookloop.loop.pause import hold
 from hookloop.loop.schedule import EpochEnd
 from hookloop.manager import CallbackManager
 from hookloop.result import TrainResult, is_abort
@@ -363,6 +364,9 @@ class Trainer:
             "save_local": lambda values: self.checkpointer.save_local(),
             "rewind": self._rewind,
             "set": self._set,
+            "unset": lambda values: self.parts.live.later.unset(values),
+            "pause": lambda values: hold(self, values),  # until a resume (hookloop.loop.pause)
+            "resume": lambda values: None,  # taken while not paused: nothing to do
             "stop": self._stop,
             "abort": lambda values: self._stop({**values, "reason": f"abort: {values['reason']}"}),
         }
