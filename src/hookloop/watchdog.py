@@ -28,7 +28,9 @@ A rank hangs (:meth:`Watch.verdict`, :func:`waits_on_me`) when
 - it is rank 0 and its store stops answering for longer than the deadline.
 
 A rank that finished (or failed with an error of its own) says so in its last beat and
-is not watched any more. The deadline is ``train.watchdog_seconds``: ``auto`` is
+is not watched any more. A paused job (:mod:`hookloop.loop.pause`) beats ``paused``: its
+ranks wait for each other on purpose, and none is taken for stuck, however long.
+The deadline is ``train.watchdog_seconds``: ``auto`` is
 ``max(10 s, 3 x the slowest of the last 20 steps)``, null or 0 turns the watchdog off.
 
 Then every rank still running prints one message naming the culprit (rank, host, pid,

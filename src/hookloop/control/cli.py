@@ -169,10 +169,11 @@ def run_ctl(args: argparse.Namespace) -> int:
         args.job, args.action = args.action, "set"
     if not args.action.isidentifier() and args.action not in ACTIONS:
         return _error(_unknown(args.action, list(COMMANDS)), USAGE)
-    if args.action == "unset" and len(args.values) == 1 and "=" not in args.values[0]:
-        args.values = [f"id={args.values[0]}"]  # `hookloop ctl JOB unset ID`
     try:
-        values = _parse_values(args.values)
+        if args.action == "unset" and len(args.values) == 1:  # `unset ID`: the id is text
+            values = {"id": args.values[0].removeprefix("id=")}
+        else:
+            values = _parse_values(args.values)
     except ValueError as err:
         return _error(str(err), USAGE)
     if args.at_step is not None:

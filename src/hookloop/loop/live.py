@@ -33,6 +33,7 @@ What can change (:meth:`LiveSettings.settable` lists a run's own):
 ``momentum``,          have them; ``KEY@N`` changes parameter group ``N`` alone
 ``betas``, ``eps``
 ``clip_grad_norm``     the gradient-clipping norm (null: off)
+``max_steps``          the step budget, not below the current step (the schedule's length stays)
 ``log_every``,         the cadences (``train.log_every``, ``train.eval_every``,
 ``eval_every``,        ``checkpoint.every``)
 ``save_every``
