@@ -129,6 +129,30 @@ def test_a_stop_during_a_pause_ends_the_run_there_and_saves(tmp_path):
     assert stopped[0]["checkpoints"] == ["step-00000004"]  # saved where it stopped
 
 
+@pytest.mark.parametrize("with_it", ["stop", "resume"])
+def test_a_pause_agreed_with_a_stop_or_a_resume_holds_nothing(with_it):
+    from _control_support import train_in_background
+    from hookloop.config import apply_overrides
+    from hookloop.entry import build_trainer
+    from hookloop.recipes import default_config
+
+    cfg = default_config("mlp-regression")
+    overrides = ["train.max_steps=8", "train.device=cpu", "train.handle_signals=false"]
+    apply_overrides(cfg, [*overrides, "logging.progress=false"])
+    trainer = build_trainer(cfg)
+
+    def both(ctx) -> None:
+        ctx.control.request("pause", client="test")
+        ctx.control.request_stop("stopped") if with_it == "stop" else ctx.control.request("resume")
+
+    trainer.callbacks.register("on_train_step_end", both, once=3)
+    thread, outcome = train_in_background(trainer)
+    thread.join(BOUND_S)  # bounded: a pause held here would never end
+    assert not thread.is_alive() and "error" not in outcome
+    assert outcome["result"].step == (3 if with_it == "stop" else 8)
+    assert trainer.parts.live.pauses.state.paused is False
+
+
 # -- over HTTP, one rank ----------------------------------------------------------------
 def test_pause_and_resume_over_http_hold_the_step_and_show_in_the_status(tmp_path):
     from _control_support import Job

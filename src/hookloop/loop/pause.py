@@ -1,8 +1,11 @@
 """Pause and resume: hold a running job at a step boundary on every rank, then go on.
 
 ``hookloop ctl JOB pause`` files a ``pause`` request. Like any request it is agreed across
-ranks at the end of a step, so every rank pauses after the same step. The handler
-(:func:`hold`) then waits on the training thread: the process, the data position and
+ranks at the end of a step, so every rank pauses after the same step: the handler marks
+the pause due (:meth:`Pauses.ask`), and once the rest of the step's plan has run (a save
+asked at the same step, say) the loop calls :func:`hold`, unless that plan ends training
+(a stop filed at the same step) or a ``resume`` came with it. :func:`hold` waits on the
+training thread: the process, the data position and
 device memory stay as they are, the heartbeats and the control server go on. Every
 :data:`POLL_S` seconds the ranks agree, in one small collective, whether anything was
 filed on any rank (a request, a caught signal); when something was, they take the
@@ -43,7 +46,7 @@ class PauseState:
     paused: bool = False
     since: float | None = None
     step: int | None = None
-    #: A pause was filed and not yet taken by the loop (the server refuses a second one).
+    #: A pause was filed and the loop has not held yet (the server refuses a second one).
     asked: bool = False
 
     def to_json(self) -> dict[str, Any]:
@@ -56,6 +59,22 @@ class Pauses:
     def __init__(self) -> None:
         self.state = PauseState()
         self.lock = threading.Lock()
+        #: The values of a ``pause`` agreed at this step's end, until the loop holds.
+        self.due: dict[str, Any] | None = None
+
+    def ask(self, values: dict[str, Any]) -> None:
+        """The ``pause`` handler (every rank): hold once this step's plan has run."""
+        self.due = dict(values)
+
+    def take(self) -> dict[str, Any] | None:
+        due, self.due = self.due, None
+        return due
+
+    def cancel(self) -> None:
+        """The ``resume`` handler: a resume agreed with the pause (or with none) holds nothing."""
+        self.due = None
+        with self.lock:
+            self.state.asked = False
 
     def check_pause(self) -> None:
         """A second pause is refused (``ValueError``, one line)."""

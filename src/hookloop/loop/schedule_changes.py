@@ -123,7 +123,8 @@ class Scheduled:
             append_change(run_dir.changes, record)
 
     def to_json(self) -> list[dict[str, Any]]:
-        return sorted(self.pending.values(), key=lambda r: (r["step"], r["id"]))
+        pending = dict(self.pending)  # one copy: the loop may change it meanwhile
+        return sorted(pending.values(), key=lambda r: (r["step"], r["id"]))
 
 
 def max_steps_setting(progress: Any, train: Any) -> Setting:

@@ -353,6 +353,8 @@ class Trainer:
             else:
                 handler_of(kind)(self, values)
             rewound = rewound or kind == "rewind"
+        if self.parts.live.pauses.due is not None and self.progress.stop_reason is None:
+            hold(self, self.parts.live.pauses.take())  # after the plan: until a resume
         return rewound or self.progress.stop_reason is not None
 
     def _actions(self) -> dict[str, Callable[[dict[str, Any]], object]]:
@@ -365,8 +367,8 @@ class Trainer:
             "rewind": self._rewind,
             "set": self._set,
             "unset": lambda values: self.parts.live.later.unset(values),
-            "pause": lambda values: hold(self, values),  # until a resume (hookloop.loop.pause)
-            "resume": lambda values: None,  # taken while not paused: nothing to do
+            "pause": lambda values: self.parts.live.pauses.ask(values),  # held below
+            "resume": lambda values: self.parts.live.pauses.cancel(),  # none is held now
             "stop": self._stop,
             "abort": lambda values: self._stop({**values, "reason": f"abort: {values['reason']}"}),
         }
