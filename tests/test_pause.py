@@ -153,6 +153,20 @@ def test_a_pause_agreed_with_a_stop_or_a_resume_holds_nothing(with_it):
     assert trainer.parts.live.pauses.state.paused is False
 
 
+def test_ctl_status_shows_a_pause_and_the_scheduled_changes():
+    from hookloop.control.cli import format_status
+
+    shown = format_status(
+        {"job_id": "j", "pid": 1, "phase": "training", "step": 4, "epoch": 0, "paused": True,
+         "paused_since": time.time(), "paused_at_step": 4,
+         "scheduled": [{"id": "0042", "step": 50, "values": {"lr": 0.0001}, "client": "me"}]}
+    )  # fmt: skip
+    lines = shown.splitlines()
+    assert any(line.startswith("paused      true, since ") and line.endswith(" at step 4")
+               for line in lines)  # fmt: skip
+    assert "scheduled   step 50: lr=0.0001   (id 0042)" in lines
+
+
 # -- over HTTP, one rank ----------------------------------------------------------------
 def test_pause_and_resume_over_http_hold_the_step_and_show_in_the_status(tmp_path):
     from _control_support import Job
