@@ -51,6 +51,8 @@ def test_parse_command_accepts_each_command(command):
     body = {"command": command}
     if command == "set":  # the one command that needs values
         body["values"] = {"lr": 0.1}
+    if command == "unset":  # it names the scheduled change it cancels
+        body["values"] = {"id": "1"}
     assert parse_command(json.dumps(body).encode()) == command
     assert parse_command(json.dumps({**body, "extra": [1]}).encode()) == command
 

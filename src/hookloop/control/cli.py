@@ -65,7 +65,9 @@ def add_ctl_command(subparsers: Any) -> argparse.ArgumentParser:
             "status: progress and metrics; stop: finish the step, save, exit; save: write a "
             "checkpoint; save-and-stop; abort: exit without saving; eval: evaluate now; "
             "set KEY=VALUE ...: change live settings (lr, lr_scale, weight_decay, "
-            "clip_grad_norm, log_every, ...; also `hookloop ctl set JOB KEY=VALUE`); "
+            "clip_grad_norm, log_every, max_steps, ...; also `hookloop ctl set JOB KEY=VALUE`; "
+            "--at-step N: at the end of step N); unset ID: cancel a scheduled change; "
+            "pause / resume: hold the job at the step's end on every rank, then go on; "
             "token: print the bearer token (for the dashboard); url: print the dashboard URL."
         ),
     )
@@ -82,6 +84,12 @@ def add_ctl_command(subparsers: Any) -> argparse.ArgumentParser:
         help="values for a command that takes them (each VALUE read as YAML: 3e-4, true, ...)",
     )
     parser.add_argument("--json", action="store_true", help="print the server's JSON answer")
+    parser.add_argument(
+        "--at-step",
+        type=int,
+        metavar="N",
+        help="set: apply the change at the end of step N (a later step), not now",
+    )
     parser.add_argument(
         "--wait",
         type=float,
@@ -162,9 +170,16 @@ def run_ctl(args: argparse.Namespace) -> int:
     if not args.action.isidentifier() and args.action not in ACTIONS:
         return _error(_unknown(args.action, list(COMMANDS)), USAGE)
     try:
-        values = _parse_values(args.values)
+        if args.action == "unset" and len(args.values) == 1:  # `unset ID`: the id is text
+            values = {"id": args.values[0].removeprefix("id=")}
+        else:
+            values = _parse_values(args.values)
     except ValueError as err:
         return _error(str(err), USAGE)
+    if args.at_step is not None:
+        if args.action != "set":
+            return _error(f"--at-step is for set, not {args.action}", USAGE)
+        values["at_step"] = args.at_step
     if values and args.action in ("status", "token", "url"):
         return _error(f"{args.action} takes no KEY=VALUE arguments", USAGE)
     try:
@@ -319,6 +334,12 @@ def format_status(st: dict[str, Any], url: str | None = None, *, pid: int | None
             f"{c['key']} {num(c['old'])} -> {num(c['new'])}" for c in record["changes"]
         )
         lines.append(f"changed     step {record['step']}: {what} ({record['client']})")
+    if st.get("paused"):
+        since = time.strftime("%H:%M:%S", time.localtime(st["paused_since"]))
+        lines.append(f"paused      true, since {since}, at step {st.get('paused_at_step')}")
+    for entry in st.get("scheduled") or []:  # changes filed for a later step
+        shown = ", ".join(f"{k}={num(v)}" for k, v in entry["values"].items())
+        lines.append(f"scheduled   step {entry['step']}: {shown}   (id {entry['id']})")
     for row in st.get("ranks") or []:  # the watchdog's last heartbeat of each rank
         age = "never" if row.get("age_s") is None else f"{row['age_s']:.1f} s ago"
         where = f"step {row['step']}, {row['where']}" if "step" in row else ""

@@ -136,7 +136,12 @@ class JobClient:
                 f"(or {', '.join(ALIASES)})"
             )
         body: dict[str, Any] = {"command": name}
-        if name == "set":  # recorded with the change; other commands send Forgather's body
+        if name in (
+            "set",
+            "unset",
+            "pause",
+            "resume",
+        ):  # recorded with the change; other commands send Forgather's body
             body["client"] = client_name()
         if values:
             body["values"] = dict(values)

@@ -81,6 +81,23 @@ SERVER_COMMANDS: dict[str, Command] = {
         needs="live settings",
         any_values=True,
     ),
+    "pause": Command(
+        "hold the job at the end of the current step on every rank (process, data position "
+        "and device memory kept) until a resume; recorded in changes.jsonl",
+        lambda v: [("pause", v)],
+        needs="live settings",
+    ),
+    "resume": Command(
+        "go on after a pause, on every rank at the same moment",
+        lambda v: [("resume", v)],
+        needs="live settings",
+    ),
+    "unset": Command(
+        "cancel a change scheduled for a later step (set with at_step), by its id",
+        lambda v: [("unset", v)],
+        takes=("id",),
+        needs="live settings",
+    ),
     # Forgather's clients may post it; it changes nothing (GET .../status reads the status)
     "status": Command("change nothing: acknowledge (GET /jobs/{id}/status reads it)", lambda v: []),
 }

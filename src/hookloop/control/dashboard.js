@@ -54,7 +54,9 @@ function duration(s) {
 }
 
 function render(st) {
-  $("phase").textContent = st.stopping ? st.phase + " (" + st.stopping + " filed)" : st.phase;
+  const held = st.paused ? " (paused at step " + st.paused_at_step + ")" : "";
+  $("phase").textContent = (st.stopping ? st.phase + " (" + st.stopping + " filed)" : st.phase)
+    + held;
   $("step").textContent = fmt(st.step) + (st.max_steps ? " / " + st.max_steps : "");
   $("epoch").textContent = fmt(st.epoch);
   $("rate").textContent = st.steps_per_s === null ? "\u2013" : fmt(st.steps_per_s);
@@ -76,7 +78,8 @@ function render(st) {
     const c = b.dataset.command;
     b.disabled = Boolean(st.stopping) || st.phase === "finished"
       || (!st.can_save && (c === "save_checkpoint" || c === "save_and_stop"))
-      || (!st.can_evaluate && c === "evaluate_now");
+      || (!st.can_evaluate && c === "evaluate_now")
+      || (c === "pause" && Boolean(st.paused)) || (c === "resume" && !st.paused);
   }
 }
 

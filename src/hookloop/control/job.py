@@ -130,9 +130,30 @@ class LiveJob:
     ) -> int:
         """File ``command`` on the loop's Control; returns the step it was filed at."""
         spec = SERVER_COMMANDS[command]
+        if command in ("pause", "resume", "unset"):
+            return self._file(command, self.checked_step_command(command, values or {}, client))
         if spec.needs == "live settings":
             values = self.checked_settings(values or {}, client)
         return self._file(command, values or {})
+
+    def checked_step_command(
+        self, command: str, values: dict[str, Any], client: str
+    ) -> dict[str, Any]:
+        """A ``pause`` (not while paused), ``resume`` (only while paused) or ``unset`` (of a
+        change still waiting for its step), checked (400 in one line), with its client."""
+        live = self.settings
+        if live is None:
+            raise CommandError(f"{command}: this job's loop has no live settings", 409)
+        try:
+            if command == "pause":
+                live.pauses.check_pause()
+            elif command == "resume":
+                live.pauses.check_resume()
+            else:
+                values = {"id": live.later.check_unset(values.get("id"))}
+        except ValueError as err:
+            raise CommandError(str(err)) from None
+        return {**values, "client": client}
 
     def file_set(self, values: dict[str, Any], client: str) -> tuple[int, str]:
         """File a ``set``; returns the step it was filed at and its id (what
@@ -176,12 +197,17 @@ class LiveJob:
         live = self.settings
         if live is None:
             raise CommandError("set: this job's loop has no live settings", 409)
+        values = dict(values)
+        at_step = values.pop("at_step", None)
         try:
             checked = live.check(values)
+            if at_step is not None:
+                at_step = live.later.check_step(at_step)
         except ValueError as err:
             raise CommandError(f"set: {err}") from None
         ident = f"{time.time_ns():020d}"
-        return {ident: {"values": checked, "client": client}}
+        later = {} if at_step is None else {"at_step": at_step}
+        return {ident: {"values": checked, "client": client, **later}}
 
     def status(self) -> dict[str, Any]:
         """``GET .../status``: Forgather's keys, then hookloop's."""
@@ -222,6 +248,10 @@ class LiveJob:
                 # each rank's last heartbeat as the watchdog read it (hookloop.watchdog), or None
                 "ranks": _rank_beats(),
                 "stopping": snap.stopping,
+                # pause / resume (hookloop.loop.pause): paused, since when, at which step
+                **(self.settings.pauses.state.to_json() if self.settings is not None else {}),
+                # the changes filed for a later step (set with at_step), soonest first
+                "scheduled": self.settings.later.to_json() if self.settings is not None else [],
                 # the values `set` can change now, and the changes applied so far
                 "settings": self.settings.values() if self.settings is not None else None,
                 "changes": list(self.settings.history[-20:]) if self.settings is not None else [],

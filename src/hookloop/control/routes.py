@@ -151,9 +151,14 @@ class ControlRoutes:
         step, ident = self.job.file_set(values, client)
         settings = self.job.settings
         outcome = await asyncio.to_thread(settings.outcome, ident, SET_WAIT_S)
-        if outcome is not None and not outcome["applied"]:
+        if outcome is not None and outcome.get("at_step") is not None:
+            message, step = (
+                f"set {ident} scheduled for the end of step {outcome['at_step']}",
+                (outcome["step"]),
+            )
+        elif outcome is not None and not outcome["applied"]:
             raise CommandError(f"set refused at step {outcome['step']}: {outcome['reason']}", 409)
-        if outcome is not None:
+        elif outcome is not None:
             message, step = f"set applied at the end of step {outcome['step']}", outcome["step"]
         else:
             message = (
@@ -169,7 +174,7 @@ class ControlRoutes:
             "job_id": self.job.job_id,
             "step": step,
             "id": ident,
-            "applied": None if outcome is None else True,
+            "applied": None if outcome is None else outcome["applied"],
         }
 
     async def control(self, request: web.Request) -> web.Response:

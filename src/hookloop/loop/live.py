@@ -33,6 +33,7 @@ What can change (:meth:`LiveSettings.settable` lists a run's own):
 ``momentum``,          have them; ``KEY@N`` changes parameter group ``N`` alone
 ``betas``, ``eps``
 ``clip_grad_norm``     the gradient-clipping norm (null: off)
+``max_steps``          the step budget, not below the current step (the schedule's length stays)
 ``log_every``,         the cadences (``train.log_every``, ``train.eval_every``,
 ``eval_every``,        ``checkpoint.every``)
 ``save_every``
@@ -79,7 +80,9 @@ from hookloop.loop.live_values import (
     positive_or_off,
     same_type_as_attribute,
 )
+from hookloop.loop.pause import Pauses
 from hookloop.loop.records import Trained
+from hookloop.loop.schedule_changes import Scheduled, max_steps_setting
 from hookloop.optim import lr_peak, move_lr_peak
 from hookloop.requests import register_kind
 from hookloop.rundir import RunDir
@@ -139,6 +142,7 @@ class LiveSettings:
         self._mirrors: dict[str, list[Callable[[Any], None]]] = {}
         self._outcomes: dict[str, dict[str, Any]] = {}
         self._decided = threading.Condition()
+        self.pauses, self.later = Pauses(), Scheduled(self)  # hookloop.loop.pause, ...
         self._check_start()
 
     def _check_start(self) -> None:
@@ -170,6 +174,7 @@ class LiveSettings:
             put_clip,
             positive_or_off,
         )
+        settings["max_steps"] = max_steps_setting(self.progress, cfg)
         settings["log_every"] = Setting(
             "fire the logging events every N steps (0: never)",
             lambda: cfg.log_every,
@@ -367,18 +372,21 @@ class LiveSettings:
     def apply(self, request: dict[str, Any]) -> list[SettingChange]:
         """Carry out the ``set`` requests agreed at this step's end, oldest first.
 
-        A request refused here is undone and reported (:meth:`_refuse`); one replayed
+        A request refused here is undone and reported (:meth:`refuse`); one replayed
         from a ``changes.jsonl`` stops the run instead (a :class:`ConfigError` naming it)."""
         applied: list[SettingChange] = []
         for ident in sorted(request):
             asked = request[ident]
             try:
+                if self.later.file(ident, asked):  # for a later step (schedule_changes)
+                    continue
                 record, changes = self._apply_one(ident, asked)
             except SettingError as err:
-                self._refuse(ident, asked, str(err))
+                self.refuse(ident, asked, str(err))
                 continue
             self.history.append(record)
-            self._decide(ident, {"id": ident, "step": record["step"], "applied": True})
+            self.later.applied(ident)
+            self.decide(ident, {"id": ident, "step": record["step"], "applied": True})
             applied.extend(changes)
         return applied
 
@@ -450,7 +458,7 @@ class LiveSettings:
         for key in [*OPTIMIZER_KEYS, *saved["others"]]:
             self._follow(key)
 
-    def _refuse(self, ident: str, asked: dict[str, Any], reason: str) -> None:
+    def refuse(self, ident: str, asked: dict[str, Any], reason: str) -> None:
         """A ``set`` not applied: said on stderr and kept for the control server; one
         replayed from a ``changes.jsonl`` stops the run, naming the record."""
         step = self.progress.step
@@ -464,9 +472,9 @@ class LiveSettings:
             print(f"hookloop: set refused at step {step}: {reason}", file=sys.stderr, flush=True)
         outcome = {"id": ident, "step": step, "applied": False, "reason": reason}
         self.refused = [*self.refused[-(MAX_KEPT - 1) :], outcome]
-        self._decide(ident, outcome)
+        self.decide(ident, outcome)
 
-    def _decide(self, ident: str, outcome: dict[str, Any]) -> None:
+    def decide(self, ident: str, outcome: dict[str, Any]) -> None:
         with self._decided:
             self._outcomes[ident] = outcome
             while len(self._outcomes) > MAX_KEPT:
@@ -536,9 +544,10 @@ class LiveSettings:
             records = self._replayable(source) if source is not None else []
         if rank_info()[2] > 1:
             records = broadcast_object(records)
+        records = self.later.replayable(records or [])  # no pause, no cancelled change
         done = {r["id"] for r in self.history}
         step, planned, now = self.progress.step, 0, {}
-        for record in records or ():
+        for record in records:
             if record["id"] in done or record["step"] < step:
                 continue
             assert source is not None  # records come from a run directory

@@ -36,6 +36,7 @@ from hookloop.data import one_ahead
 from hookloop.loop.actions import handler_of
 from hookloop.loop.inputs import Inputs, as_config, as_manager, check_flops, check_inputs
 from hookloop.loop.parts import Dialect, build_parts, checkpoint_managers
+from hookloop.loop.pause import hold
 from hookloop.loop.schedule import EpochEnd
 from hookloop.manager import CallbackManager
 from hookloop.result import TrainResult, is_abort
@@ -355,6 +356,8 @@ class Trainer:
             else:
                 handler_of(kind)(self, values)
             rewound = rewound or kind == "rewind"
+        if self.parts.live.pauses.due is not None and self.progress.stop_reason is None:
+            hold(self, self.parts.live.pauses.take())  # after the plan: until a resume
         return rewound or self.progress.stop_reason is not None
 
     def _actions(self) -> dict[str, Callable[[dict[str, Any]], object]]:
@@ -366,6 +369,9 @@ class Trainer:
             "save_local": lambda values: self.checkpointer.save_local(),
             "rewind": self._rewind,
             "set": self._set,
+            "unset": lambda values: self.parts.live.later.unset(values),
+            "pause": lambda values: self.parts.live.pauses.ask(values),  # held below
+            "resume": lambda values: self.parts.live.pauses.cancel(),  # none is held now
             "stop": self._stop,
             "abort": lambda values: self._stop({**values, "reason": f"abort: {values['reason']}"}),
         }
