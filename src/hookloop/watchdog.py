@@ -28,9 +28,8 @@ A rank hangs (:meth:`Watch.verdict`, :func:`waits_on_me`) when
 - it is rank 0 and its store stops answering for longer than the deadline.
 
 A rank that finished (or failed with an error of its own) says so in its last beat and
-is not watched any more. A paused job (:mod:`hookloop.loop.pause`) beats ``paused``: its
-ranks wait for each other on purpose, and none is taken for stuck, however long.
-The deadline is ``train.watchdog_seconds``: ``auto`` is
+is not watched any more; a paused one (:mod:`hookloop.loop.pause`) beats ``paused`` and
+is never taken for stuck. The deadline is ``train.watchdog_seconds``: ``auto`` is
 ``max(10 s, 3 x the slowest of the last 20 steps)``, null or 0 turns the watchdog off.
 
 Then every rank still running prints one message naming the culprit (rank, host, pid,
@@ -303,9 +302,7 @@ class Watchdog:
         self._steps, self._still, self._stuck = StepClock(), Still(), Still()
         self._watch = Watch(0, 1)
         self._deadline: float = AUTO_FLOOR
-        #: The job is paused (:mod:`hookloop.loop.pause`): its beats say ``paused``, and a
-        #: paused rank is never taken for stuck, however long the pause.
-        self.paused = False
+        self.paused = False  # the job is paused (hookloop.loop.pause): never taken for stuck
 
     def start(self) -> None:
         """Open the store (rank 0 serves it), beat once, and start the thread."""
@@ -369,12 +366,8 @@ class Watchdog:
         state = "paused" if self.paused else "running"
         beat = self._beat_record(now, state, where, still, stuck if where.callback else 0.0)
         peers = [b for r, b in self._watch.beats.items() if r != self.progress.rank]
-        if (
-            state == "running"
-            and where.callback
-            and stuck > self._deadline
-            and waits_on_me(peers, self._deadline / 2)
-        ):
+        stuck = stuck if state == "running" else 0.0  # a pause is no hang
+        if where.callback and stuck > self._deadline and waits_on_me(peers, self._deadline / 2):
             beat["state"] = "hung"
             beat["stack"] = "".join(traceback.format_stack(frame))
         del frame

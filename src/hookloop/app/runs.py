@@ -300,9 +300,7 @@ def format_changes(changes: list[dict[str, Any]], shown: int = 3) -> str:
 
 def add_runs_command(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``hookloop runs [DIR] [--json]`` to an argparse sub-parser set."""
-    parser = subparsers.add_parser(
-        "runs", help="list runs with their status, steps, best eval loss and wall time"
-    )
+    parser = subparsers.add_parser("runs", help="list runs: status, steps, best eval, time")
     parser.add_argument(
         "dir", nargs="?", default="runs", help="directory of runs, or one run (default: runs)"
     )

@@ -20,6 +20,7 @@ import json
 import re
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import yaml
@@ -326,6 +327,16 @@ def format_status(st: dict[str, Any], url: str | None = None, *, pid: int | None
     ckpt = st.get("checkpoint")
     if ckpt:
         lines.append(f"checkpoint  step {ckpt.get('step')}: {ckpt.get('path')}")
+    lines += _steering_lines(st, num)
+    if url:
+        lines.append(f"{'dashboard' if hookloop else 'url':<11} {url}")
+    return "\n".join(lines)
+
+
+def _steering_lines(st: dict[str, Any], num: Callable[[Any], str]) -> list[str]:
+    """The status lines of what steers the job: settings, the latest changes, a pause,
+    scheduled changes, and each rank's last heartbeat."""
+    lines = []
     settings = st.get("settings") or {}
     if settings:
         lines.append("settings    " + "   ".join(f"{k} {num(v)}" for k, v in settings.items()))
@@ -344,9 +355,7 @@ def format_status(st: dict[str, Any], url: str | None = None, *, pid: int | None
         age = "never" if row.get("age_s") is None else f"{row['age_s']:.1f} s ago"
         where = f"step {row['step']}, {row['where']}" if "step" in row else ""
         lines.append(f"rank {row['rank']:<6} {row['state']}, {age}   {where}".rstrip())
-    if url:
-        lines.append(f"{'dashboard' if hookloop else 'url':<11} {url}")
-    return "\n".join(lines)
+    return lines
 
 
 def _duration(seconds: float) -> str:

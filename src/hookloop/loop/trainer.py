@@ -356,8 +356,9 @@ class Trainer:
             else:
                 handler_of(kind)(self, values)
             rewound = rewound or kind == "rewind"
-        if self.parts.live.pauses.due is not None and self.progress.stop_reason is None:
-            hold(self, self.parts.live.pauses.take())  # after the plan: until a resume
+        pause = self.parts.live.pauses.take() if self.progress.stop_reason is None else None
+        if pause is not None:
+            hold(self, pause)  # after the plan: until a resume
         return rewound or self.progress.stop_reason is not None
 
     def _actions(self) -> dict[str, Callable[[dict[str, Any]], object]]:
