@@ -66,6 +66,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "hookloop.app.runs",
         "add_runs_command",
     ),
+    "lr-find": (
+        "sweep a recipe's learning rate, suggest one",
+        "hookloop.app.lr_find",
+        "add_lr_find_command",
+    ),
     "tune": (
         "search hyper-parameters of a recipe with Optuna (restartable)",
         "hookloop.tune.cli",
