@@ -11,7 +11,8 @@ after ``k`` steps. ``beta`` is 0.9 by default: fastai's 0.98 averages over ~50 s
 half of a 100-step sweep, and drags the curve (and the suggestion) far behind the rates.
 
 **The suggestion** is the steepest descent of the smoothed curve as plotted, log loss
-against log rate: the rate at which the loss falls fastest *relative to itself*. It is
+against log rate: the rate at which the loss falls fastest *relative to itself*, each slope taken
+over a tenth of the sweep (so that one noisy step does not count as a descent). It is
 searched from a tenth of the way in (the first points are noise) up to the lowest
 smoothed loss (past it the loss only rises). Why relative: on a quadratic of curvature
 ``L``, one SGD step at rate ``lr`` multiplies the loss by ``(1 - lr * L) ** 2``, smallest
@@ -98,19 +99,25 @@ def smooth(losses: Sequence[float], beta: float) -> list[float]:
 def steepest_descent(lrs: Sequence[float], smoothed: Sequence[float]) -> float | None:
     """The rate where ``log(smoothed)`` falls fastest against ``log(lr)``, before its minimum.
 
+    Each slope spans a tenth of the sweep (at least one step), so a one-step blip of
+    noise in a flat stretch does not pass for a descent; the rate returned is the
+    middle of the steepest span.
+
     >>> steepest_descent([1, 10, 100, 1000, 10000], [5.0, 4.9, 1.0, 0.9, 9.0])
     10
     """
     end = min(range(len(smoothed)), key=smoothed.__getitem__)  # the lowest smoothed loss
     start = len(smoothed) // 10
-    if end - start < 2:
+    span = max(1, len(smoothed) // 10)
+    if end - start < span + 1:
         return None
     if not all(value > 0 for value in smoothed[start : end + 1]):
         return None  # a loss at or below zero has no log: no relative slope to read
     x = [math.log(lr) for lr in lrs]
     y = [math.log(value) for value in smoothed]
-    slopes = [(y[i + 1] - y[i]) / (x[i + 1] - x[i]) for i in range(start, end)]  # forward
-    return lrs[start + min(range(len(slopes)), key=slopes.__getitem__)]
+    slopes = [(y[i + span] - y[i]) / (x[i + span] - x[i]) for i in range(start, end - span + 1)]
+    steepest = start + min(range(len(slopes)), key=slopes.__getitem__)
+    return lrs[steepest + span // 2]
 
 
 class RateSweep(Callback):
