@@ -19,6 +19,8 @@ BASE_KEYS = {
     "logging.progress_interval",
     "callbacks.profile",
     "callbacks.diloco",
+    "callbacks.ema_decay",
+    "callbacks.ema_eval",
     "train.compile",
     "train.activation_checkpointing",
     "callbacks.info",

@@ -43,6 +43,7 @@ def test_every_example_is_tested_and_short():
         "megatron_bridge.py",
         "forgather.py",
         "hpo_trainer.py",
+        "ema_and_lr_find.py",
     }
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
     for path in EXAMPLES.glob("*.py"):
@@ -53,6 +54,18 @@ def test_native(tmp_path):
     stdout, out = run_example("native.py", tmp_path)
     assert re.search(r"^step 10: loss \d", stdout, re.M)
     assert re.search(r"^stopped at step \d+: eval_loss .* < 0\.05 \(exit code 0\)$", stdout, re.M)
+    assert (out / "checkpoints" / "latest").exists()
+
+
+def test_ema_and_lr_find(tmp_path):
+    stdout, out = run_example("ema_and_lr_find.py", tmp_path)
+    found = re.search(r"^lr-find: suggested (\S+) after \d+ steps \(diverged\)$", stdout, re.M)
+    assert found and 1e-3 < float(found.group(1)) < 1.0, stdout
+    trained = re.search(
+        r"^trained 60 steps: eval_loss with the EMA weights (\S+) \(60 ", stdout, re.M
+    )
+    assert trained and float(trained.group(1)) < 0.1, stdout  # it learned at that rate
+    assert (out / "lr_find.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "checkpoints" / "latest").exists()
 
 

@@ -444,6 +444,10 @@ class CallbacksConfig:
     diloco: bool | None = opt(
         None, "DiLoCo worker of the server in DILOCO_SERVER (null: on when that is set)."
     )
+    ema_decay: float | None = opt(
+        None, "Keep an exponential moving average of the weights with this decay (EMA; null: off)."
+    )
+    ema_eval: bool = opt(True, "With ema_decay: evaluate with the averaged weights.")
 
     def validate(self) -> None:
         if self.peak_flops is not None and not self.peak_flops > 0:
@@ -460,6 +464,12 @@ class CallbacksConfig:
             raise ConfigError(f"callbacks.diloco must be true, false or null, got {self.diloco!r}")
         if self.torch_profile is not None:
             profile_window(self.torch_profile)
+        decay = self.ema_decay
+        number = isinstance(decay, (int, float)) and not isinstance(decay, bool)
+        if decay is not None and not (number and 0 <= decay < 1):
+            raise ConfigError(
+                f"callbacks.ema_decay must be a number in [0, 1) or null, got {decay!r}"
+            )
 
     def _validate_rewind(self) -> None:
         if self.divergence_action not in ("stop", "abort", "rewind"):

@@ -21,9 +21,8 @@ its traceback, exit code 1. What the machine could not do (a full disk, out of m
 one line and exit code 1. ``HOOKLOOP_DEBUG=1`` shows the traceback of a one-line error too.
 
 A run directory that holds anything a user may want (a log line, a checkpoint, a recorded
-change) is never removed: a run that fails keeps it and says so on stderr. Only a
-directory this command created and left with nothing in it but empty files (a start
-refused before training began) is removed.
+change) is never removed: a failed run keeps it and says so. Only a directory this
+command created and left with nothing but empty files (a refused start) is removed.
 """
 
 from __future__ import annotations
@@ -64,6 +63,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "summary": ("print a recipe's model per module", "hookloop.app.summary", "add_summary_command"),
     "plot": ("draw training curves of runs as a PNG", "hookloop.app.plot", "add_plot_command"),
     "runs": ("list runs: status, steps, best eval, time", "hookloop.app.runs", "add_runs_command"),
+    "lr-find": (
+        "sweep a recipe's learning rate, suggest one",
+        "hookloop.app.lr_find",
+        "add_lr_find_command",
+    ),
     "tune": (
         "search hyper-parameters of a recipe with Optuna (restartable)",
         "hookloop.tune.cli",

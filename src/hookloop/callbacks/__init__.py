@@ -20,6 +20,7 @@ from hookloop.callbacks.defaults import default_callbacks
 from hookloop.callbacks.diloco import DiLoCo
 from hookloop.callbacks.divergence import DivergenceDetector, SpikeTracker
 from hookloop.callbacks.early_stopping import EarlyStopping
+from hookloop.callbacks.ema import EMA
 from hookloop.callbacks.grad_monitor import GradientMonitor
 from hookloop.callbacks.info import InfoCallback
 from hookloop.callbacks.jsonlog import JsonLogger, read_jsonl
@@ -81,6 +82,7 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "EMA",
     "CSVLogger",
     "CheckpointPolicy",
     "DefaultMetrics",

@@ -11,6 +11,7 @@ DefaultMetrics               20  callbacks.metrics (callbacks.peak_flops for MFU
 TextgenCallback              60  callbacks.textgen (text recipes)
 DivergenceDetector           80  callbacks.divergence
 EarlyStopping                90  callbacks.early_stopping_patience
+EMA                          12  callbacks.ema_decay (off by default), callbacks.ema_eval
 StragglerDetection            2  callbacks.straggler_every (off by default)
 DiLoCoCallback               15  callbacks.diloco (on when DILOCO_SERVER is set)
 JsonLogger                  100  logging.json
@@ -95,6 +96,10 @@ def default_callbacks(cfg: Config, run_dir: str | Path | None) -> list[Callback]
         callbacks.append(
             StragglerDetection(every=on.straggler_every, threshold=on.straggler_threshold)
         )
+    if on.ema_decay is not None:
+        from hookloop.callbacks.ema import EMA
+
+        callbacks.append(EMA(on.ema_decay, eval_with_ema=on.ema_eval))
     if _diloco_wanted(on.diloco):
         from hookloop.diloco.callback import DiLoCoCallback
 

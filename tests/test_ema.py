@@ -1,0 +1,235 @@
+"""The EMA callback: its averages by hand, evaluation with them, exact resume, two ranks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from _dist_launch import torchrun
+from hookloop import Callback, Trainer
+from hookloop.callbacks import EMA, default_callbacks
+from hookloop.errors import ConfigError
+from hookloop.testing import TinyModel, ToyData
+
+JOB = str(Path(__file__).with_name("_ema_job.py"))
+
+
+class WeightLog(Callback):
+    """The weights after each optimizer step (and at the start), as float32 copies."""
+
+    priority = 11  # before EMA: the weights are the same either side of it
+
+    def __init__(self) -> None:
+        self.weights: list[dict[str, torch.Tensor]] = []
+        self.skipped: list[bool] = []
+
+    def on_train_start(self, ctx):
+        self.weights.append(snapshot(ctx.model))
+
+    def on_after_optimizer_step(self, ctx):
+        self.weights.append(snapshot(ctx.model))
+        self.skipped.append(bool(ctx.skipped_iter))
+
+
+def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+
+def by_hand(weights: list[dict[str, torch.Tensor]], decay: float, counted: list[int]):
+    """The average starting from the first weights, moved at the ``counted`` updates."""
+    avg = {n: w.double() for n, w in weights[0].items()}
+    for i in counted:
+        avg = {n: decay * avg[n] + (1 - decay) * weights[i][n].double() for n in avg}
+    return avg
+
+
+def assert_close(ema: EMA, expected: dict[str, torch.Tensor]) -> None:
+    got = ema.averaged_state_dict()
+    assert got.keys() == expected.keys()
+    for name in got:
+        assert got[name].dtype == torch.float32
+        torch.testing.assert_close(got[name].double(), expected[name], rtol=0, atol=1e-6)
+
+
+def test_the_average_over_three_steps_is_the_hand_computation(make_trainer):
+    ema, log = EMA(0.5), WeightLog()
+    make_trainer([ema, log], max_steps=3).train()
+    assert ema.updates == 3
+    assert_close(ema, by_hand(log.weights, 0.5, [1, 2, 3]))
+    # the average lies strictly between the start and the last weights: it did move
+    assert not torch.equal(ema.averages["net.0.weight"], log.weights[3]["net.0.weight"])
+
+
+def test_every_two_steps_and_half_life(make_trainer):
+    ema, log = EMA(half_life=1.0, every=2), WeightLog()
+    make_trainer([ema, log], max_steps=5).train()
+    assert ema.decay == 0.5 and ema.updates == 2  # steps 2 and 4
+    assert_close(ema, by_hand(log.weights, 0.5, [2, 4]))
+
+
+def test_start_step_copies_the_weights_until_it(make_trainer):
+    ema, log = EMA(0.9, start_step=2), WeightLog()
+    make_trainer([ema, log], max_steps=4).train()
+    # steps 1-2 copy, so the average starts from step 2's weights; 3 and 4 average
+    assert_close(ema, by_hand(log.weights[2:], 0.9, [1, 2]))
+
+
+class SkipStep(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_before_optimizer_step(self, ctx):
+        if ctx.state.step == self.step:
+            ctx.control.skip_step()
+
+
+def test_a_skipped_step_is_not_averaged(make_trainer):
+    ema, log = EMA(0.5), WeightLog()
+    make_trainer([ema, log, SkipStep(2)], max_steps=3).train()
+    assert log.skipped == [False, True, False]
+    assert ema.updates == 2
+    assert_close(ema, by_hand(log.weights, 0.5, [1, 3]))
+
+
+def test_evaluation_uses_the_averages_and_restores_the_weights(make_trainer):
+    ema = EMA(0.8)
+    trainer = make_trainer([ema], max_steps=6, eval_n=16)
+    trainer.train()
+    before = snapshot(trainer.model)
+    averaged = TinyModel()
+    averaged.load_state_dict(ema.averaged_state_dict())
+    data = ToyData(n=16, seed=1)
+    expected = TinyModel.loss_fn(averaged(data.x), data.y).item()
+    trained = TinyModel.loss_fn(trainer.model(data.x), data.y).item()
+
+    metrics = trainer.evaluate()
+
+    assert metrics["eval_loss"] == pytest.approx(expected, rel=1e-6)
+    assert metrics["eval_loss"] != pytest.approx(trained, rel=1e-3)  # not the trained weights
+    after = snapshot(trainer.model)
+    assert all(torch.equal(before[n], after[n]) for n in before)  # restored, bit for bit
+    assert trainer.test(ToyData(n=8, seed=2))["test_loss"] > 0
+    assert all(torch.equal(before[n], p) for n, p in snapshot(trainer.model).items())
+
+
+def test_eval_with_ema_off_evaluates_the_trained_weights(make_trainer):
+    trainer = make_trainer([EMA(0.8, eval_with_ema=False)], max_steps=4, eval_n=16)
+    trainer.train()
+    data = ToyData(n=16, seed=1)
+    trained = TinyModel.loss_fn(trainer.model(data.x), data.y).item()
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(trained, rel=1e-6)
+
+
+def test_swap_at_end_leaves_the_averages_in_the_model(make_config, tmp_path):
+    ema, log = EMA(0.7, swap_at_end=True), WeightLog()
+    cfg = make_config(max_steps=4)
+    trainer = Trainer(TinyModel(), train_data=ToyData(n=16), loss_fn=TinyModel.loss_fn,
+                      config=cfg, callbacks=[ema, log], out_dir=tmp_path)  # fmt: skip
+    trainer.train()
+    held = snapshot(trainer.model)
+    assert all(torch.equal(held[n], ema.averages[n]) for n in held)
+    # the last checkpoint keeps the training weights (a resume goes on exactly)
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "checkpoints" / "step-00000004" / "model.safetensors"))
+    assert torch.equal(saved["net.0.weight"], log.weights[-1]["net.0.weight"])
+
+
+def run_to(tmp_path: Path, max_steps: int, exit_interval: int | None, resume: str | None):
+    from hookloop.config import Config
+
+    cfg = Config()
+    cfg.data.batch_size = 4
+    cfg.train.device, cfg.train.handle_signals, cfg.train.log_every = "cpu", False, 0
+    cfg.train.max_steps, cfg.train.exit_interval = max_steps, exit_interval
+    cfg.train.eval_every = 3
+    cfg.optimizer.lr = 0.05
+    ema = EMA(0.9, every=2, start_step=1)
+    trainer = Trainer(TinyModel(), train_data=ToyData(n=64), eval_data=ToyData(n=8, seed=1),
+                      loss_fn=TinyModel.loss_fn, config=cfg, callbacks=[ema],
+                      out_dir=tmp_path, resume=resume)  # fmt: skip
+    return trainer.train(), ema, trainer
+
+
+def test_a_stopped_and_resumed_run_ends_with_the_same_averages_bit_for_bit(tmp_path):
+    _, whole, whole_trainer = run_to(tmp_path / "a", 12, None, None)
+    first, _, _ = run_to(tmp_path / "b", 12, 7, None)
+    assert (first.step, first.stop_reason) == (7, "exit_interval")
+    _, resumed, resumed_trainer = run_to(tmp_path / "b", 12, None, "auto")
+    assert resumed_trainer.state.step == 12 and resumed.updates == whole.updates == 5
+    a, b = whole.averaged_state_dict(), resumed.averaged_state_dict()
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert all(  # and the training weights too (evaluations swapped them back exactly)
+        torch.equal(p, q)
+        for p, q in zip(
+            whole_trainer.model.parameters(), resumed_trainer.model.parameters(), strict=True
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    ("state", "says"),
+    [
+        ({"updates": 1}, "must hold 'updates' and 'averages'"),
+        ([1, 2], "got list"),
+        ({"updates": -1, "averages": {}}, "'updates' must be an integer >= 0"),
+        ({"updates": 1, "averages": {"w": [0.0]}}, "must be a float32 tensor, got list"),
+        ({"updates": 1, "averages": {"w": torch.zeros(2, dtype=torch.int64)}}, "torch.int64"),
+    ],
+)
+def test_a_hostile_saved_state_is_refused_in_one_line(state, says):
+    with pytest.raises(ValueError, match="EMA state") as err:
+        EMA(0.9).load_state_dict(state)
+    assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_saved_averages_of_another_model_are_refused_at_the_start(make_trainer):
+    wrong = {"updates": 1, "averages": snapshot(TinyModel(hidden=3))}
+    ema = EMA(0.9)
+    ema.load_state_dict(wrong)
+    with pytest.raises(ValueError, match=r"EMA state for 'net.0.weight' has shape \(3, 4\)"):
+        make_trainer([ema], max_steps=1).train()
+    missing = {"updates": 1, "averages": {"net.0.weight": torch.zeros(8, 4)}}
+    ema = EMA(0.9)
+    ema.load_state_dict(missing)
+    with pytest.raises(ValueError, match=r"does not match .*missing \['net.0.bias'"):
+        make_trainer([ema], max_steps=1).train()
+
+
+def test_arguments_are_checked():
+    assert EMA().decay == 0.999
+    for kwargs, says in [
+        ({"decay": 0.9, "half_life": 3}, "one of decay= and half_life=, not both"),
+        ({"decay": 1.0}, r"decay must be a number in \[0, 1\)"),
+        ({"half_life": 0}, "half_life must be"),
+        ({"decay": 0.9, "every": 0}, "every must be an integer >= 1"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            EMA(**kwargs)
+
+
+def test_the_config_switch_adds_it(make_config):
+    cfg = make_config()
+    assert not any(isinstance(cb, EMA) for cb in default_callbacks(cfg, None))
+    cfg.callbacks.ema_decay, cfg.callbacks.ema_eval = 0.99, False
+    (ema,) = [cb for cb in default_callbacks(cfg, None) if isinstance(cb, EMA)]
+    assert ema.decay == 0.99 and not ema.eval_with_ema
+    cfg.callbacks.ema_decay = 1.5
+    with pytest.raises(ConfigError, match=r"callbacks.ema_decay must be a number in \[0, 1\)"):
+        cfg.callbacks.validate()
+
+
+def test_two_ranks_end_with_equal_averages(tmp_path):
+    proc = subprocess.run(
+        [*torchrun(2), JOB, str(tmp_path)], capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    ranks = [json.loads((tmp_path / f"ema-rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["world"] == 2
+    assert ranks[0]["updates"] == ranks[1]["updates"] == 6
+    assert ranks[0]["averages"] == ranks[1]["averages"]
+    assert ranks[0]["averages"] != ranks[0]["weights"]  # an average, not the weights
