@@ -1,11 +1,13 @@
-"""Find a learning rate with the range test, then train with it and an EMA of the weights.
+"""Find a learning rate with the range test, then train with it and an EMA of the weights,
+logging to MLflow.
 
     python examples/ema_and_lr_find.py [OUT_DIR]
 
 Sweeps the rate of a small regression model on the CPU (the model is left as it was),
 trains 60 steps at the suggested rate with EMA(decay=0.9), evaluating with the averaged
-weights, and writes the sweep's plot and the run's checkpoints under OUT_DIR (a temporary
-directory when none is given).
+weights, and writes the sweep's plot, the run's checkpoints and its MLflow store
+(OUT_DIR/mlruns: `mlflow ui --backend-store-uri OUT_DIR/mlruns`) under OUT_DIR (a
+temporary directory when none is given).
 """
 
 import sys
@@ -30,7 +32,6 @@ def make_config(max_steps: int, lr: float) -> Config:
     config = Config()
     config.train.max_steps, config.train.eval_every, config.train.log_every = max_steps, 20, 0
     config.data.batch_size, config.optimizer.lr = 16, lr
-    # config.logging.mlflow = True  # MLflow logging, where it is available
     return config
 
 
@@ -48,10 +49,11 @@ def main(out_dir: str) -> None:
     print(f"lr-find: suggested {found.suggestion:.3g} after {len(found.lrs)} steps "
           f"({found.stop_reason})")  # fmt: skip
 
-    ema = EMA(decay=0.9)
+    ema, config = EMA(decay=0.9), make_config(60, found.suggestion)
+    config.logging.mlflow = True  # params, metrics by step, config.yaml: OUT_DIR/mlruns
     trainer = Trainer(model, train_data=train, eval_data=evaluate, callbacks=[ema],
-                      loss_fn=torch.nn.functional.mse_loss,
-                      config=make_config(60, found.suggestion), out_dir=out_dir)  # fmt: skip
+                      loss_fn=torch.nn.functional.mse_loss, config=config,
+                      out_dir=out_dir)  # fmt: skip
     result = trainer.train()
     print(f"trained {result.step} steps: eval_loss with the EMA weights "
           f"{result.metrics['eval_loss']:.4f} ({ema.updates} averaging updates)")  # fmt: skip

@@ -67,6 +67,13 @@ def test_ema_and_lr_find(tmp_path):
     assert trained and float(trained.group(1)) < 0.1, stdout  # it learned at that rate
     assert (out / "lr_find.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "checkpoints" / "latest").exists()
+    from mlflow.tracking import MlflowClient  # what the run logged, read back
+
+    client = MlflowClient(tracking_uri=(out / "mlruns").as_uri())
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    history = client.get_metric_history(run.info.run_id, "eval/loss")
+    assert [m.step for m in history] == [20, 32, 40, 60]  # every 20 steps, and the epoch's end
+    assert history[-1].value == pytest.approx(float(trained.group(1)), rel=1e-6)
 
 
 def test_transformers_trainer(tmp_path):
