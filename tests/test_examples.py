@@ -73,7 +73,7 @@ def test_ema_and_lr_find(tmp_path):
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     history = client.get_metric_history(run.info.run_id, "eval/loss")
     assert [m.step for m in history] == [20, 32, 40, 60]  # every 20 steps, and the epoch's end
-    assert history[-1].value == pytest.approx(float(trained.group(1)), rel=1e-6)
+    assert history[-1].value == pytest.approx(float(trained.group(1)), abs=5e-5)  # printed .4f
 
 
 def test_transformers_trainer(tmp_path):
