@@ -148,6 +148,7 @@ class TrainCall:
         trainer = self.trainer
         if trainer.hf.drives_loop:
             switches.enable_checkpointing(trainer.args, trainer.model)
+        align_special_tokens(trainer.model, trainer.processing_class)
         start = self.starting_batch_size()
         return switches.shrink_on_out_of_memory(self.attempt, trainer.args, start)
 
@@ -180,6 +181,21 @@ class TrainCall:
             )
         prepare(trainer, self.trial, self.foreign_folder, self.ignore_keys, batch_size)
         return self.run()
+
+
+def align_special_tokens(model: torch.nn.Module, processing_class: Any) -> None:
+    """As transformers' ``train()``: the PAD/BOS/EOS ids the tokenizer defines replace
+    those of the model's config and generation config (transformers' own function, so
+    the run's ``config.json`` and generation agree with transformers' Trainer)."""
+    if processing_class is None or not hasattr(model, "config"):
+        return
+    try:
+        from transformers import PreTrainedTokenizerBase, ProcessorMixin
+        from transformers.trainer_utils import align_special_tokens as align
+    except ImportError:  # no transformers (no tokenizer of its), or one without the step
+        return
+    if isinstance(processing_class, (PreTrainedTokenizerBase, ProcessorMixin)):
+        align(model, processing_class)
 
 
 def batch_size_built(trainer: Any) -> int:
