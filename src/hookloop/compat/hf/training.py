@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -274,7 +275,7 @@ def announce(args: Any, loop: Any, model: torch.nn.Module) -> None:
     for line in (
         "***** Running training *****",
         f"  Num examples = {examples:,}" if examples != "?" else "  Num examples = ?",
-        f"  Num Epochs = {plan.num_epochs if plan and plan.num_epochs else '?'}",
+        f"  Num Epochs = {epochs_announced(plan)}",
         f"  Num update steps per epoch = {plan.steps_per_epoch if plan else '?'}",
         f"  Instantaneous batch size per device = {per_device:,}",
         f"  Total train batch size (w. parallel, distributed & accumulation) = "
@@ -284,6 +285,14 @@ def announce(args: Any, loop: Any, model: torch.nn.Module) -> None:
         f"  Number of trainable parameters = {trainable:,}",
     ):
         hf_log.info(line)
+
+
+def epochs_announced(plan: hf_parts.Plan | None) -> int | str:
+    """The epochs transformers announces: with ``max_steps``, those its steps reach into
+    (a partial one counts); '?' for a stream."""
+    if plan is None or not plan.batches:
+        return "?"
+    return plan.num_epochs or math.ceil(plan.max_steps / plan.steps_per_epoch)
 
 
 def neftune_alpha(args: Any, *, drives_loop: bool) -> float | None:
