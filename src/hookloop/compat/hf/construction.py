@@ -64,7 +64,6 @@ UNHONOURED_OVERRIDES = (
     "evaluation_loop",
     "get_batch_samples",
     "get_decay_parameter_names",
-    "get_optimizer_cls_and_kwargs",
     "num_examples",
     "save_model",
     "set_initial_training_values",
@@ -84,8 +83,8 @@ def refuse_unhonoured_overrides(cls: type, base: type) -> None:
                     f"{klass.__name__}.{name} overrides a method hookloop.compat.hf.Trainer "
                     "does not call, so it would be skipped; of transformers' override points "
                     "this Trainer honours compute_loss, training_step, prediction_step, "
-                    "evaluate, log, create_optimizer, create_scheduler, floating_point_ops "
-                    "and get_train/eval/test_dataloader"
+                    "evaluate, log, create_optimizer, get_optimizer_cls_and_kwargs, "
+                    "create_scheduler, floating_point_ops and get_train/eval/test_dataloader"
                 )
 
 

@@ -74,12 +74,7 @@ def create_optimizer(
     """HF's default optimizer for ``model`` under ``args``; with ``cls_and_kwargs``
     (the Trainer's ``optimizer_cls_and_kwargs``) that class and keywords over HF's
     weight-decay groups instead."""
-    optim = str(arg(args, "optim", "adamw_torch_fused"))
-    if cls_and_kwargs is None and optim not in OPTIMIZERS:
-        raise ValueError(
-            f"TrainingArguments.optim={optim!r} is not built by hookloop.compat.hf; "
-            f"allowed: {', '.join(OPTIMIZERS)} (or pass optimizers=(optimizer, scheduler))"
-        )
+    cls, kwargs = cls_and_kwargs if cls_and_kwargs is not None else optimizer_cls_and_kwargs(args)
     decay = set(decay_parameter_names(model))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
@@ -91,9 +86,21 @@ def create_optimizer(
         },
         {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
     ]
-    if cls_and_kwargs is not None:
-        cls, kwargs = cls_and_kwargs
-        return cls(groups, **kwargs)
+    return cls(groups, **kwargs)
+
+
+def optimizer_cls_and_kwargs(
+    args: Any, model: torch.nn.Module | None = None
+) -> tuple[type, dict[str, Any]]:
+    """The optimizer class ``args.optim`` names and the keywords transformers builds it
+    with (``Trainer.get_optimizer_cls_and_kwargs``); ``model`` is unused, as by the
+    optimizers built here."""
+    optim = str(arg(args, "optim", "adamw_torch_fused"))
+    if optim not in OPTIMIZERS:
+        raise ValueError(
+            f"TrainingArguments.optim={optim!r} is not built by hookloop.compat.hf; "
+            f"allowed: {', '.join(OPTIMIZERS)} (or pass optimizers=(optimizer, scheduler))"
+        )
     lr = arg(args, "learning_rate", 5e-5)
     if optim in _OPTIM_ARGS:
         floats, bools = _OPTIM_ARGS[optim]
@@ -106,7 +113,7 @@ def create_optimizer(
         cls = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}.get(
             optim, torch.optim.RMSprop
         )
-        return cls(groups, **kwargs)
+        return cls, kwargs
     if optim == "adafactor":
         try:
             from transformers.optimization import Adafactor
@@ -115,15 +122,13 @@ def create_optimizer(
                 "TrainingArguments.optim='adafactor' is transformers' Adafactor: install "
                 "transformers, or pick one of " + ", ".join(o for o in OPTIMIZERS if o != optim)
             ) from None
-        return Adafactor(groups, lr=lr, scale_parameter=False, relative_step=False)
-    extra = {"fused": True} if optim == "adamw_torch_fused" else {}
-    return torch.optim.AdamW(
-        groups,
-        lr=arg(args, "learning_rate", 5e-5),
-        betas=(arg(args, "adam_beta1", 0.9), arg(args, "adam_beta2", 0.999)),
-        eps=arg(args, "adam_epsilon", 1e-8),
-        **extra,
-    )
+        return Adafactor, {"lr": lr, "scale_parameter": False, "relative_step": False}
+    betas = (arg(args, "adam_beta1", 0.9), arg(args, "adam_beta2", 0.999))
+    kwargs = {"lr": lr, "betas": betas, "eps": arg(args, "adam_epsilon", 1e-8)}
+    return torch.optim.AdamW, {
+        **kwargs,
+        **({"fused": True} if optim == "adamw_torch_fused" else {}),
+    }
 
 
 def parse_optim_args(text: Any) -> dict[str, str]:

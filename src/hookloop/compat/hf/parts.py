@@ -328,6 +328,23 @@ class HFLogBook(LogBook):
         #: A subclass's ``Trainer.log(logs)``: each log goes through it (its ``super().log``
         #: publishes it), as transformers logs (None: published here).
         self.log_hook: Any = None
+        self.window_started: float | None = None  # the train() the window's losses are of
+
+    def add_step(
+        self,
+        loss_dict: dict[str, Any],
+        grad_norm: torch.Tensor | None,
+        skipped: bool,
+        tokens: torch.Tensor | None,
+        zeros: torch.Tensor | None,
+    ) -> None:
+        """As transformers' running loss, the window starts empty at each ``train()``: a
+        resumed run logs the mean of the steps it ran, not of those before the
+        checkpoint too (which the native loop restores)."""
+        if self.window_started != self.session.train_start:
+            self.window.clear()
+            self.window_started = self.session.train_start
+        super().add_step(loss_dict, grad_norm, skipped, tokens, zeros)
 
     def emit(self, logs: dict[str, Any]) -> None:
         if self.log_hook is not None:

@@ -188,6 +188,10 @@ def write_checkpoint_extras(
     ``scheduler.pt``, ``rng_state.pth`` and ``training_args.bin``."""
     config = getattr(model, "config", None)
     if callable(getattr(config, "save_pretrained", None)):
+        if callable(getattr(model, "save_pretrained", None)):
+            # what a model's own save_pretrained records in its config before writing it
+            config.architectures = [type(model).__name__]
+            config.dtype = str(model.dtype).removeprefix("torch.")
         config.save_pretrained(str(folder))
     generation = getattr(model, "generation_config", None)
     can_generate = getattr(model, "can_generate", None)

@@ -69,6 +69,7 @@ class Trainer(construction.BuiltAttributes, ScriptMethods):
     #: accumulation group's (None: decided as transformers decides it).
     loss_is_scaled_for_ga: bool | None = None
     label_smoother: Any = None  # transformers' LabelSmoother with label_smoothing_factor
+    get_optimizer_cls_and_kwargs = staticmethod(hf_optim.optimizer_cls_and_kwargs)
     _accelerator: Any = None
     _accelerator_settings: dict[str, Any] = hf_accelerator.DEFAULTS
 
@@ -328,17 +329,16 @@ class Trainer(construction.BuiltAttributes, ScriptMethods):
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         """HF's ``create_optimizer``: the optimizer ``args.optim`` names (or
         ``optimizer_cls_and_kwargs``') for ``model`` (default: the trainer's), unless one
-        was given. A subclass may override it (it runs once, when the Trainer is built,
-        where transformers runs it in ``train()``); it sets ``self.optimizer``."""
+        was given. A subclass may override it, or ``get_optimizer_cls_and_kwargs`` (it runs
+        once, when the Trainer is built, where transformers runs it in ``train()``)."""
         if self.optimizer is None:
             if self._view.staged is None:  # after construction: the loop's, built this way
                 self._view.shown.add("optimizer")
                 return self.optimizer  # type: ignore[return-value]  # now shows the loop's
-            self.optimizer = hf_optim.create_optimizer(
-                self.model if model is None else model,
-                self.args,
-                cls_and_kwargs=self.optimizer_cls_and_kwargs,
-            )
+            model = self.model if model is None else model
+            chosen = self.optimizer_cls_and_kwargs
+            chosen = chosen or self.get_optimizer_cls_and_kwargs(self.args, model)
+            self.optimizer = hf_optim.create_optimizer(model, self.args, cls_and_kwargs=chosen)
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -148,6 +149,7 @@ class TrainCall:
         trainer = self.trainer
         if trainer.hf.drives_loop:
             switches.enable_checkpointing(trainer.args, trainer.model)
+        align_special_tokens(trainer.model, trainer.processing_class)
         start = self.starting_batch_size()
         return switches.shrink_on_out_of_memory(self.attempt, trainer.args, start)
 
@@ -180,6 +182,21 @@ class TrainCall:
             )
         prepare(trainer, self.trial, self.foreign_folder, self.ignore_keys, batch_size)
         return self.run()
+
+
+def align_special_tokens(model: torch.nn.Module, processing_class: Any) -> None:
+    """As transformers' ``train()``: the PAD/BOS/EOS ids the tokenizer defines replace
+    those of the model's config and generation config (transformers' own function, so
+    the run's ``config.json`` and generation agree with transformers' Trainer)."""
+    if processing_class is None or not hasattr(model, "config"):
+        return
+    try:
+        from transformers import PreTrainedTokenizerBase, ProcessorMixin
+        from transformers.trainer_utils import align_special_tokens as align
+    except ImportError:  # no transformers (no tokenizer of its), or one without the step
+        return
+    if isinstance(processing_class, (PreTrainedTokenizerBase, ProcessorMixin)):
+        align(model, processing_class)
 
 
 def batch_size_built(trainer: Any) -> int:
@@ -258,7 +275,7 @@ def announce(args: Any, loop: Any, model: torch.nn.Module) -> None:
     for line in (
         "***** Running training *****",
         f"  Num examples = {examples:,}" if examples != "?" else "  Num examples = ?",
-        f"  Num Epochs = {plan.num_epochs if plan and plan.num_epochs else '?'}",
+        f"  Num Epochs = {epochs_announced(plan)}",
         f"  Num update steps per epoch = {plan.steps_per_epoch if plan else '?'}",
         f"  Instantaneous batch size per device = {per_device:,}",
         f"  Total train batch size (w. parallel, distributed & accumulation) = "
@@ -268,6 +285,14 @@ def announce(args: Any, loop: Any, model: torch.nn.Module) -> None:
         f"  Number of trainable parameters = {trainable:,}",
     ):
         hf_log.info(line)
+
+
+def epochs_announced(plan: hf_parts.Plan | None) -> int | str:
+    """The epochs transformers announces: with ``max_steps``, those its steps reach into
+    (a partial one counts); '?' for a stream."""
+    if plan is None or not plan.batches:
+        return "?"
+    return plan.num_epochs or math.ceil(plan.max_steps / plan.steps_per_epoch)
 
 
 def neftune_alpha(args: Any, *, drives_loop: bool) -> float | None:

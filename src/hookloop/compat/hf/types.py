@@ -116,7 +116,12 @@ class TrainerState:
         }
 
     def restore(self, saved: dict[str, Any]) -> None:
+        """``saved`` (from :meth:`resumable`) restored. Its log entries' keys come back
+        sorted, as transformers reads them from ``trainer_state.json``: the model card's
+        tables after a resume take their columns from that order."""
         for key, value in saved.items():
+            if key == "log_history":
+                value = [dict(sorted(entry.items())) for entry in value]
             if key in {f.name for f in dataclasses.fields(self)}:
                 setattr(self, key, value)
 
