@@ -1,6 +1,7 @@
 """The live dashboard in a real headless browser (Debian's chromium, driven by Playwright)
 against a real training process: it loads, its curve grows, its Stop button stops the job,
-and its Settings panel changes the running job's learning rate.
+its Pause and Resume buttons hold and release it, and its Settings panel changes the
+running job's learning rate.
 
 The browser is installed here, once per session and only when this test runs: the
 `chromium` fixture calls scripts/install-browser.sh (apt-get, as root) when no chromium
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import html
+import json
 import os
 import shutil
 import subprocess
@@ -354,3 +356,56 @@ def _assert_shown_as_text_and_inert(page) -> None:
     assert page.evaluate("() => window.pwned === undefined")
     injected = "#workers img, #workers script, #workers b, [autofocus], [onfocus], [onerror]"
     assert page.locator(injected).count() == 0
+
+
+def test_dashboard_pause_and_resume_buttons_hold_and_release_the_job(tmp_path, chromium):
+    job = Job(tmp_path / "job", tmp_path / "jobs", "pause-job")
+    try:
+        with _browser(tmp_path, chromium) as context:
+            page = context.new_page()
+            problems, urls = _watch(page)
+            job.ready()
+            page.goto(job.record.url, timeout=MS)
+            page.wait_for_selector("#token", state="visible", timeout=MS)
+            _connect(page, job)
+            _pause_then_resume(page, job)
+            page.on("dialog", lambda dialog: dialog.accept())
+            page.click("button[data-command='graceful_stop']")
+            job.wait_exit()
+        assert job.wait_exit() == 0, job.stderr()
+        events = [r.get("event") for r in _records(job.out / "changes.jsonl")]
+        assert events[:2] == ["pause", "resume"], events
+        assert not any(job.token in url for url in urls), "the token appeared in a URL"
+        assert problems == [], problems
+    finally:
+        job.kill()
+
+
+def _pause_then_resume(page, job: Job) -> None:
+    page.wait_for_function("() => !document.querySelector(\"[data-command='pause']\").disabled",
+                           timeout=MS)  # fmt: skip
+    page.click("button[data-command='pause']")
+    page.wait_for_function(
+        "() => document.getElementById('phase').textContent.includes('(paused at step')",
+        timeout=MS,
+    )
+    held = job.status()
+    assert held["paused"] is True
+    assert page.is_disabled("button[data-command='pause']")
+    # held: the dashboard keeps polling and the step stays where the pause took it
+    for _ in range(3):
+        page.wait_for_timeout(300)
+        assert job.status()["step"] == held["paused_at_step"]
+    page.click("button[data-command='resume']")
+    page.wait_for_function(
+        "() => !document.getElementById('phase').textContent.includes('paused')", timeout=MS
+    )
+    page.wait_for_function(
+        f"() => Number(document.getElementById('step').textContent.split('/')[0]) > "
+        f"{held['paused_at_step']}",
+        timeout=MS,
+    )
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
