@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 HERE = Path(__file__).resolve()
 #: A pause held longer than the watchdog's deadline (seconds): a hang if it were one.
@@ -203,3 +204,39 @@ def test_pause_and_resume_over_http_hold_the_step_and_show_in_the_status(tmp_pat
 
 if __name__ == "__main__":
     job(*sys.argv[1:])
+
+
+def test_transformers_dialect_pauses_at_a_step_and_ends_on_unpaused_weights(tmp_path):
+    """A pause inside transformers' Trainer dialect: its flow passes the request kind on, the
+    loop holds at the step, and the run ends as one never paused."""
+    from hookloop.compat.hf import Trainer, TrainingArguments
+    from hookloop.testing import TinyModel, ToyData
+
+    def run(pause: bool) -> tuple[int | None, list[torch.Tensor]]:
+        args = TrainingArguments(output_dir=str(tmp_path / str(pause)), max_steps=8,
+                                 per_device_train_batch_size=4, logging_strategy="no",
+                                 save_strategy="no", use_cpu=True, report_to="none")  # fmt: skip
+        trainer = Trainer(TinyModel(), args, train_dataset=ToyData(n=64),
+                          loss_fn=TinyModel.loss_fn)  # fmt: skip
+        seen: dict = {"at": None}
+        if pause:
+            pauses = trainer.loop.parts.live.pauses
+            trainer.loop.callbacks.register(
+                "on_train_step_end", lambda ctx: ctx.control.request("pause", client="t"), once=3
+            )
+
+            def resume_when_held() -> None:
+                deadline = time.monotonic() + BOUND_S
+                while not pauses.state.paused and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                seen["at"] = pauses.state.step
+                trainer.loop.control.request("resume", client="t")
+
+            threading.Thread(target=resume_when_held, daemon=True).start()
+        trainer.train()
+        assert trainer.state.global_step == 8
+        return seen["at"], [p.detach().clone() for p in trainer.model.parameters()]
+
+    (paused_at, paused), (_, plain) = run(True), run(False)
+    assert paused_at == 3
+    assert all(torch.equal(a, b) for a, b in zip(paused, plain, strict=True))
