@@ -137,6 +137,10 @@ class Progress:
             max_steps,
         )
 
+    def move_budget(self, max_steps: int) -> None:
+        """A live ``set max_steps=N``: the step budget moves (the plan's epochs stay)."""
+        self.max_steps = max_steps
+
     def use_timers(self, timers: Timers) -> None:
         self.timers = timers
 

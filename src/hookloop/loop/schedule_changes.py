@@ -141,7 +141,8 @@ def max_steps_setting(progress: Any, train: Any) -> Setting:
         return value
 
     def put(value: int) -> None:
-        progress.max_steps = train.max_steps = value
+        progress.move_budget(value)
+        train.max_steps = value
 
     return Setting("the step budget (not below the current step)", lambda: progress.max_steps,
                    put, check)  # fmt: skip

@@ -28,7 +28,7 @@ from hookloop.distributed import (
 )
 from hookloop.result import ExitCode
 from hookloop.tune import credentials
-from hookloop.tune.claims import counts
+from hookloop.tune.claims import counts, recover_interrupted, study_lock
 from hookloop.tune.console import (
     VERBOSITY_ENV,
     echo_new,
@@ -41,7 +41,7 @@ from hookloop.tune.console import (
 from hookloop.tune.driver import work
 from hookloop.tune.interrupts import Interrupts, StudyInterrupted
 from hookloop.tune.spec import DIRECTIONS, PRUNERS, SAMPLERS, TuneError, TuneSpec, is_study_dir
-from hookloop.tune.storage import open_study
+from hookloop.tune.storage import open_study, open_study_on_storage
 
 
 def add_tune_command(subparsers: Any) -> argparse.ArgumentParser:
@@ -464,6 +464,7 @@ def run_workers(
             proc.wait()
             log.close()
     if interrupts.pending is not None:
+        _recover_workers_trials(spec, study_dir)
         raise StudyInterrupted(interrupts.pending)
     if counts(study).done < spec.trials and not (deadline and time.time() >= deadline):
         codes = [p.returncode for p, _ in procs]
@@ -471,6 +472,15 @@ def run_workers(
             f"the workers exited (codes {codes}) with {counts(study).done} of {spec.trials} "
             f"trials done; see {logs}/worker-*.log"
         )
+
+
+def _recover_workers_trials(spec: TuneSpec, study_dir: Path) -> None:
+    """Every worker has exited: a trial one of them left RUNNING (it died before it could
+    record the signal's cut, e.g. killed by it mid set-up) is failed and queued again now,
+    as the next start would, so the study never shows a trial running that nobody runs."""
+    study, storage = open_study_on_storage(spec, study_dir)
+    with study_lock(study_dir):
+        recover_interrupted(study, storage)
 
 
 def _start_workers(
