@@ -103,6 +103,17 @@ def _watch(page) -> tuple[list[str], list[str]]:
     return problems, urls
 
 
+def _opened(context, job: Job) -> tuple:
+    """A page on the job's dashboard, connected, and what it watches (problems, URLs)."""
+    page = context.new_page()
+    problems, urls = _watch(page)
+    job.ready()
+    page.goto(job.record.url, timeout=MS)
+    page.wait_for_selector("#token", state="visible", timeout=MS)
+    _connect(page, job)
+    return page, problems, urls
+
+
 def _connect(page, job: Job) -> None:
     """Open the job's dashboard and give it the token."""
     page.fill("#token", job.token)
@@ -190,12 +201,7 @@ def test_dashboard_settings_panel_sets_the_running_jobs_lr_and_shows_a_refusal(t
     job = Job(tmp_path / "job", tmp_path / "jobs", "set-job", "scheduler.name=constant")
     try:
         with _browser(tmp_path, chromium) as context:
-            page = context.new_page()
-            problems, urls = _watch(page)
-            job.ready()
-            page.goto(job.record.url, timeout=MS)
-            page.wait_for_selector("#token", state="visible", timeout=MS)
-            _connect(page, job)
+            page, problems, urls = _opened(context, job)
             _set_lr_and_refuse_a_wrong_one(page, job)
         assert not any(job.token in url for url in urls), "the token appeared in a URL"
         assert problems == [], problems
@@ -362,12 +368,7 @@ def test_dashboard_pause_and_resume_buttons_hold_and_release_the_job(tmp_path, c
     job = Job(tmp_path / "job", tmp_path / "jobs", "pause-job")
     try:
         with _browser(tmp_path, chromium) as context:
-            page = context.new_page()
-            problems, urls = _watch(page)
-            job.ready()
-            page.goto(job.record.url, timeout=MS)
-            page.wait_for_selector("#token", state="visible", timeout=MS)
-            _connect(page, job)
+            page, problems, urls = _opened(context, job)
             _pause_then_resume(page, job)
             page.on("dialog", lambda dialog: dialog.accept())
             page.click("button[data-command='graceful_stop']")

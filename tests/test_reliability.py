@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 import _zygote as zygote
+from _cli_run import run_cli as _run
 from _quiet import SERVICES_OFF
 from _resign import Opaque, replace_trainer_state
 from hookloop import CallbackManager, ExitCode
@@ -30,16 +31,6 @@ from hookloop.runlock import RunDirLocked, run_lock
 
 QUIET = ("logging.progress=false", *SERVICES_OFF)
 MLP = ("--recipe", "mlp-regression")
-
-
-def _run(argv: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main([str(a) for a in argv])
-        except SystemExit as exit_:  # argparse's own refusals
-            code = exit_.code
-    return int(code), out.getvalue(), err.getvalue()
 
 
 def _tree(directory: Path) -> dict[str, str]:

@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from _cli_run import run_cli as _run
 from _quiet import SERVICES_OFF
 from hookloop import Callback
 from hookloop.app.cli import main
@@ -29,16 +30,6 @@ from hookloop.loop.live_values import positive
 
 QUIET = ("logging.progress=false", "callbacks.info=false", *SERVICES_OFF)
 MLP = ("--recipe", "mlp-regression")
-
-
-def _run(argv: list) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main([str(a) for a in argv])
-        except SystemExit as exit_:  # argparse's own refusals
-            code = exit_.code
-    return int(code), out.getvalue(), err.getvalue()
 
 
 def _error_line(err: str) -> str:
