@@ -123,12 +123,18 @@ TWO_RANK_JOB = textwrap.dedent(
     from hookloop.recipes import default_config
     from hookloop.testing import count_sync_points
 
+    def build(*extra):
+        cfg = default_config("mlp-regression")
+        apply_overrides(cfg, ["train.max_steps=6", "train.log_every=1000", "train.eval_every=1000",
+                              "train.eval_at_epoch_end=false", "data.batch_size=8", *extra])
+        return build_trainer(cfg)
+
+    def per_step(counts):
+        return {s: [r.ordinary, r.collectives, r.host_reads] for s, r in counts.steps.items()}
+
     init_from_env()
     rank = rank_info()[0]
-    cfg = default_config("mlp-regression")
-    apply_overrides(cfg, ["train.max_steps=6", "train.log_every=1000", "train.eval_every=1000",
-                          "train.eval_at_epoch_end=false", "data.batch_size=8"])
-    trainer = build_trainer(cfg)
+    trainer = build()
     with count_sync_points() as counts:
         flags = torch.tensor([rank, 1 - rank])
         dist.all_reduce(flags)
@@ -139,8 +145,13 @@ TWO_RANK_JOB = textwrap.dedent(
         known = counts.close_step(0, ordinary=False)
         trainer.callbacks.add(counts.marker)
         trainer.train()
-    steps = {s: [r.ordinary, r.collectives, r.host_reads] for s, r in counts.steps.items()}
-    out = {"known": [known.collectives, known.host_reads, known.payload_bytes], "steps": steps}
+    out = {"known": [known.collectives, known.host_reads, known.payload_bytes],
+           "steps": per_step(counts)}
+    fused = build("optimizer.kwargs={fused: true}")
+    with count_sync_points() as counts:
+        fused.callbacks.add(counts.marker)
+        fused.train()
+    out["fused"] = per_step(counts)
     with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     leave_process_group()
@@ -167,11 +178,16 @@ def test_two_gloo_ranks_count_the_same_known_collectives_and_the_agreement_each_
         ordinary = {s: v for s, v in steps.items() if v[0]}
         assert sorted(ordinary, key=int) == ["2", "3", "4", "5"]
         for _, collectives, reads in ordinary.values():
-            # Every decision of the step in one all-reduce; two scalars read back: the
-            # non-finite verdict (one however many gradients) and the agreement's result.
+            # Every decision of the step in one all-reduce, read from host memory; one
+            # scalar read back: the non-finite verdict (one however many gradients).
             assert collectives == {"all_reduce": 1}
-            assert reads == {"item": 1, "tolist": 1}
+            assert reads == {"item": 1}
+        # A fused optimizer takes the verdict on the device: nothing read back at all.
+        fused = {s: v for s, v in result["fused"].items() if v[0]}
+        assert sorted(fused, key=int) == ["2", "3", "4", "5"]
+        assert all(v[1:] == [{"all_reduce": 1}, {}] for v in fused.values()), fused
     assert ranks[0]["steps"] == ranks[1]["steps"]  # both ranks did the same, step by step
+    assert ranks[0]["fused"] == ranks[1]["fused"]
 
 
 @pytest.mark.slow

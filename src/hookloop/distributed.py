@@ -63,13 +63,45 @@ def rank_zero_only(fn: Callable[..., T]) -> Callable[..., T | None]:
     return wrapper
 
 
-def agree_flags(flags: list[int], device: torch.device) -> list[int]:
-    """Element-wise OR of small integer flags over all ranks (max for codes)."""
+def agree_flags(flags: list[int], device: torch.device | None = None) -> list[int]:
+    """Element-wise OR of small integer flags over all ranks (max for codes).
+
+    The flags travel in a host-memory buffer over gloo (:func:`control_group`) and are
+    read back through a NumPy view of it: the agreement never waits on a GPU, however
+    the model trains. (``device`` is accepted for callers of old; it is not used.)"""
     if not is_distributed():
         return flags
-    t = torch.tensor(flags, dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
+    group = control_group()
+    tensor, view = _control_buffer(len(flags))
+    view[:] = flags
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return view.tolist()
+
+
+#: The agreement's group and buffers, for the process group they were made under.
+_CONTROL: dict[str, Any] = {"world": None, "group": None, "buffers": {}}
+
+
+def control_group() -> Any:
+    """The group control flags are all-reduced over: the default one when it speaks gloo
+    (CPU training, or ``"cpu:gloo,cuda:nccl"``), else a gloo group of the same ranks, made
+    on the first agreement of the process group (every rank reaches that at the same
+    point, as it must for a group to be made). Made again for a new process group."""
+    world = dist.group.WORLD
+    if _CONTROL["world"] is not world:
+        backend = str(dist.get_backend())
+        group = None if "gloo" in backend else dist.new_group(backend="gloo")
+        _CONTROL.update(world=world, group=group, buffers={})
+    return _CONTROL["group"]
+
+
+def _control_buffer(length: int) -> tuple[torch.Tensor, Any]:
+    """A reused int64 host buffer of ``length`` and a NumPy view of its memory."""
+    buffers = _CONTROL["buffers"]
+    if length not in buffers:
+        tensor = torch.zeros(length, dtype=torch.int64)
+        buffers[length] = (tensor, tensor.numpy())
+    return buffers[length]
 
 
 def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from hookloop.distributed import all_reduce_mean
+from hookloop.loop.device_skip import SKIPPED_KEY, drop_flag, masked_row_means
 from hookloop.loop.records import Events
 from hookloop.state import Progress, SaveTiming
 from hookloop.step import read_back, to_float
@@ -50,17 +51,20 @@ class LogBook:
         self,
         loss_dict: dict[str, Any],
         grad_norm: torch.Tensor | None,
-        skipped: bool,
+        skipped: bool | torch.Tensor,
         tokens: torch.Tensor | None,
         zeros: torch.Tensor | None,
     ) -> None:
         """Keep a step's numbers on the device (no sync). A skipped step's (non-finite)
-        loss stays out of the logged average; its tokens count."""
+        loss stays out of the logged average; its tokens count. ``skipped`` as a tensor:
+        the device's verdict (:mod:`hookloop.loop.device_skip`), read at the log."""
         if tokens is not None:
             self.pending_tokens.append(tokens)
         if zeros is not None:
             self.zeros = zeros
-        if not skipped:
+        if type(skipped) is torch.Tensor:
+            self.window.add({**loss_dict, SKIPPED_KEY: skipped}, grad_norm, keep_all=self.keep_all)
+        elif not skipped:
             self.window.add(loss_dict, grad_norm, keep_all=self.keep_all)
 
     def add_save(self, timing: SaveTiming) -> None:
@@ -100,7 +104,11 @@ class LogBook:
             st.add_tokens(int(tokens_h[0]))
         logs: dict[str, Any] = {}
         if values_h is not None:
-            logs.update(zip(keys, row_means(values_h, n), strict=True))
+            keys, values_h, flags = drop_flag(keys, values_h, n)
+            means = (
+                row_means(values_h, n) if flags is None else masked_row_means(values_h, n, flags)
+            )
+            logs.update(zip(keys, means, strict=True))
         if norm_h is not None:
             logs["grad_norm"] = norm_h[0]
         logs["lr"] = float(self.optimizer.param_groups[0]["lr"])
@@ -185,6 +193,12 @@ class LossWindow:
         tensors = [v for v in values if type(v) is torch.Tensor and v.dtype is f32]
         if len(tensors) == len(values):
             return keys, torch.stack(tensors), len(losses)
+        if SKIPPED_KEY in keys:  # the device's verdicts: the skipped steps' losses left out
+            kept = [d for d in losses if SKIPPED_KEY not in d or not d[SKIPPED_KEY]]  # one read
+            keys = [k for k in keys if k != SKIPPED_KEY]
+            if not kept:
+                return keys, torch.full((len(keys),), math.nan), 1
+            losses = kept
         return keys, torch.stack([_mean(d[k] for d in losses if k in d) for k in keys]), 1
 
     def clear(self) -> None:

@@ -32,6 +32,7 @@ import torch
 
 from hookloop.config import TrainConfig
 from hookloop.distributed import agree_flags, full_tensor, local_shards, no_gradient_sync
+from hookloop.loop.device_skip import DeviceSkip, fused_optimizer
 from hookloop.loop.records import Compute, Events, LoopTiming, Trained
 from hookloop.precision import Precision
 from hookloop.state import Progress
@@ -135,6 +136,8 @@ class Stepper:
         # False: a metric-driven scheduler (ReduceLROnPlateau), stepped after evaluations.
         self.steps_scheduler = not steps_on_a_metric(self.scheduler)
         self.finite = FiniteCheck(self.device)
+        self.device_skip: DeviceSkip | None = None  # made for a fused optimizer's first step
+        self.skip_flag: torch.Tensor | None = None  # the device's verdict of the last step
         self.tokens: torch.Tensor | None = None
         self.zeros: torch.Tensor | None = None
         self.lr_used: Any = None
@@ -145,6 +148,7 @@ class Stepper:
     def bind(self) -> None:
         """The update and the clearing for ``self.optimizer`` (again at each train())."""
         self._clear = gradient_clearer(self.optimizer)
+        self._fused = fused_optimizer(self.optimizer)  # the non-finite verdict on the device
         # optimizer.step(), looked up at each call (a scheduler or a profiler may wrap it on
         # the instance); fp16: the GradScaler calls it, or skips it.
         self._apply_update = functools.partial(self.precision.step, self.optimizer)
@@ -228,7 +232,18 @@ class Stepper:
         if skip:
             control.skip_requested = False
         shared = self._gradients_shared(grad_norm)
-        if not skip and cfg.skip_nonfinite and precision.scaler is None:
+        self.skip_flag = None
+        checks = not skip and cfg.skip_nonfinite and precision.scaler is None
+        on_device = self._device_verdict(shared) if checks else None
+        if on_device is not None:
+            # A fused optimizer skips a non-finite update itself: no host read.
+            self.skip_flag = on_device.update(
+                self.optimizer,
+                grad_norm,
+                [] if grad_norm is not None else gradients(self.optimizer),
+                self._around,
+            )
+        elif checks:
             # One host read. (With fp16 the GradScaler does its own inf check and skips
             # the update itself.) With gradients every rank holds alike, the verdict is the
             # same on every rank without a collective; a rank's own loss is left out then
@@ -244,18 +259,39 @@ class Stepper:
             skip = bool(agree_flags([int(skip)], self.device)[0])
         if skip:
             self._skipped()
-        else:
-            if self.rewinder.lr_factor == 1.0:  # no rewind's lower learning rate in force
-                self._apply_update()
-            else:
-                with self.rewinder.lr_scaled(self.optimizer, st.step):
-                    self._apply_update()
-            if self.steps_scheduler and self.scheduler is not None and not precision.skipped_update:
-                self.scheduler.step()  # not after an update fp16's scaler skipped (as HF)
+        elif self.skip_flag is None:
+            self._around(self._apply_update)
+        stepped = not skip and not precision.skipped_update  # fp16's scaler may skip (as HF)
+        if stepped and self.steps_scheduler and self.scheduler is not None:
+            self.scheduler.step()
         self._clear()
         # Two intervals, as the optimizer timer has always counted them.
         self.opt_timer.add(self._prepare_time + (self.clock() - started), intervals=2)
         return skip
+
+    def _around(self, apply: Callable[[], Any]) -> None:
+        """Run the update ``apply``, inside a rewind's lowered learning rate while one holds."""
+        if self.rewinder.lr_factor == 1.0:  # no rewind's lower learning rate in force
+            apply()
+        else:
+            with self.rewinder.lr_scaled(self.optimizer, self.progress.step):
+                apply()
+
+    def _device_verdict(self, shared: bool) -> DeviceSkip | None:
+        """What takes the non-finite verdict on the device (:mod:`device_skip`), for a fused
+        torch optimizer and gradients every rank holds alike (or one rank); else None."""
+        alike = self.progress.world_size == 1 or (shared and self.config.parallel == "ddp")
+        if not (self._fused and alike):
+            return None
+        if self.device_skip is None:
+            self.device_skip = DeviceSkip(self.device, self.finite.on_cpu)
+        return self.device_skip
+
+    def settle(self) -> None:
+        """Count the updates the device skipped since the host last looked (a log, a save,
+        an evaluation, a stop or the end of training; one read)."""
+        if self.device_skip is not None:
+            self.device_skip.settle(self.progress, self.config.max_skipped_steps)
 
     def _gradients_shared(self, grad_norm: torch.Tensor | None) -> bool:
         """Whether every rank holds the same gradients (DDP's all-reduce) or the same total

@@ -244,6 +244,7 @@ class Trainer:
         after an abort) and its event, then ``on_train_end``."""
         st = self.progress
         self.logbook.sync_tokens()
+        self.stepper.settle()
         self._check_skipped()
         if not is_abort(st.stop_reason):
             self.schedule.finish()
@@ -334,7 +335,10 @@ class Trainer:
             self.callbacks.fire("on_before_optimizer_step", ctx)
         skipped = stepper.update(loss_dict, grad_norm)  # or skip it; scheduler; clear grads
         st.close_update()
-        self.logbook.add_step(loss_dict, grad_norm, skipped, stepper.tokens, stepper.zeros)
+        self.logbook.add_step(
+            loss_dict, grad_norm, stepper.skip_flag if stepper.skip_flag is not None else skipped,
+            stepper.tokens, stepper.zeros,
+        )  # fmt: skip
         ctx.skipped_iter = skipped
         if hooks["on_after_optimizer_step"]:
             self.callbacks.fire("on_after_optimizer_step", ctx)
@@ -348,8 +352,11 @@ class Trainer:
         (``self.actions``), or the one registered for a kind added to the request
         vocabulary (:mod:`hookloop.loop.actions`). Returns True when training leaves the
         epoch: it stopped (a stop, an abort, a failed rewind) or rolled back."""
-        actions, rewound = self.actions, False
+        actions, rewound, settled = self.actions, False, False
         for kind, values in plan:
+            if not settled:  # the device's skips counted before anything acts on the counts
+                self.stepper.settle()
+                settled = True
             own = actions.get(kind)
             if own is not None:
                 own(values)

@@ -334,7 +334,7 @@ class HFLogBook(LogBook):
         self,
         loss_dict: dict[str, Any],
         grad_norm: torch.Tensor | None,
-        skipped: bool,
+        skipped: bool | torch.Tensor,
         tokens: torch.Tensor | None,
         zeros: torch.Tensor | None,
     ) -> None:
