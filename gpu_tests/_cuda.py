@@ -45,9 +45,14 @@ def mean_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def gpt_trainer(steps: int, callbacks: list[Callback], **train: Any) -> Trainer:
-    """A small GPT on pre-made CUDA batches: bf16, no logging callbacks, clipping on."""
+def gpt_trainer(
+    steps: int, callbacks: list[Callback], *, fused: bool = False, **train: Any
+) -> Trainer:
+    """A small GPT on pre-made CUDA batches: bf16, no logging callbacks, clipping on
+    (``fused``: torch's fused AdamW)."""
     cfg = Config()
+    if fused:
+        cfg.optimizer.kwargs = {"fused": True}
     settings = {
         "max_steps": steps,
         "device": "cuda",

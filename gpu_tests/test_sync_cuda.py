@@ -56,6 +56,23 @@ def test_skip_nonfinite_is_one_host_read_per_step():
     assert probe.waited() == [5, 9, 13], f"host ms per probed step: {probe.host_ms}"
 
 
+def test_a_fused_optimizer_skips_nonfinite_without_a_sync_inside_a_step():
+    """With a fused optimizer the non-finite verdict is the device's: no read in a step,
+    one read-back per log (the skips are counted with the losses)."""
+    phase = Phase()
+    trainer = gpt_trainer(STEPS, [phase], log_every=LOG_EVERY, skip_nonfinite=True, fused=True)
+    with flagged_syncs(trainer, phase) as syncs:
+        result = trainer.train()
+    inside = [(step, at) for step, is_inside, at in syncs if is_inside]
+    assert inside == [], f"syncs inside training steps: {inside}"
+    at_boundaries = Counter(step for step, is_inside, _ in syncs if not is_inside and step)
+    assert at_boundaries == dict.fromkeys(LOG_STEPS, 1), f"syncs per step boundary: {syncs}"
+    assert result.logs["skipped_steps"] == 0
+    probe = SleepProbe(ms=SLEEP_MS, every=LOG_EVERY)
+    gpt_trainer(STEPS, [probe], log_every=LOG_EVERY, skip_nonfinite=True, fused=True).train()
+    assert probe.waited() == [], f"host ms per probed step: {probe.host_ms}"
+
+
 def test_the_default_recipe_step_does_not_sync_either():
     """``gpt-stdlib`` through ``build_trainer``: its DataLoader and its forward step,
     ``skip_nonfinite=false``."""

@@ -48,6 +48,7 @@ class DeviceSkip:
         self.on_cpu = on_cpu
         self.count = torch.zeros((), device=device)  # non-finite steps so far (float32)
         self.seen = 0  # of them, the ones the host has counted
+        self.stepped = False  # an update since the host last counted
 
     def update(
         self,
@@ -65,12 +66,17 @@ class DeviceSkip:
         scaler.update(1.0)  # the scale stays 1 (a float: no read)
         flag = _nonfinite_flag(grad_norm, gradients, self.on_cpu)
         self.count.add_(flag)
+        self.stepped = True
         return flag
 
-    def settle(self, progress: Progress, max_skipped: int | None) -> int:
-        """Count the skips since the last look into ``progress`` (one host read); raise
-        FloatingPointError at ``max_skipped``. Returns how many there were."""
-        total = int(self.count.item())
+    def settle(self, progress: Progress, max_skipped: int | None, total: int | None = None) -> int:
+        """Count the skips since the last look into ``progress`` (one host read, none when
+        the caller read ``count`` as ``total`` with its own); raise FloatingPointError at
+        ``max_skipped``. Returns how many there were."""
+        if total is None and not self.stepped:
+            return 0  # nothing new since the last count: nothing to read
+        total = int(self.count.item()) if total is None else total
+        self.stepped = False
         new, self.seen = total - self.seen, total
         for _ in range(new):
             progress.count_nonfinite()

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from hookloop.distributed import all_reduce_mean
-from hookloop.loop.device_skip import SKIPPED_KEY, drop_flag, masked_row_means
+from hookloop.loop.device_skip import SKIPPED_KEY, DeviceSkip, drop_flag, masked_row_means
 from hookloop.loop.records import Events
 from hookloop.state import Progress, SaveTiming
 from hookloop.step import read_back, to_float
@@ -45,6 +45,8 @@ class LogBook:
         self.zeros: torch.Tensor | None = None  # zero gradient elements of the log step
         self.last_logs: dict[str, Any] = {}
         self.last_log_step = 0  # the timers' per-step figures count from here
+        #: The device's non-finite verdicts (a fused optimizer), counted with the log's read.
+        self.device_skip: DeviceSkip | None = None
 
     # -- during the steps -----------------------------------------------------
     def add_step(
@@ -94,12 +96,19 @@ class LogBook:
             values = all_reduce_mean(values)  # every rank logs the same numbers
         tokens = sum(self.pending_tokens) if self.pending_tokens else None
         self.pending_tokens.clear()
-        # One device-to-host transfer for the losses, the grad norm and the token count.
+        # One device-to-host transfer for the losses, the grad norm, the token count and the
+        # device's count of skipped updates.
+        skips = self.device_skip
+        count = skips.count if skips is not None else None
         values_h: list[float] | None
-        if window.grad_norm is None and tokens is None and values is not None:
+        if window.grad_norm is None and tokens is None and count is None and values is not None:
             values_h, norm_h, tokens_h = values.tolist(), None, None  # usual: the losses alone
         else:
-            values_h, norm_h, tokens_h = read_back([values, window.grad_norm, tokens])
+            values_h, norm_h, tokens_h, count_h = read_back(
+                [values, window.grad_norm, tokens, count]
+            )
+            if skips is not None and count_h is not None:
+                skips.settle(st, self.config.max_skipped_steps, total=int(count_h[0]))
         if tokens_h is not None:
             st.add_tokens(int(tokens_h[0]))
         logs: dict[str, Any] = {}

@@ -136,7 +136,7 @@ class Stepper:
         # False: a metric-driven scheduler (ReduceLROnPlateau), stepped after evaluations.
         self.steps_scheduler = not steps_on_a_metric(self.scheduler)
         self.finite = FiniteCheck(self.device)
-        self.device_skip: DeviceSkip | None = None  # made for a fused optimizer's first step
+        self.device_skip: DeviceSkip | None = None  # set by bind() for a fused optimizer
         self.skip_flag: torch.Tensor | None = None  # the device's verdict of the last step
         self.tokens: torch.Tensor | None = None
         self.zeros: torch.Tensor | None = None
@@ -148,7 +148,10 @@ class Stepper:
     def bind(self) -> None:
         """The update and the clearing for ``self.optimizer`` (again at each train())."""
         self._clear = gradient_clearer(self.optimizer)
-        self._fused = fused_optimizer(self.optimizer)  # the non-finite verdict on the device
+        # A fused optimizer over gradients every rank holds alike: the verdict on the device.
+        alike = self.progress.world_size == 1 or self.config.parallel == "ddp"
+        fused = fused_optimizer(self.optimizer) and alike
+        self.device_skip = DeviceSkip(self.device, self.finite.on_cpu) if fused else None
         # optimizer.step(), looked up at each call (a scheduler or a profiler may wrap it on
         # the instance); fp16: the GradScaler calls it, or skips it.
         self._apply_update = functools.partial(self.precision.step, self.optimizer)
@@ -234,7 +237,7 @@ class Stepper:
         shared = self._gradients_shared(grad_norm)
         self.skip_flag = None
         checks = not skip and cfg.skip_nonfinite and precision.scaler is None
-        on_device = self._device_verdict(shared) if checks else None
+        on_device = self.device_skip if checks else None
         if on_device is not None:
             # A fused optimizer skips a non-finite update itself: no host read.
             self.skip_flag = on_device.update(
@@ -276,16 +279,6 @@ class Stepper:
         else:
             with self.rewinder.lr_scaled(self.optimizer, self.progress.step):
                 apply()
-
-    def _device_verdict(self, shared: bool) -> DeviceSkip | None:
-        """What takes the non-finite verdict on the device (:mod:`device_skip`), for a fused
-        torch optimizer and gradients every rank holds alike (or one rank); else None."""
-        alike = self.progress.world_size == 1 or (shared and self.config.parallel == "ddp")
-        if not (self._fused and alike):
-            return None
-        if self.device_skip is None:
-            self.device_skip = DeviceSkip(self.device, self.finite.on_cpu)
-        return self.device_skip
 
     def settle(self) -> None:
         """Count the updates the device skipped since the host last looked (a log, a save,

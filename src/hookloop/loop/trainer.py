@@ -197,6 +197,7 @@ class Trainer:
         st.start_training()
         self.schedule.begin()
         self.stepper.bind()  # to the optimizer trained with now
+        self.logbook.device_skip = self.stepper.device_skip  # its skips counted at each log
         restore_signals = p.signals.install() if cfg.handle_signals else None
         try:
             p.watchdog.start()  # several ranks: one that hangs is named, not waited for
@@ -355,7 +356,8 @@ class Trainer:
         actions, rewound, settled = self.actions, False, False
         for kind, values in plan:
             if not settled:  # the device's skips counted before anything acts on the counts
-                self.stepper.settle()
+                if kind != "log":  # (a log counts them with its own read)
+                    self.stepper.settle()
                 settled = True
             own = actions.get(kind)
             if own is not None:
