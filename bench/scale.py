@@ -87,6 +87,7 @@ class Plan:
     rounds: int
     batch_size: int
     timeout_s: float
+    fused: bool = False  # torch's fused AdamW: the non-finite verdict on the device
 
 
 # -- one rank ------------------------------------------------------------------------
@@ -123,6 +124,7 @@ def overrides(plan: Plan, steps: int) -> list[str]:
         f"train.max_steps={steps}", "train.log_every=1000000", "train.eval_every=1000000",
         "train.eval_at_epoch_end=false", f"data.batch_size={plan.batch_size}",
         f"data.train_samples={samples}", "data.eval_samples=8", "train.device=cpu",
+        *(["optimizer.kwargs={fused: true}"] if plan.fused else []),
     ]  # fmt: skip
 
 
@@ -237,7 +239,7 @@ def run_size(world: int, args: argparse.Namespace, timed: bool) -> list[dict[str
         # The rendezvous store, on a free port of 127.0.0.1, held here until every rank is gone.
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         plan = Plan(world, store.port, out_dir, args.steps, timed, args.timed_steps,
-                    args.rounds, args.batch_size, args.timeout)  # fmt: skip
+                    args.rounds, args.batch_size, args.timeout, args.fused)  # fmt: skip
         context = mp.start_processes(rank_main, args=(plan,), nprocs=world, join=False,
                                      start_method="spawn")  # fmt: skip
         deadline, failure = time.monotonic() + args.timeout, None
@@ -340,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=16, help="samples per rank per step")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per size")
     parser.add_argument("--json", help="also write every rank's result here")
+    parser.add_argument(
+        "--fused", action="store_true", help="fused AdamW (the non-finite verdict on the device)"
+    )
     args = parser.parse_args(argv)
     if args.steps < 4 or args.timed_steps < 8 or args.rounds < 1:
         parser.error("--steps must be >= 4, --timed-steps >= 8 and --rounds >= 1")
