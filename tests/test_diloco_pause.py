@@ -267,6 +267,49 @@ def test_sigterm_while_paused_saves_exits_143_and_a_restarted_server_stays_pause
         srv.stop()
 
 
+@pytest.mark.timeout(240, func_only=True)
+def test_the_dashboards_buttons_pause_and_resume_and_show_who_paused_as_text(tmp_path):
+    from test_control_dashboard import MS, _browser, _find_chromium, _watch
+
+    chromium = _find_chromium()
+    if chromium is None:  # tests/test_control_dashboard.py installs it
+        pytest.skip("no chromium: HOOKLOOP_CHROMIUM, /usr/bin/chromium or on PATH")
+
+    srv = _server(tmp_path)
+    hostile = "<img src=x onerror=window.pwned=1>"
+    try:
+        client = _client(srv)
+        client.control("pause", {"client": hostile})  # a name that is markup
+        with _browser(tmp_path, chromium) as context:
+            naive = context.new_page()  # the name runs as markup where it is not text
+            naive.set_content(f"<p>{hostile}</p>")
+            naive.wait_for_function("() => window.pwned === 1", timeout=MS)
+            naive.close()
+            page = context.new_page()
+            problems, _ = _watch(page)
+            page.goto(f"http://{srv.address}/dashboard", timeout=MS)
+            page.fill("#tok", TOKEN)
+            page.press("#tok", "Tab")
+            shown = "() => document.getElementById('paused').textContent"
+            page.wait_for_function(f"{shown}.includes('PAUSED')", timeout=MS)
+            assert page.text_content("#paused").endswith(
+                f"by {hostile}: no round advances, workers train on locally"
+            )
+            assert page.evaluate("() => window.pwned === undefined")
+            assert page.locator("#paused img").count() == 0
+            page.click("#resume")
+            page.wait_for_function(f"{shown} === 'outer loop running'", timeout=MS)
+            assert client.get_status()["paused"] is False
+            page.click("#pause")
+            page.wait_for_function(f"{shown}.endsWith('by dashboard: no round advances, "
+                                   "workers train on locally')", timeout=MS)  # fmt: skip
+            assert client.get_status()["paused_by"] == "dashboard"
+        assert problems == [], problems
+    finally:
+        srv.stop()
+    assert [e["client"] for e in _events(srv)] == [hostile, "dashboard", "dashboard"]
+
+
 @pytest.fixture
 def server(tmp_path):
     srv = _server(tmp_path)
