@@ -178,7 +178,6 @@ class DiLoCoServer:
         self.outer_optimizer_factory = outer_optimizer_factory
         self._running, self._started_at = False, None
         self._serving = Serving("DiLoCo")
-        self.outer_pause = OuterPause(self.output_dir)
         if from_checkpoint is not None:
             storage.check_start(self.output_dir, from_checkpoint)
         self.load_state(from_checkpoint)
@@ -261,6 +260,7 @@ class DiLoCoServer:
             self.roster, self.rounds, async_mode=self.async_mode,
             max_update_ratio=self.max_update_ratio, drop=self.worker_left,
         )  # fmt: skip
+        self.outer_pause = OuterPause(self.output_dir)  # paused as the journal last says
 
     @property
     def outer_optimizer(self) -> torch.optim.Optimizer:
