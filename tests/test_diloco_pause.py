@@ -3,12 +3,15 @@
 Real servers on 127.0.0.1 and hookloop's real workers (:class:`DiLoCoWorker`) on small
 models, stepped by hand so every phase counts steps and rounds. Each worker runs with
 ``max_sync_retries=0`` and ``max_missed_syncs=1``: a paused answer taken for a failure
-would stop it at its first paused sync. Every wait is bounded.
+would stop it at its first paused sync. One worker trains under DDP on two ranks
+(tests/_diloco_job.py); one server runs as ``hookloop diloco serve`` to take a SIGTERM.
+Every wait is bounded.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -18,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _dist_launch import torchrun
 from hookloop.app.cli import main as cli_main
 from hookloop.diloco import storage
 from hookloop.diloco.client import DiLoCoClient, ServerPaused, ServerRefused
@@ -25,6 +29,7 @@ from hookloop.diloco.server import DiLoCoServer
 from hookloop.diloco.worker import DiLoCoWorker
 from hookloop.testing import TinyModel
 from test_diloco_server import (
+    JOB,
     TOKEN,
     _both,
     _client,
@@ -177,6 +182,28 @@ def test_a_pause_answers_the_workers_waiting_at_the_barrier_and_says_its_state(t
     assert [e["client"] for e in _events(srv)] == ["operator", "unknown"]
 
 
+def test_an_async_server_takes_no_submission_while_paused(tmp_path):
+    srv = _server(tmp_path, async_mode=True)
+    try:
+        client = _client(srv)
+        start = client.register("a")
+        ones = {name: torch.ones_like(value) for name, value in start.items()}
+        client.control("pause")
+        with pytest.raises(ServerPaused):
+            client.submit_pseudogradients("a", ones)
+        with pytest.raises(ServerPaused):
+            client.submit_fragment_pseudogradients("a", 0, {"layer0.weight": ones["layer0.weight"]})
+        status = srv.status()
+        assert status["sync_round"] == 0 and status["total_submissions"] == 0
+        assert all(torch.equal(v, start[n]) for n, v in srv.get_global_params().items())
+        assert client.heartbeat("a")["paused"] is True
+        client.control("resume")
+        client.submit_pseudogradients("a", ones)
+        assert srv.status()["sync_round"] == 1 and client.heartbeat("a")["paused"] is False
+    finally:
+        srv.stop()
+
+
 def test_pause_and_resume_need_the_token_and_the_command_imports_no_torch(server, capsys):
     for token in (None, "wrong-token-0123456789"):
         anonymous = DiLoCoClient(server.address, timeout=10, token=token)
@@ -220,6 +247,30 @@ def test_a_streaming_worker_sends_its_fragments_into_a_pause_and_trains_on(tmp_p
     finally:
         worker.stop()
         srv.stop()
+
+
+def test_a_ddp_worker_agrees_on_every_rank_that_a_paused_sync_is_not_missed(tmp_path):
+    """Two ranks, rank 0 talking to a paused server: without the paused answer shared,
+    rank 1 would count three missed syncs and stop (max_missed_syncs is 3)."""
+    from hookloop.recipes import default_config, get_recipe
+
+    cfg = default_config("mlp-regression")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        start = storage.save_initial(tmp_path / "start", get_recipe(cfg.recipe).build(cfg).model)
+    srv = DiLoCoServer(str(tmp_path / "out"), 1, str(start), port=0, token=TOKEN,
+                       save_every_n_rounds=0).start()  # fmt: skip
+    try:
+        _client(srv).control("pause")
+        cmd = [*torchrun(2), JOB, "ddp", str(tmp_path), "0", "1", srv.address]
+        env = {**os.environ, "DILOCO_TOKEN": TOKEN}
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+        assert done.returncode == 0, done.stderr[-4000:]
+        assert srv.status()["sync_round"] == 0 and srv.status()["paused"] is True
+    finally:
+        srv.stop()
+    result = json.loads((tmp_path / "result-ddp-0.json").read_text())
+    assert result["step"] == 12 and result["metrics"]["diloco/paused_syncs"] == 3
 
 
 def test_sigterm_while_paused_saves_exits_143_and_a_restarted_server_stays_paused(tmp_path):
