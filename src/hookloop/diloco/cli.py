@@ -45,6 +45,13 @@ from typing import Any
 
 from hookloop.diloco.options import MAX_UPDATE_RATIO
 
+#: The commands that pause and resume a server's outer loop, and their help.
+OUTER_LOOP_COMMANDS = {
+    "pause": "pause the outer loop: no round advances, workers train on locally and sync "
+    "again at their next sync point",
+    "resume": "resume a paused outer loop: the workers' next syncs merge",
+}
+
 
 def add_diloco_command(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``diloco`` (``serve``, ``status``, ``set``, ``pause``, ``resume``) to an
@@ -73,14 +80,7 @@ def add_diloco_command(subparsers: Any) -> argparse.ArgumentParser:
     setter.add_argument("--token", help="bearer token (default: $DILOCO_TOKEN)")
     setter.add_argument("values", nargs="+", metavar="KEY=VALUE", help="lr=0.5 momentum=0.8")
     setter.set_defaults(run=run_set)
-    for name, what in (
-        (
-            "pause",
-            "pause the outer loop: no round advances, workers train on "
-            "locally and sync again at their next sync point",
-        ),
-        ("resume", "resume a paused outer loop: the workers' next syncs merge"),
-    ):
+    for name, what in OUTER_LOOP_COMMANDS.items():
         command = sub.add_parser(name, help=what)
         command.add_argument("--server", default="localhost:8512", help="host:port or URL")
         command.add_argument("--token", help="bearer token (default: $DILOCO_TOKEN)")
