@@ -1,4 +1,5 @@
-"""``hookloop diloco serve`` (alias ``server``) and ``hookloop diloco status``.
+"""``hookloop diloco serve`` (alias ``server``), and the commands that ask a running server:
+``status``, ``set`` (the outer optimizer), ``pause`` and ``resume`` (the outer loop).
 
 ``serve`` takes Forgather's ``forgather diloco server`` options::
 
@@ -25,6 +26,11 @@ the highest round there, even when given ``--from-checkpoint`` (which seeds a ne
 output dir only). SIGINT or SIGTERM saves the current round (unless ``--save-every
 0``) and exits 128 + the signal's number (130, 143), as ``hookloop train`` does; a
 second server on the same output dir exits 2 naming the one that holds it.
+
+``pause`` holds the server's rounds (workers train on locally and sync again at their
+next sync point, :mod:`hookloop.diloco.pause`); ``resume`` lets them merge again. Each
+prints one line; one the server refuses (already paused, not paused, a wrong token)
+exits 2, an unreachable server 1. These commands import no torch.
 """
 
 from __future__ import annotations
@@ -37,12 +43,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hookloop.diloco import storage
-from hookloop.diloco.validate import MAX_UPDATE_RATIO
+from hookloop.diloco.options import MAX_UPDATE_RATIO
+
+#: The commands that pause and resume a server's outer loop, and their help.
+OUTER_LOOP_COMMANDS = {
+    "pause": "pause the outer loop: no round advances, workers train on locally and sync "
+    "again at their next sync point",
+    "resume": "resume a paused outer loop: the workers' next syncs merge",
+}
 
 
 def add_diloco_command(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``diloco`` (``serve``, ``status``) to an ``add_subparsers()`` object."""
+    """Add ``diloco`` (``serve``, ``status``, ``set``, ``pause``, ``resume``) to an
+    ``add_subparsers()`` object."""
     parser = subparsers.add_parser(
         "diloco",
         help="DiLoCo across machines: the server workers sync with (Forgather's protocol)",
@@ -67,6 +80,11 @@ def add_diloco_command(subparsers: Any) -> argparse.ArgumentParser:
     setter.add_argument("--token", help="bearer token (default: $DILOCO_TOKEN)")
     setter.add_argument("values", nargs="+", metavar="KEY=VALUE", help="lr=0.5 momentum=0.8")
     setter.set_defaults(run=run_set)
+    for name, what in OUTER_LOOP_COMMANDS.items():
+        command = sub.add_parser(name, help=what)
+        command.add_argument("--server", default="localhost:8512", help="host:port or URL")
+        command.add_argument("--token", help="bearer token (default: $DILOCO_TOKEN)")
+        command.set_defaults(run=run_pause)
     return parser
 
 
@@ -148,6 +166,8 @@ def run_set(args: argparse.Namespace) -> int:
 def _start_weights(args: argparse.Namespace) -> str | None:
     """The checkpoint to start from: the output dir's own (a restart with the same command
     line continues its rounds), else the one given, else one made from a recipe."""
+    from hookloop.diloco import storage
+
     if storage.saved_rounds(args.output_dir):
         if args.from_checkpoint:
             print(f"hookloop diloco: {args.output_dir} holds this server's checkpoints: "
@@ -178,6 +198,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise RuntimeError(
             "the DiLoCo server needs aiohttp: pip install 'hookloop[diloco]'"
         ) from None
+    from hookloop.diloco import storage
     from hookloop.diloco.server import DiLoCoServer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
@@ -215,6 +236,34 @@ def run_serve(args: argparse.Namespace) -> int:
     return 128 + signum
 
 
+def run_pause(args: argparse.Namespace) -> int:
+    """``hookloop diloco pause`` / ``resume``: one line saying what the server did."""
+    from hookloop.control.client import client_name
+    from hookloop.diloco.client import DiLoCoClient
+    from hookloop.diloco.pause import clock
+
+    action = args.diloco_command
+    token = args.token or os.environ.get("DILOCO_TOKEN") or None
+    client = DiLoCoClient(args.server, timeout=10, token=token)
+    try:
+        answer = client.control(action, {"client": client_name()})
+    except Exception as err:  # the server's refusal (409: nothing to do) or no server
+        status = getattr(err, "status", None)
+        print(f"hookloop diloco {action}: error: {err}", file=sys.stderr)
+        return 2 if status is not None else 1
+    if action == "pause":
+        print(f"outer loop paused at round {answer['sync_round']} (since "
+              f"{clock(answer['paused_since'])}): workers train on locally and sync again at "
+              f"their next sync point; `hookloop diloco resume --server {args.server}` goes "
+              "on")  # fmt: skip
+    else:
+        print(
+            f"outer loop resumed at round {answer['sync_round']} after "
+            f"{answer['paused_seconds']:.0f} s paused: the workers' next syncs merge"
+        )
+    return 0
+
+
 def run_status(args: argparse.Namespace) -> int:
     from hookloop.diloco.client import DiLoCoClient
 
@@ -227,6 +276,13 @@ def run_status(args: argparse.Namespace) -> int:
           f"round {status['sync_round']}, workers {status['num_registered']}/"
           f"{status['num_workers']}, outer lr {status['outer_lr']} momentum "
           f"{status['outer_momentum']}")  # fmt: skip
+    if status.get("paused"):
+        from hookloop.diloco.pause import clock
+
+        print(
+            f"  outer loop paused since {clock(status['paused_since'])} by "
+            f"{status['paused_by']}: no round advances until `hookloop diloco resume`"
+        )
     for worker_id, w in status["workers"].items():
         print(f"  {worker_id:<30} {w['hostname']:<15} syncs {w['sync_round']:<6} "
               f"{w['steps_per_second']:.2f} steps/s")  # fmt: skip

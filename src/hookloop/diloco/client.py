@@ -12,6 +12,11 @@ Worker secrets (:mod:`hookloop.diloco.membership`): ``register`` asks for one an
 keeps the secret the reply carries in ``secrets`` (by worker id); every later
 request under that id sends it back. A server that issues none (Forgather's)
 gets none.
+
+A sync answered 503 with ``"paused": true`` (the server's outer loop is paused,
+:mod:`hookloop.diloco.pause`) raises :class:`ServerPaused`. The module imports torch only
+where tensors travel, so a command that merely asks a server (``hookloop diloco
+pause``) starts light.
 """
 
 from __future__ import annotations
@@ -25,18 +30,28 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from hookloop.diloco.membership import BINDING_HEADER, BINDING_SECRET, SECRET_HEADER
-from hookloop.diloco.wire import TENSOR_TYPE, load_tensors, pack
+
+if TYPE_CHECKING:
+    import torch
 
 T = TypeVar("T")
 
 
 class ServerUnavailable(ConnectionError):
     """The server could not be reached, failed or timed out (worth retrying)."""
+
+
+class ServerPaused(ServerUnavailable):
+    """The server's outer loop is paused: train on locally, sync at the next sync point.
+
+    ``since`` (a Unix time) and ``by`` say since when and by whom, as the server told."""
+
+    def __init__(self, message: str, since: Any = None, by: Any = None) -> None:
+        super().__init__(message)
+        self.since, self.by = since, by
 
 
 class ServerRefused(RuntimeError, ValueError):
@@ -127,6 +142,8 @@ class DiLoCoClient:
         self, worker_id: str, pseudograds: Mapping[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         """Send the full model's pseudo-gradients; get the round's new global weights."""
+        from hookloop.diloco.wire import TENSOR_TYPE, pack
+
         body = pack({"worker_id": worker_id}, pseudograds)
         return self._tensors("submit_pseudograd", self._call(
             "POST", "submit_pseudograd", body, TENSOR_TYPE, worker_id=worker_id
@@ -136,6 +153,8 @@ class DiLoCoClient:
         self, worker_id: str, fragment_id: int, pseudograds: Mapping[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         """Send one fragment's pseudo-gradients; get its new global weights."""
+        from hookloop.diloco.wire import TENSOR_TYPE, pack
+
         body = pack({"worker_id": worker_id, "fragment_id": fragment_id}, pseudograds)
         route = "submit_fragment_pseudograd"
         return self._tensors(
@@ -179,6 +198,8 @@ class DiLoCoClient:
     def _tensors(self, route: str, raw: bytes) -> dict[str, torch.Tensor]:
         """The tensors of the server's answer to ``route``; a body that could run code or
         inflate (:func:`hookloop.diloco.wire.load_tensors`) is refused naming the server."""
+        from hookloop.diloco.wire import load_tensors
+
         try:
             return load_tensors(raw)
         except ValueError as err:
@@ -222,10 +243,15 @@ class DiLoCoClient:
                 if replied is not None:
                     replied.update((k.lower(), v) for k, v in response.headers.items())
         except urllib.error.HTTPError as err:
-            detail = err.read()[:500].decode("utf-8", "replace")
-            with contextlib.suppress(ValueError, AttributeError):
-                detail = json.loads(detail).get("error", detail)
+            raw = err.read(4096).decode("utf-8", "replace")
+            answer: Any = None
+            with contextlib.suppress(ValueError):
+                answer = json.loads(raw)
+            detail = str(answer.get("error", raw) if isinstance(answer, dict) else raw)[:500]
             message = f"DiLoCo server {self.server_addr} answered {err.code} to /{route}: {detail}"
+            if err.code == 503 and isinstance(answer, dict) and answer.get("paused") is True:
+                raise ServerPaused(message, answer.get("paused_since"),
+                                   answer.get("paused_by")) from None  # fmt: skip
             if err.code >= 500:
                 raise ServerUnavailable(message) from None
             raise ServerRefused(message, err.code) from None

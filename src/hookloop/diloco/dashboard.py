@@ -1,6 +1,7 @@
 """The page ``GET /dashboard`` serves: the server's status, refreshed every two seconds,
-with buttons for the admin routes. It reads ``/status`` and posts to ``/control/...``
-with the bearer token typed into the page (kept in the tab's sessionStorage).
+with buttons for the admin routes (pausing and resuming the outer loop among them). It
+reads ``/status`` and posts to ``/control/...`` with the bearer token typed into the
+page (kept in the tab's sessionStorage).
 
 The page itself holds no secret and is served without the token. What it shows
 comes from workers (their ids and host names), so it is written for hostile
@@ -68,6 +69,12 @@ function workerRow(id, w) {
   return tr;
 }
 
+function pauseLine(s) {
+  if (!s.paused) { return "outer loop running"; }
+  return "outer loop PAUSED since " + new Date(s.paused_since * 1000).toLocaleString()
+    + " by " + s.paused_by + ": no round advances, workers train on locally";
+}
+
 function summary(s) {
   return "mode " + s.mode + " \\u00b7 round " + s.sync_round + " \\u00b7 workers "
     + s.num_registered + "/" + s.num_workers + " \\u00b7 outer lr " + s.outer_lr
@@ -88,6 +95,8 @@ async function refresh() {
     }
     box.className = "";
     box.textContent = summary(s);
+    $("paused").className = s.paused ? "err" : "";
+    $("paused").textContent = pauseLine(s);
     $("workers").replaceChildren(
       ...Object.entries(s.workers).map(([id, w]) => workerRow(id, w)));
   } catch (e) {
@@ -116,6 +125,8 @@ $("apply-optimizer").addEventListener("click",
 $("apply-workers").addEventListener("click",
   () => act("update_num_workers", numbers({ num_workers: "nw" })));
 $("save").addEventListener("click", () => act("save_state", {}));
+$("pause").addEventListener("click", () => act("pause", { client: "dashboard" }));
+$("resume").addEventListener("click", () => act("resume", { client: "dashboard" }));
 $("shutdown").addEventListener("click", () => {
   if (window.confirm("Shut the server down?")) { act("shutdown", {}); }
 });
@@ -128,6 +139,7 @@ BODY = """
 <p>Token (only if the server has one): <input id="tok" type="password" size="40"
   autocomplete="off" aria-label="token"></p>
 <div id="summary">loading...</div>
+<p id="paused"></p>
 <h2>Workers</h2>
 <table><thead><tr><th>id</th><th>host</th><th>syncs</th><th>steps/s</th>
 <th>last heartbeat</th><th></th></tr></thead><tbody id="workers"></tbody></table>
@@ -137,6 +149,8 @@ BODY = """
 &nbsp; workers <input id="nw" size="4">
 <button type="button" id="apply-workers">apply</button>
 &nbsp; <button type="button" id="save">save now</button>
+<button type="button" id="pause">pause rounds</button>
+<button type="button" id="resume">resume rounds</button>
 <button type="button" id="shutdown">shut down</button></p>
 <p id="msg"></p>
 """

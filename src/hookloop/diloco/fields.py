@@ -54,6 +54,8 @@ FIELDS: dict[str, dict[str, Callable[[Any], Any]]] = {
     "deregister": {"worker_id": worker_id},
     "kick_worker": {"worker_id": worker_id},
     "update_optimizer": {"client": lambda v: text("client", v, max_len=MAX_ID)},
+    "pause": {"client": lambda v: text("client", v, max_len=MAX_ID)},
+    "resume": {"client": lambda v: text("client", v, max_len=MAX_ID)},
     "update_num_workers": {
         "num_workers": lambda v: integer("num_workers", v, low=1, high=MAX_WORKERS)
     },

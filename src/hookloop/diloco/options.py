@@ -10,14 +10,19 @@ import ssl
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from hookloop.control.service import is_loopback, one_line
 
+if TYPE_CHECKING:  # torch is imported where an optimizer is built: `hookloop diloco
+    import torch  # pause` and the other commands that only talk to a server start light
+
 #: The longest heartbeat timeout accepted (0 disables eviction).
 MAX_HEARTBEAT_TIMEOUT = 86400.0
+#: The default bound on ||pseudo-gradient|| / ||global weights|| of one submission: an
+#: honest period of local steps moves the weights by a fraction of their norm; a worker
+#: that diverged to huge but finite values moves them by orders of magnitude more.
+MAX_UPDATE_RATIO = 10.0
 
 
 def number(name: str, value: Any, *, low: float, high: float | None = None) -> float:
@@ -136,6 +141,8 @@ def sgd_factory(
         raise ValueError("nesterov=True needs outer_momentum > 0 (or pass nesterov=False)")
 
     def outer_optimizer_factory(params: Any) -> torch.optim.Optimizer:
+        import torch
+
         return torch.optim.SGD(params, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
 
     return outer_optimizer_factory

@@ -304,6 +304,23 @@ class OuterRounds:
             pending.pop(worker_id, None)
             self.release_fragment(frag)
 
+    def abandon_open(self, answer: Callable[[], BaseException]) -> int:
+        """Drop the contributions of every open round (full model and fragments) and answer
+        their waiters ``answer()`` (the outer loop was paused); returns how many waited.
+        The rounds' counters stay: the next submissions open the same rounds afresh."""
+        waiting = len(self.pending) + sum(len(p) for p in self.frag_pending.values())
+        tables: list[dict[Any, asyncio.Future[Contribution]]] = [self.round_done, self.frag_done]
+        for table in tables:
+            for key in [k for k, f in table.items() if not f.done()]:
+                future = table.pop(key)
+                future.set_exception(answer())
+                future.add_done_callback(lambda f: f.exception())  # retrieved: no warning
+        self.pending.clear()
+        self.frag_pending.clear()
+        self.excused.clear()
+        self.expected = None
+        return waiting
+
     @staticmethod
     def fail(future: asyncio.Future[Any] | None, err: BaseException) -> None:
         if future is not None and not future.done():

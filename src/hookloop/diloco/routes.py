@@ -28,6 +28,7 @@ from hookloop.control.service import (
     run_while_serving,
 )
 from hookloop.diloco import fields
+from hookloop.diloco.admin import CONTROL_ACTIONS
 from hookloop.diloco.membership import SECRET_HEADER, Caller
 from hookloop.diloco.wire import TENSOR_TYPE, save_tensors
 
@@ -36,13 +37,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hookloop.diloco")
 
-CONTROL_ACTIONS = (
-    "save_state",
-    "kick_worker",
-    "update_optimizer",
-    "update_num_workers",
-    "shutdown",
-)
 ROUTES = (
     "POST /register, /submit_pseudograd, /submit_fragment_pseudograd, /heartbeat, /deregister, "
     f"/control/{{{','.join(CONTROL_ACTIONS)}}}; GET /status, /global_params, /dashboard"

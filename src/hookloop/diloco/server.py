@@ -31,7 +31,10 @@ SIGINT/SIGTERM save the current round first (:mod:`~hookloop.diloco.lifecycle`).
 Routes (Forgather's): ``POST /register``, ``/submit_pseudograd``,
 ``/submit_fragment_pseudograd``, ``/heartbeat``, ``/deregister``, ``/control/{save_state,
 kick_worker,update_optimizer,update_num_workers,shutdown}``; ``GET /status``,
-``/global_params``, ``/dashboard`` (and ``/``).
+``/global_params``, ``/dashboard`` (and ``/``). hookloop adds ``/control/pause`` and
+``/control/resume``: while the outer loop is paused no round advances and a submission
+is answered 503 ``"paused": true``, on which workers train on locally
+(:mod:`~hookloop.diloco.pause`; it outlives a restart).
 
 hookloop's additions, which a Forgather peer does not need: a bearer
 ``token`` (or ``disable_auth=True`` to admit tokenless peers, loopback only
@@ -63,7 +66,8 @@ The parts: :mod:`~hookloop.diloco.rounds` (the weights, the outer optimizer and 
 rounds' barriers), :mod:`~hookloop.diloco.roster` (the workers, their refusals and
 evictions), :mod:`~hookloop.diloco.contributions` (whether a submission is taken),
 :mod:`~hookloop.diloco.routes` (the HTTP face), :mod:`~hookloop.diloco.options` and
-:mod:`~hookloop.diloco.admin` (arguments and live changes checked), and this module,
+:mod:`~hookloop.diloco.admin` (arguments checked, the operator's actions),
+:mod:`~hookloop.diloco.pause` (the outer loop paused), and this module,
 which runs it all.
 """
 
@@ -83,11 +87,11 @@ from hookloop.control.service import Address, Serving, bearer_matches, is_loopba
 from hookloop.diloco import admin, lifecycle, options, storage
 from hookloop.diloco.contributions import Contributions, worker_id_in
 from hookloop.diloco.membership import Caller
-from hookloop.diloco.options import MAX_HEARTBEAT_TIMEOUT, integer, number
+from hookloop.diloco.options import MAX_HEARTBEAT_TIMEOUT, MAX_UPDATE_RATIO, integer, number
+from hookloop.diloco.pause import OuterPause, clock
 from hookloop.diloco.roster import ProtocolError, Roster
 from hookloop.diloco.rounds import OuterRounds, RoundFailed
 from hookloop.diloco.routes import CONTROL_ACTIONS, ROUTES, DiLoCoRoutes
-from hookloop.diloco.validate import MAX_UPDATE_RATIO
 
 if TYPE_CHECKING:
     import ssl
@@ -256,6 +260,7 @@ class DiLoCoServer:
             self.roster, self.rounds, async_mode=self.async_mode,
             max_update_ratio=self.max_update_ratio, drop=self.worker_left,
         )  # fmt: skip
+        self.outer_pause = OuterPause(self.output_dir)  # paused as the journal last says
 
     @property
     def outer_optimizer(self) -> torch.optim.Optimizer:
@@ -406,6 +411,7 @@ class DiLoCoServer:
     async def submit(self, body: bytes, caller: Caller | None = None) -> dict[str, torch.Tensor]:
         worker_id, _, grads = self.contributions.accept(body, caller, fragment=False)
         info = self.roster.touch(worker_id)
+        self.outer_pause.check(self.rounds.sync_round)
         if info is not None:
             info.sync_round += 1
             info.last_sync_server_round = self.rounds.sync_round + 1
@@ -423,6 +429,7 @@ class DiLoCoServer:
     ) -> dict[str, torch.Tensor]:
         worker_id, frag, grads = self.contributions.accept(body, caller, fragment=True)
         self.roster.touch(worker_id)
+        self.outer_pause.check(self.rounds.sync_round)
         if self.async_mode:
             try:
                 return self.rounds.apply_async_fragment(grads)
@@ -453,6 +460,7 @@ class DiLoCoServer:
             "sync_round": self.rounds.sync_round,
             "num_workers": self.num_workers,
             "num_registered": len(self.roster.workers),
+            "paused": self.outer_pause.paused,
         }
         recommended = self.recommended_sync_every(worker_id)
         if recommended is not None:
@@ -495,40 +503,15 @@ class DiLoCoServer:
             model_params=self.rounds.model_params,
             model_size_mb=round(self.rounds.model_size_mb, 2),
             dashboard_enabled=self.dashboard_enabled,
+            **self.outer_pause.state(),
         )
         return reply
 
     # -- admin routes ------------------------------------------------------------------------
     def control(self, action: str, data: dict[str, Any]) -> dict[str, Any]:
-        """Forgather's admin actions (``POST /control/{action}``)."""
-        if action == "save_state":
-            self.save_state()
-            return {"status": "ok", "sync_round": self.rounds.sync_round}
-        if action == "kick_worker":
-            worker_id = data.get("worker_id")
-            if not worker_id:
-                raise ProtocolError("worker_id required")
-            if worker_id not in self.roster.workers:
-                raise ProtocolError(f"Worker {str(worker_id)[:200]} not found", 404)
-            self.worker_left(worker_id)
-            return {"status": "ok", "worker_id": worker_id}
-        if action == "update_optimizer":
-            updated = admin.optimizer_update(data)
-            admin.change_optimizer(self.outer_optimizer, updated, client=data.get("client"),
-                                   sync_round=self.rounds.sync_round,
-                                   output_dir=self.output_dir)  # fmt: skip
-            return {"status": "ok", **updated}
-        if action == "update_num_workers":
-            self.num_workers = admin.worker_count(data, self.min_workers)
-            return {"status": "ok", "num_workers": self.num_workers}
-        if action == "shutdown":
-            if self.save_every_n_rounds > 0:
-                self.save_state()
-            self.request_stop()
-            return {"status": "ok", "message": "Shutting down"}
-        raise ProtocolError(
-            f"Unknown control action: {action[:100]}; allowed: {', '.join(CONTROL_ACTIONS)}", 404
-        )
+        """Forgather's admin actions and hookloop's pause/resume (``POST /control/{action}``;
+        :func:`hookloop.diloco.admin.act`)."""
+        return admin.act(self, action, data)
 
     # -- HTTP -------------------------------------------------------------------------------
     def authorized(self, header: str) -> bool:
@@ -555,6 +538,10 @@ class DiLoCoServer:
             mode = "async" if self.async_mode else "sync"
             log.info("diloco: serving %s (mode=%s), %d worker(s) expected", self.address, mode,
                      self.num_workers)  # fmt: skip
+            if self.outer_pause.paused:
+                log.warning("diloco: the outer loop is paused since %s by %s, as when this "
+                            "server stopped; no round advances until `hookloop diloco resume`",
+                            clock(self.outer_pause.since or 0), self.outer_pause.by)  # fmt: skip
             if ready is not None:
                 ready()
 

@@ -93,12 +93,6 @@ def check_same_names(
     )
 
 
-#: The default bound on ||pseudo-gradient|| / ||global weights|| of one submission: an
-#: honest period of local steps moves the weights by a fraction of their norm; a worker
-#: that diverged to huge but finite values moves them by orders of magnitude more.
-MAX_UPDATE_RATIO = 10.0
-
-
 def norm(tensors: Iterable[torch.Tensor]) -> float:
     """The L2 norm of all ``tensors`` together (computed per tensor in float32)."""
     return math.sqrt(sum(float(torch.linalg.vector_norm(t.float())) ** 2 for t in tensors))

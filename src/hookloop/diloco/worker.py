@@ -22,6 +22,12 @@ for (the whole model at registration and full syncs, the fragment's at a fragmen
 sync); one that holds none, or lacks some, is a ``ValueError`` naming them (the
 server runs another model).
 
+A sync the server answers "paused" (its outer loop is paused, :mod:`hookloop.diloco.pause`)
+is neither retried nor missed: the worker keeps its weights and its copy of the global
+weights, trains on, and syncs again at its next sync point, so that pseudo-gradient
+covers every local step since the weights it last got (``diloco/paused_syncs`` counts
+such syncs).
+
 Heartbeats (every ``heartbeat_interval`` seconds; 0 disables them) report the
 worker's steps per second; with ``dylu`` the server's ``recommended_sync_every``
 replaces ``sync_every``. Under ``torchrun`` only rank 0 talks to the server;
@@ -41,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hookloop.diloco.client import DiLoCoClient, ServerRefused
+from hookloop.diloco.client import DiLoCoClient, ServerPaused, ServerRefused
 from hookloop.diloco.wire import fragment_due, split_fragments
 
 log = logging.getLogger("hookloop.diloco")
@@ -120,6 +126,8 @@ class DiLoCoWorker:
         self.retry_delay = retry_delay
         self.max_missed_syncs = max_missed_syncs
         self.missed_syncs = 0  # in a row
+        self.paused_syncs = 0  # answered "paused" (not missed: the server was reached)
+        self._server_paused = False  # the last sync was answered "paused" (every rank)
         self._last_failure = "no answer"
         self.distributed = dist.is_available() and dist.is_initialized()
         self.talks = not self.distributed or dist.get_rank() == 0
@@ -150,6 +158,7 @@ class DiLoCoWorker:
         """Register, load the global weights, start the heartbeats."""
         if self.talks:
             self._load(self.client.register(self.worker_id, self._info()), list(self.params))
+        self._server_paused = False
         self._share(list(self.params), ok=True)
         self.local_step = 0
         self.active = True
@@ -210,6 +219,7 @@ class DiLoCoWorker:
         self._finish_in_flight()
         started = time.time()
         new: dict[str, torch.Tensor] | None = None
+        self._server_paused = False
         if self.talks:
             new = self._submit_with_retries()
         synced = self._share(list(self.params), ok=new is not None or not self.talks, new=new)
@@ -219,7 +229,7 @@ class DiLoCoWorker:
         self.local_step = 0
         self.sync_count += 1
         self._steps.clear()
-        self._count_missed(synced)
+        self._count_missed(synced or self._server_paused)
 
     def _count_missed(self, synced: bool) -> None:
         """Count a sync that did not reach the server (on every rank alike: ``synced`` is
@@ -249,6 +259,10 @@ class DiLoCoWorker:
                 log.warning("diloco: %s; registering again", err)
                 self._reconnect()
                 grads = self._pseudo_grads(list(self.params))
+            except ServerPaused as err:  # not a failure: train on, sync at the next point
+                self._server_paused = True
+                log.info("diloco: %s", err)
+                return None
             except ConnectionError as err:
                 self._last_failure = " ".join(str(err).split())[:300]
                 if attempt == self.max_sync_retries:
@@ -271,7 +285,7 @@ class DiLoCoWorker:
             log.warning("diloco: registering again failed: %s", err)
 
     def _send_fragment(self, k: int) -> None:
-        result: list[Any] = [None, time.time(), None]
+        result: list[Any] = [None, time.time(), None, False]  # new, started, refused, paused
         if self.talks:
             grads = self._pseudo_grads(self.fragments[k])
 
@@ -280,6 +294,9 @@ class DiLoCoWorker:
                     result[0] = self._submit_fragment(k, grads)
                 except ServerRefused as err:  # raised where the answer is loaded
                     result[2] = err
+                except ServerPaused as err:  # the fragment waits for the next turn
+                    log.info("diloco: fragment %d: %s", k, err)
+                    result[3] = True
                 except Exception as err:  # the fragment's round goes on without us
                     log.error("diloco: fragment %d failed: %s", k, err)
                     self._last_failure = " ".join(str(err).split())[:300]
@@ -314,7 +331,7 @@ class DiLoCoWorker:
         k, thread, result = self._in_flight
         thread.join()
         self._in_flight = None
-        new, started, refused = result
+        new, started, refused, self._server_paused = result
         if refused is not None:
             if raise_refusal:  # as a full sync does: retrying cannot fix it
                 raise refused
@@ -328,7 +345,7 @@ class DiLoCoWorker:
             if new is not None:
                 self.last_recv_bytes = _nbytes(new)
         if raise_refusal:  # not while leaving (train end, or an exception already raised)
-            self._count_missed(synced)
+            self._count_missed(synced or self._server_paused)
 
     # -- tensors ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -377,16 +394,19 @@ class DiLoCoWorker:
     def _share(
         self, names: list[str], *, ok: bool, new: dict[str, torch.Tensor] | None = None
     ) -> bool:
-        """Load ``new`` (rank 0's answer) on every rank; True when there was one."""
+        """Load ``new`` (rank 0's answer) on every rank; True when there was one. Rank 0's
+        ``_server_paused`` reaches every rank with it (a paused sync is counted there)."""
         if self.talks and new is not None:
             self._load(new, names)
         if self.talks and self._recommended is not None and self.distributed:
             self._apply_recommendation(self._recommended)
         if not self.distributed or dist.get_world_size() < 2:
+            self.paused_syncs += self._server_paused
             return ok
-        box = [ok, self.sync_every]
+        box = [ok, self.sync_every, self._server_paused]
         dist.broadcast_object_list(box, src=0)
-        ok, sync_every = box
+        ok, sync_every, self._server_paused = box
+        self.paused_syncs += self._server_paused
         if sync_every != self.sync_every:
             self.sync_every, self.dylu_adjustments = sync_every, self.dylu_adjustments + 1
         if ok:
@@ -446,6 +466,8 @@ class DiLoCoWorker:
             metrics["diloco/fragment_syncs"] = self.fragment_syncs
         if self.sync_retries:
             metrics["diloco/sync_retries"] = self.sync_retries
+        if self.paused_syncs:
+            metrics["diloco/paused_syncs"] = self.paused_syncs
         if self.reconnections:
             metrics["diloco/reconnections"] = self.reconnections
         return metrics
