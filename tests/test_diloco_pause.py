@@ -27,6 +27,7 @@ from hookloop.diloco import storage
 from hookloop.diloco.client import DiLoCoClient, ServerPaused, ServerRefused
 from hookloop.diloco.server import DiLoCoServer
 from hookloop.diloco.worker import DiLoCoWorker
+from hookloop.errors import ConfigError
 from hookloop.testing import TinyModel
 from test_diloco_server import (
     JOB,
@@ -366,3 +367,53 @@ def server(tmp_path):
     srv = _server(tmp_path)
     yield srv
     srv.stop()
+
+
+@pytest.mark.parametrize(
+    ("tamper", "problem"),
+    [
+        ("edit", "edited after it was written"),
+        ("append", "added by hand"),
+        ("drop", "a record was removed, reordered"),
+    ],
+)
+def test_a_journal_changed_by_hand_stops_the_server_at_start(tmp_path, tamper, problem):
+    """Before the journal was chained, an operator's "pause" turned into "resume" by hand
+    (or a "resume" line appended) unpaused a restarted server with no trace."""
+    srv = _server(tmp_path)
+    client = _client(srv)
+    client.control("pause", {"client": "operator"})
+    client.control("resume", {"client": "operator"})
+    client.control("pause", {"client": "operator"})
+    srv.stop()
+    path = Path(srv.output_dir) / "changes.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert all("prev" in r and "hash" in r for r in records)  # chained as written
+    if tamper == "edit":
+        records[-1]["event"] = "resume"
+    elif tamper == "append":
+        records.append({"event": "resume", "sync_round": 0, "client": "x", "time": 0.0})
+    else:
+        del records[1]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(ConfigError) as refused:
+        DiLoCoServer(srv.output_dir, 1, str(tmp_path / "start"), port=0, token=TOKEN)
+    message = str(refused.value)
+    assert problem in message and "changes.jsonl:" in message and "\n" not in message
+    assert "move changes.jsonl aside" in message
+
+
+def test_a_journal_written_before_chaining_is_read_with_a_warning(tmp_path, caplog):
+    out = tmp_path / "out"
+    out.mkdir()
+    legacy = {"event": "pause", "sync_round": 0, "client": "operator", "time": 1.0}
+    (out / "changes.jsonl").write_text(json.dumps(legacy) + "\n")
+    srv = _server(tmp_path)
+    try:
+        assert srv.status()["paused"] is True and srv.status()["paused_by"] == "operator"
+        _client(srv).control("resume", {"client": "operator"})
+    finally:
+        srv.stop()
+    assert "1 record(s) written before the journal was chained" in caplog.text
+    lines = (out / "changes.jsonl").read_text().splitlines()
+    assert "prev" not in json.loads(lines[0]) and "prev" in json.loads(lines[1])

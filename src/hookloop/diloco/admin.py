@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from hookloop.diloco.options import momentum, number
+from hookloop.diloco.pause import record_change
 from hookloop.diloco.roster import ProtocolError
-from hookloop.journal import Journal
 
 if TYPE_CHECKING:
     import torch
@@ -130,9 +129,7 @@ def change_optimizer(
     }
     log.info("diloco: round %d: outer optimizer %s", sync_round, record["changes"])
     if output_dir:
-        journal = Journal(Path(output_dir) / "changes.jsonl", fsync=True)
-        journal.append(record)
-        journal.close()
+        record_change(output_dir, record)
     for group in optimizer.param_groups:
         group.update(updated)
     log.info("diloco: outer optimizer now %s", updated)

@@ -21,6 +21,11 @@ where the outer optimizer's changes go (:mod:`hookloop.diloco.admin`). A server 
 again on that output dir reads the last of them and **stays paused** if the last was a
 pause: an operator paused for a reason, and a crash or a restart should not merge rounds
 behind their back.
+
+The journal is hash-chained (:mod:`hookloop.journal`, as a run's ``changes.jsonl``): a
+record added, edited, reordered or duplicated by hand stops the server at start with one
+line naming it, so a hand-written "resume" cannot unpause it; records written before the
+journal was chained are read with one warning.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from hookloop.diloco.roster import ProtocolError
-from hookloop.journal import Journal, read_records
+from hookloop.errors import ConfigError
+from hookloop.journal import ChainError, Journal, check_chain, read_records
 
 log = logging.getLogger("hookloop.diloco")
 
@@ -39,6 +45,35 @@ log = logging.getLogger("hookloop.diloco")
 CHANGES = "changes.jsonl"
 #: The status of the answer to a submission while paused (Service Unavailable).
 PAUSED_STATUS = 503
+#: What the journal's first record's ``prev`` is made from (:func:`hookloop.journal.chain_start`).
+CHAIN_SEED = "diloco changes.jsonl"
+
+
+def record_change(output_dir: str | Path, record: dict[str, Any]) -> None:
+    """Append ``record`` to ``output_dir``'s journal, chained and fsynced."""
+    journal = Journal(Path(output_dir) / CHANGES, fsync=True, chain=CHAIN_SEED)
+    try:
+        journal.append(record)
+    finally:
+        journal.close()
+
+
+def read_changes(output_dir: str | Path) -> list[dict[str, Any]]:
+    """The journal's records, its chain checked (a torn last line, from a kill, skipped).
+    A record not written by the server is a :class:`ConfigError` in one line."""
+    path = Path(output_dir) / CHANGES
+    records = read_records(path, strict=True, what="a DiLoCo change record (a JSON object)")
+    try:
+        legacy = check_chain(path, records, CHAIN_SEED)
+    except ChainError as err:
+        raise ConfigError(
+            f"{err}; the DiLoCo server will not start on a journal changed by hand: put back "
+            f"the file it wrote, or move {path.name} aside to start without its history"
+        ) from None
+    if legacy:
+        log.warning("diloco: %s: %d record(s) written before the journal was chained; read "
+                    "unchecked", path, legacy)  # fmt: skip
+    return records
 
 
 def clock(when: float) -> str:
@@ -79,7 +114,7 @@ class OuterPause:
     def __init__(self, output_dir: str) -> None:
         self.path = Path(output_dir) / CHANGES
         self.paused, self.since, self.by = False, None, None
-        last = [r for r in read_records(self.path) if r.get("event") in ("pause", "resume")]
+        last = [r for r in read_changes(output_dir) if r.get("event") in ("pause", "resume")]
         if last and last[-1]["event"] == "pause":
             record = last[-1]
             when = record.get("time")
@@ -129,8 +164,5 @@ class OuterPause:
         return {"paused": self.paused, "paused_since": self.since, "paused_by": self.by}
 
     def _record(self, event: str, by: str, sync_round: int, now: float) -> None:
-        journal = Journal(self.path, fsync=True)
-        try:
-            journal.append({"event": event, "sync_round": sync_round, "client": by, "time": now})
-        finally:
-            journal.close()
+        record = {"event": event, "sync_round": sync_round, "client": by, "time": now}
+        record_change(self.path.parent, record)
