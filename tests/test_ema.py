@@ -174,6 +174,35 @@ def test_a_stopped_and_resumed_run_ends_with_the_same_averages_bit_for_bit(tmp_p
     )
 
 
+class Trajectory(WeightLog):
+    """The weights the run kept: a rewind drops the steps of the branch it abandoned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[int] = []
+
+    def on_after_optimizer_step(self, ctx):
+        super().on_after_optimizer_step(ctx)
+        self.steps.append(ctx.state.step)
+
+    def on_checkpoint_load(self, ctx):
+        if ctx.rewind is not None:
+            kept = 1 + self.steps.index(ctx.rewind.to_step)  # weights[0]: the start
+            del self.weights[kept + 1 :], self.steps[kept:]
+
+
+def test_after_a_rewind_the_average_goes_on_from_the_checkpoints(tmp_path):
+    from _rewind_job import build
+
+    ema, kept = EMA(0.5), Trajectory()
+    trainer, _ = build(tmp_path, callbacks=[ema, kept])
+    trainer.train()
+    (rewind,) = trainer.state.rewinds  # the loss spiked at step 8: back to step 6
+    assert (rewind.from_step, rewind.to_step) == (8, 6) and kept.steps == list(range(1, 15))
+    assert ema.updates == 14  # the count went back to step 6 with the averages
+    assert_close(ema, by_hand(kept.weights, 0.5, list(range(1, 15))))
+
+
 @pytest.mark.parametrize(
     ("state", "says"),
     [

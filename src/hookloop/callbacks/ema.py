@@ -19,6 +19,9 @@ from rank 0 alone, so the sharded averages go through
 :class:`~hookloop.checkpoint.state.ShardedStateful` instead: every rank saves its shards in
 the same DCP save as the model's, and a resume (on any number of ranks) reshards them.
 
+A checkpoint's averages are put in place at ``on_checkpoint_load`` (else at
+``on_train_start``, for a state loaded by hand), so a rewind goes on from them.
+
 Order with the last checkpoint: the loop's final save comes before ``on_train_end``, so
 with ``swap_at_end=True`` the last checkpoint holds the *training* weights and the
 averages in this callback's state (a resume goes on exactly); the model in memory after
@@ -91,18 +94,18 @@ class EMA(Callback):
     # -- events -----------------------------------------------------------------------
     def on_train_start(self, ctx: CallbackContext) -> None:
         params = _named_parameters(ctx.model)
-        if self._awaiting_shards:
-            raise ValueError(
-                "EMA state was saved with its averages in the checkpoint's shards, but the "
-                "checkpoint holds none; resume from the checkpoint it was saved in"
-            )
         self._sharded = ctx.model is not None and is_sharded(ctx.model)
-        if self._pending is not None:
-            self.averages = _placed(self._pending, params)
-            self._pending = None
-        elif not self.averages:
+        self._take_loaded(params)
+        if not self.averages:
             self._copy_weights(params)
         self._holds_averages = False
+
+    def on_checkpoint_load(self, ctx: CallbackContext) -> None:
+        """A restore (a resume, a rewind, ``load_checkpoint``) puts the saved averages in
+        place at once: after a rewind the run goes on from them, not from the averages of
+        the branch it abandoned."""
+        self._take_loaded(_named_parameters(ctx.model))
+        self._holds_averages, self._backup = False, None  # the checkpoint's weights are in
 
     def on_after_optimizer_step(self, ctx: CallbackContext) -> None:
         if ctx.skipped_iter:
@@ -131,6 +134,17 @@ class EMA(Callback):
             self._holds_averages = True
 
     # -- the averages -----------------------------------------------------------------
+    def _take_loaded(self, params: dict[str, torch.nn.Parameter]) -> None:
+        """Averages loaded since the last event, checked against the model and placed."""
+        if self._awaiting_shards:
+            raise ValueError(
+                "EMA state was saved with its averages in the checkpoint's shards, but the "
+                "checkpoint holds none; resume from the checkpoint it was saved in"
+            )
+        if self._pending is not None:
+            self.averages = _placed(self._pending, params)
+            self._pending = None
+
     @torch.no_grad()
     def _copy_weights(self, params: dict[str, torch.nn.Parameter]) -> None:
         self.averages = {name: p.detach().float().clone() for name, p in params.items()}
