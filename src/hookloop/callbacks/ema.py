@@ -104,6 +104,8 @@ class EMA(Callback):
         """A restore (a resume, a rewind, ``load_checkpoint``) puts the saved averages in
         place at once: after a rewind the run goes on from them, not from the averages of
         the branch it abandoned."""
+        if ctx.model is None:
+            return  # a bare context: on_train_start places them
         self._take_loaded(_named_parameters(ctx.model))
         self._holds_averages, self._backup = False, None  # the checkpoint's weights are in
 
