@@ -173,6 +173,15 @@ def test_a_legacy_format_1_checkpoint_still_verifies(root):
     assert _resume(root)[0] == 30
 
 
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_checkpoints_of_formats_2_and_3_still_resume(root, fmt):
+    # format 4 added callbacks' shards to sharded checkpoints: older ones simply have none
+    ckpt = root / "step-00000030"
+    resign(ckpt, fmt=fmt)
+    assert CheckpointManager(root, SavePolicy()).storage.verify(ckpt)["format"] == fmt
+    assert _resume(root)[0] == 30
+
+
 @pytest.mark.parametrize("pointer", ["", "../../etc", "\n"], ids=["empty", "outside", "blank"])
 def test_a_latest_that_names_no_checkpoint_is_refused_by_name_not_called_a_torn_save(root, pointer):
     (root / "latest").write_text(pointer)

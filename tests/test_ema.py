@@ -1,8 +1,10 @@
-"""The EMA callback: its averages by hand, evaluation with them, exact resume, two ranks."""
+"""The EMA callback: its averages by hand, evaluation with them, exact resume, two ranks
+(DDP, and FSDP2 with the averages kept as shards)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import pytest
 import torch
 
 from _dist_launch import torchrun
+from _resign import resign
 from hookloop import Callback, Trainer
 from hookloop.callbacks import EMA, default_callbacks
 from hookloop.errors import ConfigError
@@ -171,6 +174,35 @@ def test_a_stopped_and_resumed_run_ends_with_the_same_averages_bit_for_bit(tmp_p
     )
 
 
+class Trajectory(WeightLog):
+    """The weights the run kept: a rewind drops the steps of the branch it abandoned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[int] = []
+
+    def on_after_optimizer_step(self, ctx):
+        super().on_after_optimizer_step(ctx)
+        self.steps.append(ctx.state.step)
+
+    def on_checkpoint_load(self, ctx):
+        if ctx.rewind is not None:
+            kept = 1 + self.steps.index(ctx.rewind.to_step)  # weights[0]: the start
+            del self.weights[kept + 1 :], self.steps[kept:]
+
+
+def test_after_a_rewind_the_average_goes_on_from_the_checkpoints(tmp_path):
+    from _rewind_job import build
+
+    ema, kept = EMA(0.5), Trajectory()
+    trainer, _ = build(tmp_path, callbacks=[ema, kept])
+    trainer.train()
+    (rewind,) = trainer.state.rewinds  # the loss spiked at step 8: back to step 6
+    assert (rewind.from_step, rewind.to_step) == (8, 6) and kept.steps == list(range(1, 15))
+    assert ema.updates == 14  # the count went back to step 6 with the averages
+    assert_close(ema, by_hand(kept.weights, 0.5, list(range(1, 15))))
+
+
 @pytest.mark.parametrize(
     ("state", "says"),
     [
@@ -233,3 +265,143 @@ def test_two_ranks_end_with_equal_averages(tmp_path):
     assert ranks[0]["updates"] == ranks[1]["updates"] == 6
     assert ranks[0]["averages"] == ranks[1]["averages"]
     assert ranks[0]["averages"] != ranks[0]["weights"]  # an average, not the weights
+
+
+# -- FSDP2: the averages sharded like the parameters -----------------------------------------
+#
+# One module-wide set of runs on two gloo ranks (tests/_ema_job.py): ``ref`` to step 12,
+# ``run`` stopped at step 6 and resumed, ``plain`` saved at step 4 without EMA (its manifest
+# re-signed as format 3, as an older hookloop wrote it) and resumed with EMA, and a copy of
+# ``run``'s checkpoint resumed on three ranks. EMA(0.9, every=2, start_step=1) counts
+# steps 3, 5, 7, 9 and 11.
+
+
+def launch(mode: str, out: Path, *overrides: str, ranks: int = 2) -> str:
+    proc = subprocess.run([*torchrun(ranks), JOB, mode, str(out), *overrides],
+                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return proc.stderr
+
+
+def legs(out: Path, leg: str, ranks: int = 2) -> list[dict]:
+    return [json.loads((out / f"{leg}-rank{r}.json").read_text()) for r in range(ranks)]
+
+
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("ema-fsdp")
+    launch("fsdp", root)
+    shutil.copytree(root / "run", root / "three" / "run")
+    resign(root / "plain" / "checkpoints" / "step-00000004", fmt=3)
+    stderr = launch("resume", root)
+    launch("resume", root / "three", "data.batch_size=4", ranks=3)  # the same 12 a step
+    return {
+        "root": root,
+        "stderr": stderr,
+        "ref": legs(root, "ref"),
+        "resumed": legs(root, "run-resumed"),
+        "plain": legs(root, "plain-resumed"),
+        "three": legs(root / "three", "run-resumed", ranks=3),
+    }
+
+
+def one_process(*callbacks: Callback) -> Trainer:
+    """The FSDP runs' recipe and samples (12 a step) in one process, unsharded."""
+    from _ema_job import FSDP
+    from hookloop.config import apply_overrides
+    from hookloop.entry import build_trainer
+    from hookloop.recipes import default_config
+
+    cfg = default_config("mlp-regression")
+    apply_overrides(cfg, [*FSDP, "train.parallel=ddp", "data.batch_size=12"])
+    return build_trainer(cfg, callbacks=list(callbacks))
+
+
+def close(a: dict[str, list[float]], b: dict[str, list[float]], atol: float = 1e-5) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.allclose(torch.tensor(a[n]), torch.tensor(b[n]), atol=atol, rtol=1e-4) for n in a
+    )
+
+
+@pytest.mark.slow
+def test_fsdp_averages_are_kept_as_shards_and_equal_the_update_on_whole_weights(fsdp):
+    ref = fsdp["ref"]
+    assert ref[0]["world"] == 2 and ref[0]["updates"] == ref[1]["updates"] == 5
+    assert ref[0]["averages"] == ref[1]["averages"]  # gathered from the same shards
+    # Elementwise, so the update on each rank's shards is the one on whole tensors, bit for
+    # bit: the float32 lerp of tests/_ema_job.py's Recorder on the gathered weights.
+    assert ref[0]["averages"] == ref[0]["by_hand"]
+    assert ref[0]["averages"] != ref[0]["trained"]
+    local = [r["sizes"]["0.weight"] for r in ref]  # [this rank's elements, the whole]
+    assert local[0][0] + local[1][0] == local[0][1] and local[0][0] < local[0][1]
+
+
+@pytest.mark.slow
+def test_fsdp_averages_match_one_process_training_on_the_same_samples(fsdp):
+    ema = EMA(0.9, every=2, start_step=1)
+    one_process(ema).train()
+    single = {n: t.flatten().tolist() for n, t in ema.averaged_state_dict().items()}
+    # the weights differ by the float summation order of the reduce-scatter (~1e-8 here)
+    assert ema.updates == 5 and close(single, fsdp["ref"][0]["averages"])
+
+
+@pytest.mark.slow
+def test_fsdp_evaluation_runs_with_the_averages_and_the_end_swaps_them_in(fsdp):
+    ref = fsdp["ref"][0]
+    assert ref["eval_weights"] == ref["averages"]  # the evaluation at step 12 ran on them
+    assert ref["model"] == ref["averages"]  # swap_at_end, shard by shard
+
+    def loss_of(weights: dict[str, list[float]]) -> float:
+        trainer = one_process()
+        with torch.no_grad():
+            for name, p in trainer.model.named_parameters():
+                p.copy_(torch.tensor(weights[name]).view_as(p))
+        return trainer.evaluate()["eval_loss"]
+
+    assert ref["eval_loss"] == pytest.approx(loss_of(ref["averages"]), rel=1e-5)
+    assert ref["eval_loss"] != pytest.approx(loss_of(ref["trained"]), rel=1e-3)
+
+
+@pytest.mark.slow
+def test_an_fsdp_run_stopped_and_resumed_ends_on_the_same_averages_bit_for_bit(fsdp):
+    ref, resumed = fsdp["ref"][0], fsdp["resumed"]
+    assert [r["step"] for r in resumed] == [12, 12] and resumed[0]["updates"] == 5
+    for rank in resumed:
+        assert rank["averages"] == ref["averages"]
+        assert rank["trained"] == ref["trained"]  # evaluations swapped the weights back exactly
+        assert rank["model"] == ref["model"]
+    # Each rank's shards of the averages went into the same DCP save as the model's.
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = fsdp["root"] / "run" / "checkpoints" / "step-00000006"
+    keys = set(dcp.FileSystemReader(ckpt / "sharded").read_metadata().state_dict_metadata)
+    assert {f"callbacks.EMA.{n}" for n in ref["averages"]} <= keys
+    assert json.loads((ckpt / "manifest.json").read_text())["format"] == 4
+    plain = torch.load(ckpt / "trainer_state.pt", weights_only=True)["callbacks"]["EMA"]
+    assert plain == {"decay": 0.9, "updates": 2, "averages": {}, "sharded": True}
+
+
+@pytest.mark.slow
+def test_an_fsdp_checkpoint_resumes_on_three_ranks_with_the_averages_resharded(fsdp):
+    three = fsdp["three"]
+    assert [r["world"] for r in three] == [3, 3, 3] and three[0]["updates"] == 5
+    assert three[0]["sizes"]["0.weight"][0] * 2 < three[0]["sizes"]["0.weight"][1]
+    assert three[0]["averages"] == three[2]["averages"]
+    # torch.distributed.checkpoint reshards on load; the rest differs by summation order
+    assert close(three[0]["averages"], fsdp["ref"][0]["averages"])
+    assert close(three[0]["trained"], fsdp["ref"][0]["trained"])
+
+
+@pytest.mark.slow
+def test_a_format_3_fsdp_checkpoint_without_ema_resumes_with_fresh_averages(fsdp):
+    plain = fsdp["plain"][0]
+    assert plain["step"] == 12 and plain["updates"] == 4  # steps 5, 7, 9, 11
+    assert plain["averages"] == plain["by_hand"]  # from the weights at step 4
+    assert "stateful callback 'EMA' has no saved state (it starts fresh)" in fsdp["stderr"]
+
+
+def test_a_sharded_state_whose_shards_never_came_is_refused_at_the_start(make_trainer):
+    ema = EMA(0.9)
+    ema.load_state_dict({"decay": 0.9, "updates": 3, "averages": {}, "sharded": True})
+    with pytest.raises(ValueError, match="EMA state was saved with its averages in the chec"):
+        make_trainer([ema], max_steps=1).train()

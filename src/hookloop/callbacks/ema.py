@@ -12,8 +12,15 @@ poor and would weigh on the average for long). ``half_life=h`` (in counted updat
 The averages live in float32 on the parameters' device, keyed by parameter name (a DDP
 wrapper's ``module.`` left out, so a checkpoint resumes on another number of ranks). Under
 DDP every rank applies the same update to the same weights, so every rank holds the same
-averages with no collective. FSDP2 is refused: a callback's state is saved from rank 0
-alone, so the other ranks' shards of the averages would be lost and a resume not exact.
+averages with no collective. Under FSDP2 each parameter is a DTensor holding this rank's
+shard, and so is its average (the same placement): the update is on the local shards,
+elementwise as without sharding, with no collective. A callback's plain state is saved
+from rank 0 alone, so the sharded averages go through
+:class:`~hookloop.checkpoint.state.ShardedStateful` instead: every rank saves its shards in
+the same DCP save as the model's, and a resume (on any number of ranks) reshards them.
+
+A checkpoint's averages are put in place at ``on_checkpoint_load`` (else at
+``on_train_start``, for a state loaded by hand), so a rewind goes on from them.
 
 Order with the last checkpoint: the loop's final save comes before ``on_train_end``, so
 with ``swap_at_end=True`` the last checkpoint holds the *training* weights and the
@@ -30,7 +37,7 @@ from typing import Any
 import torch
 
 from hookloop.callback import Callback
-from hookloop.distributed import is_sharded
+from hookloop.distributed import full_tensor, is_sharded, local_shards
 from hookloop.state import CallbackContext
 
 #: The decay when neither ``decay`` nor ``half_life`` is given (a half-life of ~693 steps).
@@ -75,6 +82,8 @@ class EMA(Callback):
         self._pending: dict[str, torch.Tensor] | None = None  # loaded, not yet placed
         self._backup: dict[str, torch.Tensor] | None = None  # training weights while swapped
         self._holds_averages = False  # the model holds the averages (swap_at_end, or an eval)
+        self._sharded = False  # the averages are DTensors, sharded like an FSDP2 model
+        self._awaiting_shards = False  # loaded a sharded state: its averages come apart
         # A handler set to None is not registered (hookloop.callback): no cost per event.
         if not eval_with_ema:
             self.on_eval_start = self.on_eval_end = None  # type: ignore[assignment]  # see above
@@ -85,12 +94,20 @@ class EMA(Callback):
     # -- events -----------------------------------------------------------------------
     def on_train_start(self, ctx: CallbackContext) -> None:
         params = _named_parameters(ctx.model)
-        if self._pending is not None:
-            self.averages = _placed(self._pending, params)
-            self._pending = None
-        elif not self.averages:
+        self._sharded = ctx.model is not None and is_sharded(ctx.model)
+        self._take_loaded(params)
+        if not self.averages:
             self._copy_weights(params)
         self._holds_averages = False
+
+    def on_checkpoint_load(self, ctx: CallbackContext) -> None:
+        """A restore (a resume, a rewind, ``load_checkpoint``) puts the saved averages in
+        place at once: after a rewind the run goes on from them, not from the averages of
+        the branch it abandoned."""
+        if ctx.model is None:
+            return  # a bare context: on_train_start places them
+        self._take_loaded(_named_parameters(ctx.model))
+        self._holds_averages, self._backup = False, None  # the checkpoint's weights are in
 
     def on_after_optimizer_step(self, ctx: CallbackContext) -> None:
         if ctx.skipped_iter:
@@ -119,6 +136,17 @@ class EMA(Callback):
             self._holds_averages = True
 
     # -- the averages -----------------------------------------------------------------
+    def _take_loaded(self, params: dict[str, torch.nn.Parameter]) -> None:
+        """Averages loaded since the last event, checked against the model and placed."""
+        if self._awaiting_shards:
+            raise ValueError(
+                "EMA state was saved with its averages in the checkpoint's shards, but the "
+                "checkpoint holds none; resume from the checkpoint it was saved in"
+            )
+        if self._pending is not None:
+            self.averages = _placed(self._pending, params)
+            self._pending = None
+
     @torch.no_grad()
     def _copy_weights(self, params: dict[str, torch.nn.Parameter]) -> None:
         self.averages = {name: p.detach().float().clone() for name, p in params.items()}
@@ -126,8 +154,9 @@ class EMA(Callback):
     @torch.no_grad()
     def _update(self, params: dict[str, torch.nn.Parameter]) -> None:
         weight = 1.0 - self.decay
-        for name, p in params.items():
-            self.averages[name].lerp_(p.detach().float(), weight)
+        averages = local_shards(self.averages[name] for name in params)  # in place: no_grad
+        for average, p in zip(averages, local_shards(params.values()), strict=True):
+            average.lerp_(p.detach().float(), weight)
         self.updates += 1
 
     def _swap_in(self, ctx: CallbackContext) -> None:
@@ -145,14 +174,35 @@ class EMA(Callback):
             self._backup = None
 
     def averaged_state_dict(self) -> dict[str, torch.Tensor]:
-        """The averages by parameter name (float32, copies on the CPU)."""
-        return {name: t.detach().to("cpu", copy=True) for name, t in self.averages.items()}
+        """The averages by parameter name (float32, whole copies on the CPU). Under FSDP2
+        every rank must call it: each average is gathered from the ranks' shards."""
+        return {
+            name: full_tensor(t.detach()).to("cpu", copy=True) for name, t in self.averages.items()
+        }
 
     # -- checkpoints ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        if self._sharded:  # the averages are in sharded_state_dict(), saved by every rank
+            return {"decay": self.decay, "updates": self.updates, "averages": {}, "sharded": True}
         # copies: a background save serialises them while training goes on
         averages = self._pending if self._pending is not None else self.averaged_state_dict()
         return {"decay": self.decay, "updates": self.updates, "averages": averages}
+
+    def sharded_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Under FSDP2, this rank's shards of the averages (DTensors) by parameter name: the
+        checkpoint saves them beside the model's shards, or loads into them in place (then
+        :meth:`load_sharded_state_dict`). Before any average, copies of the weights."""
+        if self._pending is not None:
+            return self._pending
+        if self.averages:
+            return self.averages
+        with torch.no_grad():
+            return {n: p.detach().float().clone() for n, p in _named_parameters(model).items()}
+
+    def load_sharded_state_dict(self, averages: dict[str, torch.Tensor]) -> None:
+        """The averages a checkpoint held in its shards (after :meth:`load_state_dict`)."""
+        self._pending = dict(averages)  # checked against the model at on_train_start
+        self._sharded, self._awaiting_shards = True, False
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take a saved state; refused in one line when it is not one this class wrote."""
@@ -171,19 +221,14 @@ class EMA(Callback):
                     f"got {getattr(value, 'dtype', type(value).__name__)}"
                 )
         self.updates = updates
-        self._pending = dict(averages)  # checked against the model at on_train_start
+        self._awaiting_shards = state.get("sharded") is True  # load_sharded_state_dict next
+        self._pending = None if self._awaiting_shards else dict(averages)
 
 
 def _named_parameters(model: torch.nn.Module | None) -> dict[str, torch.nn.Parameter]:
-    """The parameters by name, without a DDP wrapper's ``module.``; FSDP2 is refused."""
+    """The parameters by name, without a DDP wrapper's ``module.`` (FSDP2 adds no prefix)."""
     if model is None:
         return {}  # an event fired without a model (a bare context): nothing to average
-    if is_sharded(model):
-        raise ValueError(
-            "EMA does not support FSDP (train.parallel='fsdp'): a callback's state is saved "
-            "from rank 0 only, so other ranks' shards of the averages would be lost; use "
-            "DDP or one process"
-        )
     inner = getattr(model, "module", model)
     bare = inner if isinstance(inner, torch.nn.Module) else model
     return dict(bare.named_parameters())
@@ -210,5 +255,7 @@ def _placed(
 
 @torch.no_grad()
 def _load_into(params: dict[str, torch.nn.Parameter], values: dict[str, torch.Tensor]) -> None:
-    for name, p in params.items():
-        p.copy_(values[name])
+    """Copy ``values`` into the parameters (under FSDP2 shard by shard: the same placement)."""
+    targets = local_shards(params.values())
+    for target, value in zip(targets, local_shards(values[n] for n in params), strict=True):
+        target.copy_(value)

@@ -28,6 +28,9 @@ those files like any other::
 
     step-00000070/  sharded/.metadata  sharded/__0_0.distcp  sharded/__1_0.distcp
                     trainer_state.pt   config.yaml           manifest.json
+
+State sharded like the model (``EMA``'s averages) goes into the same DCP save, under its
+own keys (``callbacks.EMA.<parameter>``): see :class:`~.state.ShardedStateful`.
 """
 
 from hookloop.checkpoint.manager import CheckpointManager, SaveJob, SavePolicy
@@ -35,6 +38,7 @@ from hookloop.checkpoint.state import (
     CallbackStates,
     DictState,
     RNGState,
+    ShardedStateful,
     load_sharded,
     load_state,
     save_sharded,
@@ -75,6 +79,7 @@ __all__ = [
     "RNGState",
     "SaveJob",
     "SavePolicy",
+    "ShardedStateful",
     "check_manifest",
     "load_sharded",
     "load_state",

@@ -6,8 +6,12 @@ their own (``model.safetensors`` and ``optimizer.pt``, or DCP shards under
 ``sharded/`` when FSDP2 shards the model); every other entry goes into
 ``trainer_state.pt`` under its name, checked first to reload with
 :func:`hookloop.safeload.load` (``weights_only=True``). An entry marked
-``per_rank`` (the RNG) is gathered from every rank. Nothing here knows the Trainer:
-a checkpoint can be written and read with a bare model and optimizer.
+``per_rank`` (the RNG) is gathered from every rank. An entry that is
+:class:`ShardedStateful` (the callbacks, for ``EMA``'s averages) also has tensors sharded
+like the model: under FSDP2 every rank saves its shards of them in the same DCP save as
+the model's, under ``<entry>.<part>.`` (format 4), and a load reshards them as it does
+the model. Nothing here knows the Trainer: a checkpoint can be written and read with a
+bare model and optimizer.
 
 A load reads and checks everything first (:func:`read_state`) and only then applies
 it (:func:`apply_state`): a file that does not load, or a ``trainer_state.pt`` that
@@ -26,7 +30,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -43,6 +47,18 @@ class Saveable(Protocol):
     ``state_dict()`` that a background save writes (:class:`~.background.Frozen`)."""
 
     def state_dict(self) -> Any: ...
+
+
+@runtime_checkable
+class ShardedStateful(Protocol):
+    """State with tensors sharded like an FSDP2 model (DTensors), by part (a callback's
+    name). ``sharded_state_dict(model)`` gives the tensors to save, or to load into in
+    place (the same placement as the parameters); ``load_sharded_state_dict`` takes
+    the parts the checkpoint held, after the entry's ``load_state_dict``."""
+
+    def sharded_state_dict(self, model: torch.nn.Module) -> dict[str, Any]: ...
+
+    def load_sharded_state_dict(self, parts: dict[str, Any]) -> None: ...
 
 
 class RNGState:
@@ -130,6 +146,21 @@ class CallbackStates:
         for problem in problems:
             warnings.warn(f"hookloop resume: {problem}", stacklevel=4)
 
+    def sharded_state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
+        """The sharded state of each callback that has one (``EMA`` under FSDP2), by name."""
+        return {
+            name: state
+            for name, cb in self.callbacks.items()
+            if isinstance(cb, ShardedStateful)
+            if (state := cb.sharded_state_dict(model))
+        }
+
+    def load_sharded_state_dict(self, parts: dict[str, Any]) -> None:
+        for name, state in parts.items():
+            callback = self.callbacks[name]
+            assert isinstance(callback, ShardedStateful), "parts come from sharded_state_dict"
+            callback.load_sharded_state_dict(state)
+
 
 def save_state(
     state: Mapping[str, Saveable], staging: Path
@@ -148,7 +179,14 @@ def save_state(
     }
     written = []
     if holds_sharded_model(state):
-        save_sharded(model_of(state), sharded_optimizer(optimizer), staging / SHARDED_DIR)
+        sharded = model_of(state)
+        extra = {
+            name: parts
+            for name, obj in state.items()
+            if name not in (MODEL, OPTIMIZER) and isinstance(obj, ShardedStateful)
+            if (parts := obj.sharded_state_dict(sharded))
+        }
+        save_sharded(sharded, sharded_optimizer(optimizer), staging / SHARDED_DIR, extra=extra)
         written.append(staging / SHARDED_DIR)
     if rank_info()[0] != 0:
         return None
@@ -178,6 +216,7 @@ class SavedState:
     path: Path
     optimizer: dict[str, Any] | None  # None: model and optimizer are DCP shards
     entries: dict[str, Any]
+    shard_keys: frozenset[str] = frozenset()  # the keys of the DCP shards, when sharded
 
 
 def load_state(state: Mapping[str, Stateful], path: Path, *, step: int | None = None) -> None:
@@ -203,19 +242,23 @@ def read_state(state: Mapping[str, Stateful], path: Path, *, step: int | None = 
             "resume with the train.parallel and number of ranks it was saved with ('fsdp' "
             "with several ranks saves sharded weights, anything else full ones)"
         )
-    optimizer = None
-    if not sharded_checkpoint:
+    optimizer, shard_keys = None, frozenset[str]()
+    if sharded_checkpoint:
+        shard_keys = _shard_keys(path / SHARDED_DIR)
+    else:
         optimizer = _load_file(path / "optimizer.pt", device_of(model))
     entries = _load_file(path / STATE_FILE, torch.device("cpu"))
     _check_entries(entries, state, path / STATE_FILE, step)
-    return SavedState(path, optimizer, entries)
+    return SavedState(path, optimizer, entries, shard_keys)
 
 
 def apply_state(state: Mapping[str, Stateful], saved: SavedState) -> None:
     """Put a checkpoint read by :func:`read_state` into the live objects."""
     model, optimizer = model_of(state), state[OPTIMIZER]
+    extra: dict[str, dict[str, Any]] = {}
     if saved.optimizer is None:
-        load_sharded(model, sharded_optimizer(optimizer), saved.path / SHARDED_DIR)
+        extra = _saved_parts(state, model, saved.shard_keys)
+        load_sharded(model, sharded_optimizer(optimizer), saved.path / SHARDED_DIR, extra=extra)
     else:
         load_safetensors(bare_model(model), saved.path / "model.safetensors")
         optimizer.load_state_dict(saved.optimizer)
@@ -228,6 +271,43 @@ def apply_state(state: Mapping[str, Stateful], saved: SavedState) -> None:
         if getattr(obj, "per_rank", False):
             value = _own_share(entries, name, rank, world_size)
         obj.load_state_dict(value)
+    for name, parts in extra.items():  # after the plain state, which they complete
+        obj = state[name]
+        assert isinstance(obj, ShardedStateful), "parts come from sharded_state_dict"
+        obj.load_sharded_state_dict(parts)
+
+
+def _saved_parts(
+    state: Mapping[str, Stateful], model: torch.nn.Module, keys: frozenset[str]
+) -> dict[str, dict[str, Any]]:
+    """The sharded parts of ``state`` that the checkpoint holds (a callback added since,
+    or a checkpoint of format 3 or older, has none), as tensors to load into."""
+    extra = {}
+    for name, obj in state.items():
+        if name not in (MODEL, OPTIMIZER) and isinstance(obj, ShardedStateful):
+            parts = obj.sharded_state_dict(model)
+            held = {
+                part: value
+                for part, value in parts.items()
+                if any(key.startswith(f"{name}.{part}.") for key in keys)
+            }
+            if held:
+                extra[name] = held
+    return extra
+
+
+def _shard_keys(directory: Path) -> frozenset[str]:
+    """The keys a DCP checkpoint holds (its ``.metadata``), to load only what it has."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        metadata = dcp.FileSystemReader(directory).read_metadata()
+    except Exception as err:  # a truncated or foreign .metadata
+        raise CheckpointError(
+            f"checkpoint file {directory / '.metadata'} cannot be loaded "
+            f"({type(err).__name__}: {str(err)[:200]})"
+        ) from None
+    return frozenset(metadata.state_dict_metadata)
 
 
 def _load_file(fpath: Path, device: torch.device) -> Any:
@@ -301,25 +381,39 @@ def _full_weights(model: Saveable, optimizer: Saveable, scratch_dir: Path) -> di
     return {"model.safetensors": model_bytes, "optimizer.pt": torch_bytes(optimizer.state_dict())}
 
 
-def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
-    """Every rank writes its shards of model and optimizer into ``directory`` (DCP, fsynced)."""
+def save_sharded(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    directory: Path,
+    *,
+    extra: Mapping[str, Any] | None = None,
+) -> None:
+    """Every rank writes its shards of model and optimizer into ``directory`` (DCP, fsynced),
+    and of the ``extra`` entries (sharded state by name, beside ``model`` and ``optimizer``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save(
-        {"model": model_state, "optimizer": optim_state},
+        {**(extra or {}), "model": model_state, "optimizer": optim_state},
         storage_writer=dcp.FileSystemWriter(directory, sync_files=True),
     )
 
 
-def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
-    """Every rank reads its shards of model and optimizer from ``directory`` (DCP)."""
+def load_sharded(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    directory: Path,
+    *,
+    extra: Mapping[str, Any] | None = None,
+) -> None:
+    """Every rank reads its shards of model and optimizer from ``directory`` (DCP), and
+    of the ``extra`` entries, in place into the tensors they hold."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer)
-    state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
+    state: dict[str, Any] = {**(extra or {}), "model": model_state, "optimizer": optim_state}
     try:
         dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
     except dcp.CheckpointException as err:

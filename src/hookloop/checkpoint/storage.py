@@ -16,8 +16,9 @@ torn write, a file changed by mistake), not someone who rewrites a file and its
 manifest; identity comes from the directory's name and the step saved in it.
 
 Format 3 checkpoints also hold the live ``set`` changes (``trainer_state.pt``'s
-``settings`` entry); formats 2 and 1 (no checksum) are still read, as checkpoints of
-runs nobody steered.
+``settings`` entry); format 4 ones may hold callbacks' sharded state (``EMA``'s averages
+under FSDP2) beside the model's in ``sharded/``. Formats 3, 2 and 1 (no checksum) are
+still read: as checkpoints without callbacks' shards, and (2 and 1) of runs nobody steered.
 
 ``HOOKLOOP_CHECKPOINT_FAULT`` (:data:`FAULT_ENV`) makes the process die, or a save
 fail as a full disk would, at a named point of this protocol: the crash tests use it.
@@ -40,10 +41,11 @@ from hookloop.rundir import CHECKPOINTS_DIR
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 #: Formats this hookloop reads: 1 (before the manifest carried its own checksum), 2
-#: (before checkpoints held the live settings) and 3.
-READABLE_FORMATS = (1, 2, 3)
+#: (before checkpoints held the live settings), 3 (before a sharded checkpoint held
+#: callbacks' shards) and 4.
+READABLE_FORMATS = (1, 2, 3, 4)
 #: A checkpoint directory's name: the step it holds, zero-padded.
 _STEP_NAME = re.compile(r"step-(\d+)")
 #: Crash-safety testing: ``POINT`` or ``POINT@STEP`` makes the process die (``os._exit``)
