@@ -202,6 +202,8 @@ class Watch:
         """Checked beats read from the store (None: that rank has not beaten yet), and why
         the values of ``refused`` ranks were no beats (they count as silent)."""
         self.refused = dict(refused or {})
+        for rank in self.refused:  # a rank whose first value is refused is silent from now
+            self.seen.setdefault(rank, now)
         for rank, beat in beats.items():
             old = self.beats.get(rank)
             if beat is None:
