@@ -86,7 +86,7 @@ def _seconds(top: float) -> Field:
             raise ValueError
         return float(value)
 
-    return Field(f"a finite number of seconds from 0 to {top:.0e}", clean)
+    return Field(f"a finite number of seconds from 0 to {top:.0f}", clean)
 
 
 def _text(longest: int, breakers: re.Pattern[str] = _NOT_IN_A_LINE) -> Field:
@@ -131,7 +131,7 @@ def check_beat(value: bytes, rank: int) -> dict[str, Any] | None:
     beat = _parse(value)
     keys = set(beat)
     if keys != set(FIELDS):
-        missing, unknown = _names(set(FIELDS) - keys), _names(keys - set(FIELDS))
+        missing, unknown = _names(sorted(set(FIELDS) - keys)), _names(sorted(keys - set(FIELDS)))
         wrong = "; ".join(
             ([f"it lacks {missing}"] if missing else [])
             + ([f"it has unknown fields {unknown}"] if unknown else [])
@@ -173,7 +173,7 @@ def _no_constant(name: str) -> None:
 
 
 def _names(names: Iterable[str]) -> str:
-    return ", ".join(repr(_clip(n)) for n in sorted(names)[:20])
+    return ", ".join(repr(_clip(n)) for n in list(names)[:20])
 
 
 def _clip(text: str, longest: int = 80) -> str:
