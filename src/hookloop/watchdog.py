@@ -19,6 +19,9 @@ beats a second per rank, for days), it needs a file system every host shares, an
 stopped rank holding its lock would stop every watchdog with it. A TCPStore is served by
 a thread of its own, answers while rank 0's training thread is busy, and every call has a
 timeout: when rank 0 itself stops, the calls time out, and that names rank 0.
+Anyone who reaches that port may write it, so each value read is checked first
+(:mod:`hookloop.watchdog_beats`): one that is no beat is ignored and said once, and a rank
+whose values stay refused is silent, named with the reason once the deadline passes.
 
 A rank hangs (:meth:`Watch.verdict`, :func:`waits_on_me`) when
 
@@ -43,7 +46,6 @@ runs, does the same once the others have read its stack.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import socket
 import sys
@@ -51,7 +53,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -64,6 +66,7 @@ from hookloop.distributed import broadcast_object, collective_in
 from hookloop.manager import dispatch_in
 from hookloop.rundir import RunDir
 from hookloop.state import Progress
+from hookloop.watchdog_beats import BeatReader, encode_beat, waits_on_me
 
 #: The exit code of a rank that ends because a rank hangs (the culprit's too).
 HUNG_EXIT = 5
@@ -169,26 +172,6 @@ class Still:
         return now - self._since
 
 
-def waits_on_me(peers: Iterable[Mapping[str, Any]], patience: float) -> bool:
-    """Whether another rank waits: running, its thread still for ``patience`` seconds or
-    more, and in a collective or outside any callback (a rank in a slow callback of its
-    own waits on nobody).
-
-    >>> waits_on_me([{"state": "running", "still_s": 4, "collective": "agree_flags",
-    ...               "callback": None}], 2.0)
-    True
-    >>> waits_on_me([{"state": "running", "still_s": 4, "collective": None,
-    ...               "callback": "Upload"}], 2.0)
-    False
-    """
-    return any(
-        b["state"] == "running"
-        and b["still_s"] >= patience
-        and (b["collective"] is not None or b["callback"] is None)
-        for b in peers
-    )
-
-
 @dataclass(frozen=True)
 class Verdict:
     """Rank ``rank`` hangs: ``why`` (one phrase), its last ``beat`` (empty: it never
@@ -209,10 +192,18 @@ class Watch:
         self.rank, self.world = rank, world
         self.beats: dict[int, Mapping[str, Any]] = {}
         self.seen: dict[int, float] = {}  # when each rank's beat last changed, our clock
+        self.refused: Mapping[int, str] = {}  # why a rank's latest value was no beat
         self._unanswered_since: float | None = None
 
-    def saw(self, beats: Mapping[int, Mapping[str, Any] | None], now: float) -> None:
-        """Beats read from the store (None: that rank has not beaten yet)."""
+    def saw(
+        self, beats: Mapping[int, Mapping[str, Any] | None], now: float,
+        refused: Mapping[int, str] | None = None,
+    ) -> None:  # fmt: skip
+        """Checked beats read from the store (None: that rank has not beaten yet), and why
+        the values of ``refused`` ranks were no beats (they count as silent)."""
+        self.refused = dict(refused or {})
+        for rank in self.refused:  # a rank whose first value is refused is silent from now
+            self.seen.setdefault(rank, now)
         for rank, beat in beats.items():
             old = self.beats.get(rank)
             if beat is None:
@@ -254,8 +245,12 @@ class Watch:
             limit = max(deadline, float(beat.get("deadline") or 0.0))
             silent = now - self.seen.get(rank, now)
             if silent > limit:
-                return Verdict(rank, f"no heartbeat for {silent:.1f} s", beat, now - silent, limit)
+                why = "; ".join([f"no heartbeat for {silent:.1f} s", *self._refusal(rank)])
+                return Verdict(rank, why, beat, now - silent, limit)
         return None
+
+    def _refusal(self, rank: int) -> list[str]:
+        return [self.refused[rank]] if rank in self.refused else []
 
 
 def message(verdict: Verdict, world: int, latest: str | None) -> str:
@@ -300,18 +295,19 @@ class Watchdog:
         self._training_thread = 0
         self._seq = 0
         self._steps, self._still, self._stuck = StepClock(), Still(), Still()
-        self._watch = Watch(0, 1)
+        self._watch, self._reader = Watch(0, 1), BeatReader(self._say)
         self._deadline: float = AUTO_FLOOR
         self.paused = False  # the job is paused (hookloop.loop.pause): never taken for stuck
 
-    def start(self) -> None:
-        """Open the store (rank 0 serves it), beat once, and start the thread."""
+    def start(self, store: Any = None) -> None:
+        """Open the store (rank 0 serves it; or use ``store``, its keys set), beat once,
+        and start the thread."""
         rank, world = self.progress.rank, self.progress.world_size
         if world <= 1 or deadline_for(self.setting, 0.0) is None or self._thread is not None:
             return
         self._training_thread = threading.get_ident()
-        self._calls = StoreCalls(_open_store(rank, world))
-        self._watch = Watch(rank, world)
+        self._calls = StoreCalls(store if store is not None else _open_store(rank, world))
+        self._watch, self._reader = Watch(rank, world), BeatReader(self._say)
         self._stopping.clear()
         self._beat(time.monotonic())
         self._thread = threading.Thread(target=self._run, name="hookloop-watchdog", daemon=True)
@@ -389,7 +385,7 @@ class Watchdog:
         }  # fmt: skip
 
     def _post(self, beat: Mapping[str, Any]) -> None:
-        key, value = f"{PREFIX}/beat/{beat['rank']}", json.dumps(beat)
+        key, value = f"{PREFIX}/beat/{beat['rank']}", encode_beat(beat)
         self._calls.call(lambda store: store.set(key, value))  # no answer: _read says so
 
     def _read(self, now: float) -> None:
@@ -398,10 +394,8 @@ class Watchdog:
         if raw is None:
             self._watch.unanswered(now)
             return
-        beats = {r: json.loads(bytes(v)) if bytes(v) != b"null" else None
-                 for r, v in enumerate(raw)}  # fmt: skip
-        self._watch.saw(beats, now)
-        publish(_rank_rows(self._watch, now))
+        self._watch.saw(self._reader.read(raw), now, self._reader.refused)
+        publish(rank_rows(self._watch, now))
 
     # -- acting ----------------------------------------------------------------------------
     def _report(self, verdict: Verdict) -> None:
@@ -577,23 +571,26 @@ def publish(rows: list[dict[str, Any]] | None) -> None:
 
 def rank_beats() -> list[dict[str, Any]] | None:
     """Each rank's last beat as this process's watchdog read it (None: no watchdog runs):
-    rank, host, pid, state, step, where, and its age in seconds."""
+    rank, host, pid, state, step, where, its age in seconds, and ``refused``: why its
+    latest value was no beat, when it was not."""
     with _lock:
         return None if _published is None else [dict(row) for row in _published]
 
 
-def _rank_rows(watch: Watch, now: float) -> list[dict[str, Any]]:
+def rank_rows(watch: Watch, now: float) -> list[dict[str, Any]]:
+    """The rows of :func:`rank_beats`, from what ``watch`` saw by ``now``."""
     rows = []
     for rank in range(watch.world):
         beat = watch.beats.get(rank)
-        if beat is None:
-            rows.append({"rank": rank, "state": "not started", "age_s": None})
-            continue
-        where = Where.of_beat(beat)
-        rows.append({
-            "rank": rank, "host": beat["host"], "pid": beat["pid"], "state": beat["state"],
-            "step": beat["step"],
-            "where": where.describe() if beat["state"] in ("running", "hung") else "-",
-            "age_s": round(now - watch.seen.get(rank, now), 1),
-        })  # fmt: skip
+        row: dict[str, Any] = {"rank": rank, "state": "not started", "age_s": None}
+        if beat is not None:
+            moving = beat["state"] in ("running", "hung")
+            row = {
+                "rank": rank, "host": beat["host"], "pid": beat["pid"], "state": beat["state"],
+                "step": beat["step"], "where": Where.of_beat(beat).describe() if moving else "-",
+                "age_s": round(now - watch.seen.get(rank, now), 1),
+            }  # fmt: skip
+        if rank in watch.refused:  # its latest value was no beat: why
+            row["refused"] = watch.refused[rank]
+        rows.append(row)
     return rows
