@@ -310,3 +310,19 @@ def test_forged_values_for_rank_1_leave_rank_0_watching_and_it_names_silent_rank
     assert rows[2]["host"] == "node]0;owned[2J7" and rows[2]["state"] == "running"
     for shown in (said, line, json.dumps(rows, ensure_ascii=False)):
         assert ESC not in shown
+
+
+def test_ctl_status_text_shows_why_a_ranks_latest_beat_was_refused():
+    from hookloop.control.cli import format_status
+
+    rows = [
+        {"rank": 0, "state": "running", "age_s": 0.5, "step": 3, "where": "step"},
+        {"rank": 1, "state": "not started", "age_s": None, "refused": "not a JSON object"},
+    ]
+    shown = format_status({"job_id": "j", "pid": 1, "phase": "training", "step": 3, "epoch": 0,
+                           "ranks": rows})  # fmt: skip
+    lines = shown.splitlines()
+    assert "rank 1      not started, never" in lines
+    assert lines[lines.index("rank 1      not started, never") + 1] == (
+        "            latest beat refused: not a JSON object"
+    )

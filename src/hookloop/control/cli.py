@@ -355,6 +355,8 @@ def _steering_lines(st: dict[str, Any], num: Callable[[Any], str]) -> list[str]:
         age = "never" if row.get("age_s") is None else f"{row['age_s']:.1f} s ago"
         where = f"step {row['step']}, {row['where']}" if "step" in row else ""
         lines.append(f"rank {row['rank']:<6} {row['state']}, {age}   {where}".rstrip())
+        if row.get("refused"):  # its latest value from the store was no beat
+            lines.append(f"            latest beat refused: {row['refused']}")
     return lines
 
 
