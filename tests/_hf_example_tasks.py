@@ -203,7 +203,7 @@ def masked_lm(model_args: Any, data_args: Any, args: Any, tok: Any) -> dict[str,
         keep = labels != -100
         return accuracy(preds[keep], labels[keep])
 
-    collator = transformers.DataCollatorForLanguageModeling(tok, mlm_probability=0.3, seed=0)
+    collator = transformers.DataCollatorForLanguageModeling(tok, mlm_probability=0.3)
     return {
         "model": transformers.BertForMaskedLM(_bert(model_args)),
         "data": data,

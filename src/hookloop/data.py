@@ -296,8 +296,10 @@ class DataPosition:
     def sampler(self) -> Any:
         return getattr(self.loader, "sampler", None)
 
-    def epoch(self, epoch: int, epoch_step: int) -> Iterator[Any]:
-        """Micro-batches of ``epoch``, starting after ``epoch_step`` optimizer steps."""
+    def epoch(self, epoch: int, epoch_step: int, *, rng_held: bool = False) -> Iterator[Any]:
+        """Micro-batches of ``epoch``, starting after ``epoch_step`` optimizer steps.
+        ``rng_held``: the resume's generators are not restored yet (:class:`RNGState`'s
+        hold), so what opening the loader draws stays drawn."""
         loader = self.loader
         sampler = getattr(loader, "sampler", None)
         consumed = epoch_step * self.grad_accum
@@ -306,7 +308,7 @@ class DataPosition:
             sampler.set_epoch(epoch, start=consumed * (loader.batch_size or 1))  # type: ignore[attr-defined]  # a DataLoader: its sampler
         elif hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)  # type: ignore[union-attr]  # hasattr checked above
-        batches = _opened(loader, keep_rng=epoch_step > 0)
+        batches = _opened(loader, keep_rng=epoch_step > 0 and not rng_held)
         if isinstance(sampler, EpochSampler):
             return batches
         if self.check_rows:
@@ -381,6 +383,16 @@ def one_ahead(items: Iterator[Any]) -> Iterator[Any]:
         current, ahead = ahead, item
         yield current
     yield ahead
+
+
+def release_at(items: Iterator[Any], k: int, release: Callable[[], None]) -> Iterator[Any]:
+    """``items``, calling ``release()`` once the ``k``-th has been fetched, before it is
+    handed out (transformers restores a resume's generators there: after the first step's
+    batches, and the one its loader fetched ahead, were drawn)."""
+    for index, item in enumerate(items, 1):
+        if index == k:
+            release()
+        yield item
 
 
 def _opened(loader: Iterable[Any], *, keep_rng: bool) -> Iterator[Any]:

@@ -18,6 +18,7 @@ from hookloop.checkpoint.background import BackgroundSaves, HostCopy, PendingSav
 from hookloop.checkpoint.local import find_resume, restore
 from hookloop.checkpoint.manager import CheckpointManager
 from hookloop.checkpoint.rewind import Rewinder, discard_after, say_rewound
+from hookloop.checkpoint.state import RNGState
 from hookloop.distributed import is_sharded
 from hookloop.requests import RewindRequest
 from hookloop.state import CallbackContext, Progress, SaveTiming
@@ -45,6 +46,9 @@ class Contents(Protocol):
 
     @property
     def rewind(self) -> Rewinder: ...
+
+    @property
+    def rng(self) -> RNGState: ...
 
     def named(self, *, strict: bool) -> dict[str, Any]: ...
 

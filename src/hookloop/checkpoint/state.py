@@ -66,9 +66,23 @@ class RNGState:
 
     ``per_rank``: each rank's own state is saved, so a resumed multi-rank run
     draws the same dropout masks on every rank.
+
+    ``hold``: a loaded state is kept (``held``) instead of applied, until :meth:`release`:
+    transformers' Trainer restores its generators only after it has fetched the first
+    batches of a resumed epoch, and its dialect does the same.
     """
 
     per_rank = True
+
+    def __init__(self) -> None:
+        self.hold = False
+        self.held: dict[str, Any] | None = None
+
+    def release(self) -> None:
+        """Apply the state held back (nothing when none is)."""
+        held, self.held = self.held, None
+        if held is not None:
+            _set_rng_state(held)
 
     def state_dict(self) -> dict[str, Any]:
         return _rng_state()
@@ -96,7 +110,10 @@ class RNGState:
         return derived
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        _set_rng_state(state)
+        if self.hold:
+            self.held = state
+        else:
+            _set_rng_state(state)
 
 
 class DictState:

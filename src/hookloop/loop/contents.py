@@ -8,7 +8,7 @@ resumes bitwise): they never change.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,6 +39,8 @@ class CheckpointContents:
     log_pending: LossWindow
     rewind: Rewinder
     settings: LiveSettings
+    #: The generators' state; one object, so a resume may hold it back (RNGState.hold).
+    rng: RNGState = field(default_factory=RNGState)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -61,6 +63,6 @@ class CheckpointContents:
             "log_pending": self.log_pending,
             "rewind": self.rewind,
             "settings": self.settings,
-            "rng": RNGState(),
+            "rng": self.rng,
         }
         return named

@@ -96,6 +96,11 @@ class Dialect:
     #: transformers' loader (accelerate's) does: a collator that draws random numbers
     #: (masks) then draws them in its order, relative to dropout and evaluations.
     fetch_ahead: bool = False
+    #: A resume restores the generators only once the first step's batches of the resumed
+    #: epoch are fetched (at its start, when it resumes on an epoch's first step), as
+    #: transformers' Trainer does: the batches fetched then draw from the generators as
+    #: they were before the restore.
+    rng_after_first_fetch: bool = False
 
 
 @dataclass(frozen=True)

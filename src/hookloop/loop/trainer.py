@@ -32,7 +32,7 @@ import torch
 
 from hookloop.callback import Callback
 from hookloop.config import Config, TrainConfig
-from hookloop.data import one_ahead
+from hookloop.data import one_ahead, release_at
 from hookloop.loop.actions import handler_of
 from hookloop.loop.inputs import Inputs, as_config, as_manager, check_flops, check_inputs
 from hookloop.loop.parts import Dialect, build_parts, checkpoint_managers
@@ -202,7 +202,12 @@ class Trainer:
         try:
             p.watchdog.start()  # several ranks: one that hangs is named, not waited for
             if self.resume is not None and self.checkpoints is not None:
-                self.checkpointer.resume(self.resume)
+                rng = self.checkpointer.contents.rng
+                rng.hold = p.dialect.rng_after_first_fetch  # released in _run_epoch
+                try:
+                    self.checkpointer.resume(self.resume)
+                finally:
+                    rng.hold = False
             # live changes past the restored step, or those of the run --replay names
             p.live.plan_replays(p.live.replay_from, fresh=self.resume is None)
             p.fire("on_data_init_start")  # model, optimizer, checkpoint ready; no data read
@@ -257,11 +262,17 @@ class Trainer:
     def _run_epoch(self) -> None:
         """One pass over the training data (or what is left of it after a resume)."""
         st, p, schedule = self.progress, self.parts, self.schedule
+        rng = self.checkpointer.contents.rng  # a resume's generators the dialect held back
+        if rng.held is not None and st.epoch_step == 0:
+            rng.release()
+        held = rng.held is not None
         batches = p.rewinder.reposition(  # less what rewinds skipped in it
-            p.position.epoch(st.epoch, st.epoch_step), st.epoch, self.train_loader
+            p.position.epoch(st.epoch, st.epoch_step, rng_held=held), st.epoch, self.train_loader
         )
         if p.dialect.fetch_ahead:
             batches = one_ahead(batches)
+        if held:
+            batches = release_at(batches, self.config.train.grad_accum, rng.release)
         if schedule.opens_epoch():
             p.fire("on_epoch_start")
         plan = schedule.at_epoch_end(self._run_steps(batches))

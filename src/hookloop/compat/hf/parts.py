@@ -66,6 +66,7 @@ def dialect(session: Any, hf_loss: HFLoss | None, compute_metrics: Any) -> Diale
         announce_repeated_saves=True,  # a step save and an epoch save: on_save fires twice
         steps_metric_scheduler=True,  # ReduceLROnPlateau after evaluations, as HF
         fetch_ahead=True,  # the next batch is collated before this one trains, as HF
+        rng_after_first_fetch=True,  # a resume's generators restored as transformers does
     )
 
 
