@@ -40,6 +40,7 @@ from typing import Any
 
 from hookloop.checkpoint import MANIFEST, SavePolicy
 from hookloop.checkpoint.storage import manifest_checksum, write_synced
+from hookloop.compat.hf import console
 
 TRAINER_STATE_NAME = "trainer_state.json"
 LINK = ".hookloop"
@@ -66,7 +67,9 @@ def write(
         if entry.is_file() and entry.name != MANIFEST:
             _copy(entry, partial / entry.name)
     if extras is not None:
-        extras(partial)
+        console.announce_saving(folder)  # as transformers, naming the folder being made
+        with console.naming_final_folder(partial, folder):
+            extras(partial)
     state.save_to_json(partial / TRAINER_STATE_NAME)
     # The folder's own manifest lists transformers' files too, so the folder (or a copy)
     # passes hookloop's check of a checkpoint: nothing unlisted, every file intact.
