@@ -67,16 +67,20 @@ def save_model(
     if world_rank() != 0:
         return out
     out.mkdir(parents=True, exist_ok=True)
+    console.announce_saving(out)
     if callable(getattr(model, "save_pretrained", None)):
         model.save_pretrained(str(out))
     else:
         from safetensors.torch import save_file
 
+        console.announce_model_written(out, model)  # transformers' note for a plain module
         state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
         save_file(state, str(out / SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
     tokenizer = getattr(data_collator, "tokenizer", None)
     saver = processing_class if processing_class is not None else tokenizer
     if saver is not None:
+        if saver is not processing_class:
+            console.announce_collator_tokenizer()
         saver.save_pretrained(str(out))
     torch.save(args, out / TRAINING_ARGS_NAME)
     return out
