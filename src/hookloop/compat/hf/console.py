@@ -154,6 +154,16 @@ def announce_collator_tokenizer() -> None:
     )
 
 
+def announce_best_model(folder: str, score: Any) -> None:
+    """transformers' line as ``load_best_model_at_end`` loads the best checkpoint."""
+    hf_log.info(f"Loading best model from {folder} (score: {score}).")
+
+
+def announce_deleting(folder: Path) -> None:
+    """transformers' line as ``save_total_limit=1`` removes a folder but the best."""
+    hf_log.info(f"Deleting older checkpoint [{folder}] due to args.save_total_limit")
+
+
 def announce_training_completed() -> None:
     """transformers' line at the end of training, before the summary log."""
     hf_log.info(
