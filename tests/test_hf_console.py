@@ -78,27 +78,36 @@ def bars_drawn_when_forced(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tqdm.std.tqdm, "__init__", init)
 
 
-def run(kind: str, out: Path, capsys: Any, **overrides: Any) -> tuple[list[str], list[tuple]]:
-    """Train, evaluate, predict and save the model with ``kind``'s Trainer: the console's
-    lines (stdout, then stderr) and transformers' log records, the output folder named
-    ``OUT``."""
+def trainer_of(kind: str, out: Path, **overrides: Any) -> Any:
+    """``kind``'s Trainer of the tiny GPT-2 writing to ``out``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = transformers.TrainingArguments(output_dir=str(out), **{**RUN, **overrides})
+        return FACTORIES[kind](
+            gpt2(),
+            args,
+            train_dataset=[{"input_ids": r} for r in token_rows(24, seed=1)],
+            eval_dataset=[{"input_ids": r} for r in token_rows(6, seed=2)],
+            data_collator=transformers.DataCollatorForLanguageModeling(tokenizer(), mlm=False),
+            processing_class=tokenizer(),
+        )
+
+
+def run(
+    kind: str, out: Path, capsys: Any, resume: str | None = None, **overrides: Any
+) -> tuple[list[str], list[tuple]]:
+    """Train (from ``out/resume`` when given), evaluate, predict and save the model with
+    ``kind``'s Trainer: the console's lines (stdout, then stderr) and transformers' log
+    records, the output folder named ``OUT``."""
     records = Records()
     library = logging.getLogger("transformers")
     library.addHandler(records)
     capsys.readouterr()
     try:
+        trainer = trainer_of(kind, out, **overrides)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            args = transformers.TrainingArguments(output_dir=str(out), **{**RUN, **overrides})
-            trainer = FACTORIES[kind](
-                gpt2(),
-                args,
-                train_dataset=[{"input_ids": r} for r in token_rows(24, seed=1)],
-                eval_dataset=[{"input_ids": r} for r in token_rows(6, seed=2)],
-                data_collator=transformers.DataCollatorForLanguageModeling(tokenizer(), mlm=False),
-                processing_class=tokenizer(),
-            )
-            trainer.train()
+            trainer.train(resume_from_checkpoint=str(out / resume) if resume else None)
             trainer.evaluate()
             trainer.predict([{"input_ids": r} for r in token_rows(5, seed=3)])
             trainer.save_model()  # as the example scripts end
@@ -148,6 +157,19 @@ def assert_same_console(runs: dict[str, tuple[list[str], list]]) -> None:
     assert trainer_lines(our_records) == trainer_lines(their_records)
 
 
+def assert_same_console_but_the_tied_warning(runs: dict[str, tuple[list[str], list]]) -> None:
+    """As :func:`assert_same_console`, but for the one warning transformers adds as it
+    loads a checkpoint of the tied GPT-2: its own save left the tied head out and it loads
+    non-strictly; the dialect's checkpoint holds it (docs/transformers-trainer.md)."""
+    (theirs, their_records), (ours, our_records) = runs["hf"], runs["hookloop"]
+    assert ours == theirs
+    tied = "There were missing keys in the checkpoint model loaded: ['lm_head.weight']."
+    assert [r for r in their_records if r[1] == "WARNING" and r[0] == "transformers.trainer"] == [
+        ("transformers.trainer", "WARNING", tied)
+    ]
+    assert trainer_lines(our_records) == [m for m in trainer_lines(their_records) if m != tied]
+
+
 def test_info_level_shows_transformers_bars_logs_and_lines(tmp_path, capsys, verbosity):
     verbosity(logging.INFO)
     runs = both(tmp_path, capsys)
@@ -190,22 +212,37 @@ def test_the_best_checkpoint_is_loaded_and_the_others_deleted_aloud(
     runs = both(tmp_path, capsys, save_strategy="steps", save_steps=2, save_total_limit=1,
                 load_best_model_at_end=True, metric_for_best_model="eval_loss",
                 greater_is_better=greater_is_better)  # fmt: skip
-    (theirs, their_records), (ours, our_records) = runs["hf"], runs["hookloop"]
-    assert ours == theirs
-    # transformers loads the best weights non-strictly and warns of the tied head its own
-    # save left out; the dialect's checkpoint holds it (docs/transformers-trainer.md)
-    tied = "There were missing keys in the checkpoint model loaded: ['lm_head.weight']."
-    assert [r for r in their_records if r[1] == "WARNING" and r[0] == "transformers.trainer"] == [
-        ("transformers.trainer", "WARNING", tied)
-    ]
-    assert trainer_lines(our_records) == [m for m in trainer_lines(their_records) if m != tied]
-    messages = trainer_lines(our_records)
+    assert_same_console_but_the_tied_warning(runs)
+    messages = trainer_lines(runs["hookloop"][1])
     loading = [m for m in messages if m.startswith("Loading best model from ")]
     assert len(loading) == 1 and loading[0].startswith(f"Loading best model from OUT/{best} (")
     assert [m for m in messages if m.startswith("Deleting")] == [
         f"Deleting older checkpoint [OUT/{name}] due to args.save_total_limit" for name in deleted
     ]
     assert sorted(p.name for p in (tmp_path / "hookloop").glob("checkpoint-*")) == [best]
+
+
+def test_a_resumed_run_says_where_it_resumes_as_transformers(tmp_path, capsys, verbosity):
+    verbosity(logging.WARNING)
+    saving = {"save_strategy": "steps", "save_steps": 2, "max_steps": 6}
+    for kind in FACTORIES:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer_of(
+                kind, tmp_path / kind, max_steps=2, save_strategy="steps", save_steps=2
+            ).train()
+    verbosity(logging.INFO)
+    runs = {
+        kind: run(kind, tmp_path / kind, capsys, "checkpoint-2", **saving) for kind in FACTORIES
+    }
+    assert_same_console_but_the_tied_warning(runs)
+    messages = trainer_lines(runs["hookloop"][1])
+    assert "Loading model from OUT/checkpoint-2." in messages
+    assert "  Resuming training from checkpoint with epoch 0 and global step 2" in messages
+    assert (
+        "  Fast-forwarding the dataloader past 0 epochs and 2 batches to resume from the exact "
+        "training state." in messages
+    )
 
 
 def test_disable_tqdm_prints_the_log_dicts_as_transformers(tmp_path, capsys, verbosity):

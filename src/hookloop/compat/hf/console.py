@@ -115,6 +115,23 @@ def examples_in(loader: Any, per_device_train: int) -> int | None:
         return batches * per_device_train
 
 
+def announce_loading(folder: str | os.PathLike[str]) -> None:
+    """transformers' line as ``train(resume_from_checkpoint=...)`` loads ``folder``."""
+    hf_log.info(f"Loading model from {folder}.")
+
+
+def announce_resume(epochs: int, step: int, batches: int | None) -> None:
+    """transformers' last lines of the training summary when resuming: the epoch and
+    step resumed at, and (``batches`` None with ``ignore_data_skip``) the batches of the
+    epoch skipped."""
+    hf_log.info(f"  Resuming training from checkpoint with epoch {epochs} and global step {step}")
+    if batches is not None:
+        hf_log.info(
+            f"  Fast-forwarding the dataloader past {epochs} epochs and {batches} batches to "
+            "resume from the exact training state."
+        )
+
+
 def announce_pass(description: str, examples: int | None, batch_size: int) -> None:
     """transformers' lines before an evaluation or prediction pass (``description``:
     ``"Evaluation"`` or ``"Prediction"``); ``examples`` None for a loader of unknown
