@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import logging
 import os
 from collections.abc import Iterator
@@ -53,14 +54,20 @@ def chosen_console() -> str:
 
 def progress_callback(args: Any) -> Any:
     """The progress display transformers' Trainer adds last to its callbacks:
-    ``PrinterCallback`` with ``disable_tqdm``, else ``ProgressCallback`` (transformers'
-    own classes); with hookloop's console, hookloop's table (Forgather's
-    ``ProgressCallback``) or, with ``disable_tqdm``, the dialect's ``PrinterCallback``."""
+    ``PrinterCallback`` with ``disable_tqdm``, else ``ProgressCallback`` (in a notebook
+    ``NotebookProgressCallback``): transformers' own classes. With hookloop's console,
+    hookloop's table (Forgather's ``ProgressCallback``) or, with ``disable_tqdm``, the
+    dialect's ``PrinterCallback``."""
     if chosen_console() == "transformers":
         from transformers import trainer_callback
+        from transformers.utils import is_in_notebook
 
         if tqdm_disabled(args):
             return trainer_callback.PrinterCallback()
+        if is_in_notebook():  # transformers' choice in Jupyter: its notebook display
+            from transformers.utils.notebook import NotebookProgressCallback
+
+            return NotebookProgressCallback()
         return trainer_callback.ProgressCallback()
     if tqdm_disabled(args):
         return PrinterCallback()
