@@ -169,7 +169,9 @@ EXPECTED_HF_TRACE = [
     ("on_evaluate", 4),
     ("on_epoch_end", 4),
     ("on_train_end", 4),
-    ("on_predict", 4),  # trainer.test()
+    ("on_prediction_step", 4),  # trainer.test(): each batch, as HF's predict() reports it
+    ("on_prediction_step", 4),
+    ("on_predict", 4),
 ]
 
 
@@ -346,6 +348,7 @@ def test_transformers_printer_callback_prints_each_log(capsys: pytest.CaptureFix
     trainer = _trainer(
         [tc.PrinterCallback()], _args(max_steps=4, logging_strategy="steps", logging_steps=2)
     )
+    trainer.pop_callback(tc.ProgressCallback)  # the default display writes the logs too
     trainer.train()
 
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
@@ -362,6 +365,7 @@ def test_transformers_printer_callback_also_prints_evaluation_metrics(
         max_steps=4, logging_strategy="steps", logging_steps=2, eval_strategy="steps", eval_steps=4
     )
     trainer = _trainer([tc.PrinterCallback()], args, eval_dataset=ToyData(n=8, seed=1))
+    trainer.pop_callback(tc.ProgressCallback)  # the default display writes the logs too
     trainer.train()
     metrics = next(e for e in trainer.state.log_history if "eval_loss" in e)
 

@@ -30,8 +30,9 @@ def test_each_dialect_has_the_event_count_its_system_documents():
     assert len(dialect_event_names("hf")) == 19
 
 
-def test_only_hf_on_log_is_fired_by_two_native_events():
-    # HF's Trainer reports evaluation metrics through on_log as well as training logs.
+def test_only_hf_on_log_and_on_prediction_step_are_fired_by_two_native_events():
+    # HF's Trainer reports evaluation metrics through on_log as well as training logs, and
+    # each batch of evaluate() and of predict() (both its evaluation loop) to on_prediction_step.
     shared = {}
     for dialect in DIALECTS:
         seen: dict[str, list[str]] = {}
@@ -42,7 +43,10 @@ def test_only_hf_on_log_is_fired_by_two_native_events():
     assert shared == {
         "megatron_bridge": {},
         "hpo": {},
-        "hf": {"on_log": ["on_log", "on_eval_end"]},
+        "hf": {
+            "on_log": ["on_log", "on_eval_end"],
+            "on_prediction_step": ["on_eval_step_end", "on_test_step_end"],
+        },
     }
 
 

@@ -63,7 +63,8 @@ _TABLE: dict[str, dict[str, tuple[str, ...]]] = {
     },
     "on_test_start": {"megatron_bridge": ("on_test_start",)},
     "on_test_step_start": {"megatron_bridge": ("on_test_step_start",)},
-    "on_test_step_end": {"megatron_bridge": ("on_test_step_end",)},
+    # HF's predict() runs its evaluation loop, which reports each batch as evaluate()'s does.
+    "on_test_step_end": {"megatron_bridge": ("on_test_step_end",), "hf": ("on_prediction_step",)},
     "on_test_end": {"megatron_bridge": ("on_test_end",), "hf": ("on_predict",)},
     "on_epoch_end": {"hpo": ("on_epoch_end",), "hf": ("on_epoch_end",)},
     "on_checkpoint_save": {"megatron_bridge": ("on_checkpoint_save",), "hf": ("on_save",)},

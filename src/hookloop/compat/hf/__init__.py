@@ -12,7 +12,7 @@ the step. The dispatch is the ``"hf"`` column of :mod:`hookloop.compat.mapping`.
 Forgather's built-in callbacks (:mod:`hookloop.compat.forgather`) are importable
 from here too; most are thin classes over the native ones.
 
->>> from hookloop.compat.hf import ProgressCallback, Trainer, TrainerCallback, TrainingArguments
+>>> from hookloop.compat.hf import Trainer, TrainerCallback, TrainingArguments
 >>> class StopAtTwo(TrainerCallback):
 ...     def on_step_end(self, args, state, control, **kwargs):
 ...         control.should_training_stop = state.global_step >= 2
@@ -22,6 +22,7 @@ from here too; most are thin classes over the native ones.
 >>> args = TrainingArguments(out, per_device_train_batch_size=4, max_steps=10, logging_steps=5)
 >>> trainer = Trainer(TinyModel(), args, train_dataset=ToyData(n=64),
 ...                   loss_fn=TinyModel.loss_fn, callbacks=[StopAtTwo()])
+>>> from transformers import ProgressCallback  # the progress display is transformers' own
 >>> quiet = trainer.pop_callback(ProgressCallback)  # HF's API: no progress display
 >>> trainer.train().step
 2

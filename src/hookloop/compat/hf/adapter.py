@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import shutil
 import time
 import warnings
 from collections.abc import Callable
@@ -32,7 +30,7 @@ from hookloop.compat._toolkit import (
     is_stateful,
     label,
 )
-from hookloop.compat.hf import calling, flow, layout, results
+from hookloop.compat.hf import calling, console, flow, layout, results
 from hookloop.compat.hf.handler import instance, is_exportable
 from hookloop.compat.hf.plain_args import PlainTrainingArguments
 from hookloop.compat.hf.switches import InputTokens
@@ -306,6 +304,7 @@ class HFSession:
             return
         from hookloop.entry import load_weights
 
+        console.announce_best_model(state.best_model_checkpoint, state.best_metric)
         load_weights(ctx.model, layout.native_checkpoint(state.best_model_checkpoint))
 
     def prune_after_training(self) -> None:
@@ -317,12 +316,7 @@ class HFSession:
             return
         if state.best_model_checkpoint is None or results.world_rank() != 0:
             return
-        best = Path(state.best_model_checkpoint)
-        if not best.is_dir():
-            return
-        for folder in Path(output_dir).glob("checkpoint-*"):
-            if folder.is_dir() and not os.path.samefile(folder, best):
-                shutil.rmtree(folder, ignore_errors=True)
+        layout.keep_only(output_dir, Path(state.best_model_checkpoint))
 
     def adopt(self, result: Any, who: str, event: str) -> None:
         """A handler may return an updated control: its flags become the session's."""

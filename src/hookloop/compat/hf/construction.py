@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -25,12 +24,12 @@ import torch
 
 from hookloop.compat._toolkit import as_list
 from hookloop.compat.hf import accelerator as hf_accelerator
-from hookloop.compat.hf import arguments, reporting, switches
+from hookloop.compat.hf import arguments, console, reporting, switches
 from hookloop.compat.hf import data as hf_data
 from hookloop.compat.hf import optim as hf_optim
 from hookloop.compat.hf import parts as hf_parts
 from hookloop.compat.hf.adapter import HFSession
-from hookloop.compat.hf.handler import CallbackHandler, DefaultFlowCallback, PrinterCallback
+from hookloop.compat.hf.handler import CallbackHandler, DefaultFlowCallback
 from hookloop.compat.hf.loss import HFLoss, label_smoother_for
 from hookloop.compat.hf.memory import MemoryTracker
 from hookloop.compat.hf.plain_args import check_training_fields
@@ -173,6 +172,7 @@ def build(
     given, args = trainer.given, trainer.given["args"]
     native = {k: v for k, v in given.items() if k not in NAMED}
     arguments.apply_log_level(args)
+    console.announce_max_steps(args)
     view.show_given(given["optimizers"])
     memory = MemoryTracker(args is not None and not hf_optim.arg(args, "skip_memory_metrics", True))
     memory.start("init")
@@ -493,7 +493,7 @@ def callback_list(args: Any, callbacks: Any, *, drives_loop: bool) -> tuple[list
         return members, None
     jit = jit_checkpoint(args)
     defaults = [DefaultFlowCallback(), *reporting.loggers(args), *([jit] if jit else [])]
-    return [*defaults, *members, progress(args)], jit
+    return [*defaults, *members, console.progress_callback(args)], jit
 
 
 def build_loop(
@@ -554,17 +554,6 @@ def connect_hooks(
         loop.logbook.log_hook = trainer.log
         if isinstance(evaluation, hf_parts.HFEvaluation):
             evaluation.log_hook = trainer.log
-
-
-def progress(args: Any) -> Any:
-    """HF's progress display: ``PrinterCallback`` with ``disable_tqdm``, else the
-    ``ProgressCallback`` (Forgather's, which takes transformers' constructor too)."""
-    if getattr(args, "disable_tqdm", False):
-        return PrinterCallback()
-    # hookloop.compat.forgather builds on this package, so it is looked up when a
-    # Trainer is built, not imported with this module
-    forgather = importlib.import_module("hookloop.compat.forgather.callbacks")
-    return forgather.ProgressCallback()
 
 
 def jit_checkpoint(args: Any) -> Any:

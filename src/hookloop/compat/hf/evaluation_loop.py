@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
+from hookloop.compat.hf import console, flow, switches
 from hookloop.compat.hf import data as hf_data
 from hookloop.compat.hf import evaluation as hf_evaluation
-from hookloop.compat.hf import flow, switches
 from hookloop.compat.hf import optim as hf_optim
 from hookloop.compat.hf.evaluation import Evaluation as Collected
 from hookloop.compat.hf.evaluation import ignored_keys
@@ -149,6 +149,7 @@ class HFEvaluation(Evaluation):
         loss_only = bool(hf_optim.arg(args, "prediction_loss_only", False)) or (
             self.compute_metrics is None and not self.keep_predictions
         )
+        console.start_pass(self.session, self.ctx, loader, kind)
         started = time.monotonic()
         collected = self._collector(ignore_keys)
         if not self.progress.in_training:  # as transformers: outside training, cast for good

@@ -40,6 +40,7 @@ from typing import Any
 
 from hookloop.checkpoint import MANIFEST, SavePolicy
 from hookloop.checkpoint.storage import manifest_checksum, write_synced
+from hookloop.compat.hf import console
 
 TRAINER_STATE_NAME = "trainer_state.json"
 LINK = ".hookloop"
@@ -66,7 +67,9 @@ def write(
         if entry.is_file() and entry.name != MANIFEST:
             _copy(entry, partial / entry.name)
     if extras is not None:
-        extras(partial)
+        console.announce_saving(folder)  # as transformers, naming the folder being made
+        with console.naming_final_folder(partial, folder):
+            extras(partial)
     state.save_to_json(partial / TRAINER_STATE_NAME)
     # The folder's own manifest lists transformers' files too, so the folder (or a copy)
     # passes hookloop's check of a checkpoint: nothing unlisted, every file intact.
@@ -147,15 +150,35 @@ def _prune(output_dir: Path) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def last_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
-    """The ``checkpoint-N`` folder of ``output_dir`` with the highest N (None: none), as
-    transformers' ``get_last_checkpoint`` finds it."""
+def keep_only(output_dir: str | os.PathLike[str], best: Path) -> None:
+    """Remove every ``checkpoint-N`` folder of ``output_dir`` but ``best`` (nothing when
+    ``best`` is gone): those whose hookloop checkpoint the retention removed go silently,
+    as transformers' rotation removed them in training; the others in step order, each
+    announced as transformers announces it."""
+    if not best.is_dir():
+        return
+    _prune(Path(output_dir))
+    for _, folder in _numbered(Path(output_dir)):
+        if not os.path.samefile(folder, best):
+            console.announce_deleting(folder)
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _numbered(output_dir: Path) -> list[tuple[int, Path]]:
+    """``(N, folder)`` of each ``checkpoint-N`` folder of ``output_dir``, by N."""
     found = []
-    for folder in Path(output_dir).glob("checkpoint-*"):
+    for folder in output_dir.glob("checkpoint-*"):
         number = folder.name.removeprefix("checkpoint-")
         if number.isdigit() and folder.is_dir():
             found.append((int(number), folder))
-    return max(found)[1] if found else None
+    return sorted(found)
+
+
+def last_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
+    """The ``checkpoint-N`` folder of ``output_dir`` with the highest N (None: none), as
+    transformers' ``get_last_checkpoint`` finds it."""
+    found = _numbered(Path(output_dir))
+    return found[-1][1] if found else None
 
 
 def written_by_transformers(path: str | os.PathLike[str]) -> bool:
@@ -181,7 +204,7 @@ def native_checkpoint(path: str | os.PathLike[str]) -> str:
 @dataclasses.dataclass
 class HFRetention(SavePolicy):
     """HF's ``save_total_limit``: the newest ``keep_last`` checkpoints, the best one
-    counted among them (moved to second newest), and two when the limit is one and the
+    counted among them (moved up to second newest when older), and two when the limit is one and the
     best is not the newest. The best is HF's ``best_model_checkpoint`` at the time:
     the checkpoint of ``best_step()`` (the best evaluation's step) when one was saved."""
 
@@ -195,8 +218,9 @@ class HFRetention(SavePolicy):
         best = next((m["name"] for m in manifests if step and m.get("step") == step), None)
         limit = self.keep_last
         if best is not None:
-            names.remove(best)
-            names.insert(max(len(names) - 1, 0), best)
+            if names.index(best) < len(names) - 2:  # up to second newest, never down
+                names.remove(best)
+                names.insert(len(names) - 1, best)
             if limit == 1 and names[-1] != best:
                 limit = 2
         keep = set(names[-limit:])

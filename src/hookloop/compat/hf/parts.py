@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from hookloop.checkpoint.manager import CheckpointManager
-from hookloop.compat.hf import flow, layout
+from hookloop.compat.hf import console, flow, layout
 from hookloop.compat.hf import optim as hf_optim
 from hookloop.compat.hf.evaluation_loop import HFEvaluation
 from hookloop.compat.hf.loss import HFLoss
@@ -384,6 +384,7 @@ class HFLogBook(LogBook):
     def summary(self) -> None:
         """HF's end of training, before ``on_train_end``: the summary log."""
         st, session, window = self.progress, self.session, self.window
+        console.announce_training_completed()
         self.sync_tokens()
         keys, means = window.means()
         if means is not None:

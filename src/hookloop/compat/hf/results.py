@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from hookloop.compat.hf import console
+
 SAFE_WEIGHTS_NAME = "model.safetensors"
 TRAINING_ARGS_NAME = "training_args.bin"
 TRAINER_STATE_NAME = "trainer_state.json"
@@ -65,16 +67,20 @@ def save_model(
     if world_rank() != 0:
         return out
     out.mkdir(parents=True, exist_ok=True)
+    console.announce_saving(out)
     if callable(getattr(model, "save_pretrained", None)):
         model.save_pretrained(str(out))
     else:
         from safetensors.torch import save_file
 
+        console.announce_model_written(out, model)  # transformers' note for a plain module
         state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
         save_file(state, str(out / SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
     tokenizer = getattr(data_collator, "tokenizer", None)
     saver = processing_class if processing_class is not None else tokenizer
     if saver is not None:
+        if saver is not processing_class:
+            console.announce_collator_tokenizer()
         saver.save_pretrained(str(out))
     torch.save(args, out / TRAINING_ARGS_NAME)
     return out
@@ -197,9 +203,12 @@ def write_checkpoint_extras(
     can_generate = getattr(model, "can_generate", None)
     if generation is not None and callable(can_generate) and can_generate():
         generation.save_pretrained(str(folder))
+    console.announce_model_written(folder, model)  # copied from hookloop's checkpoint
     tokenizer = getattr(data_collator, "tokenizer", None)
     saver = processing_class if processing_class is not None else tokenizer
     if saver is not None:
+        if saver is not processing_class:
+            console.announce_collator_tokenizer()
         saver.save_pretrained(str(folder))
     if scheduler is not None:
         torch.save(scheduler.state_dict(), folder / "scheduler.pt")

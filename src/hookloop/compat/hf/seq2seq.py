@@ -23,6 +23,27 @@ from hookloop.compat.hf.trainer import Trainer
 #: config sets one.
 DEFAULT_MAX_LENGTH = 20
 
+#: What transformers 5's ``generate()`` uses for each field a generation config leaves
+#: unset. transformers' Seq2SeqTrainer writes them into the model's generation config
+#: after each generated batch, so its ``generation_config.json`` lists them all.
+GENERATE_DEFAULTS: dict[str, Any] = {
+    "max_length": 20, "min_length": 0, "do_sample": False, "use_cache": True,
+    "early_stopping": False, "num_beams": 1, "num_beam_groups": 1, "diversity_penalty": 0.0,
+    "temperature": 1.0, "top_k": 50, "top_p": 1.0, "typical_p": 1.0,
+    "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "length_penalty": 1.0,
+    "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0, "bad_words_ids": None,
+    "num_return_sequences": 1, "output_scores": False, "return_dict_in_generate": False,
+    "forced_bos_token_id": None, "forced_eos_token_id": None, "remove_invalid_values": False,
+    "exponential_decay_length_penalty": None, "suppress_tokens": None,
+    "begin_suppress_tokens": None, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
+    "num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant",
+    "assistant_confidence_threshold": 0.4, "assistant_lookbehind": 10, "target_lookbehind": 10,
+}  # fmt: skip
+
+#: The key of ``generation_config.json`` saying the config was derived from the model's
+#: config (transformers then derives it again at each ``generate()``).
+FROM_MODEL_CONFIG = "_from_model_config"
+
 #: Inputs that steer the decoder in training; generation starts the decoder afresh.
 _DECODER_INPUTS = ("decoder_input_ids", "decoder_attention_mask")
 
@@ -55,6 +76,15 @@ def load_generation_config(value: Any) -> Any:
             config = GenerationConfig.from_pretrained(value)
     config.validate(strict=True)
     return config
+
+
+def settle_generation_config(config: Any) -> None:
+    """``config`` as transformers' Seq2SeqTrainer leaves the model's generation config
+    after a generated batch: no longer marked as derived from the model's config, and
+    each field left unset holding ``generate()``'s default (:data:`GENERATE_DEFAULTS`)."""
+    if config.to_dict().get(FROM_MODEL_CONFIG):
+        config.update(**{FROM_MODEL_CONFIG: False})
+    config.update(defaults_only=True, **GENERATE_DEFAULTS)
 
 
 class Seq2SeqTrainer(Trainer):
@@ -113,6 +143,7 @@ class Seq2SeqTrainer(Trainer):
             generation_inputs = {k: v for k, v in inputs.items() if k not in _DECODER_INPUTS}
         generator: Any = self.model
         generated = generator.generate(**generation_inputs, **gen_kwargs)
+        settle_generation_config(self.model.generation_config)
         length = self._padded_length()
         generated = self._pad_to(generated, length)
         loss = None

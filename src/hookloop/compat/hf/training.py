@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from hookloop.compat.hf import arguments, foreign, layout, results, switches
+from hookloop.checkpoint import MANIFEST
+from hookloop.compat.hf import arguments, console, foreign, layout, results, switches
 from hookloop.compat.hf import data as hf_data
 from hookloop.compat.hf import optim as hf_optim
 from hookloop.compat.hf import parts as hf_parts
@@ -80,11 +81,13 @@ def resume(resume_from_checkpoint: Any, *, args: Any, loop: Any) -> Path | None:
         if last is None:  # as transformers: no fresh start
             raise ValueError(f"No valid checkpoint found in output directory ({output_dir})")
         compare_with_checkpoint(args, last)
+        console.announce_loading(last)
         loop.resume_from(layout.native_checkpoint(last))
         return None
     if not os.path.isdir(resume_from_checkpoint):  # transformers' words
         raise ValueError(f"Can't find a valid checkpoint at {resume_from_checkpoint}")
     compare_with_checkpoint(args, Path(resume_from_checkpoint))
+    console.announce_loading(resume_from_checkpoint)
     target = layout.native_checkpoint(resume_from_checkpoint)
     if layout.written_by_transformers(target):
         return Path(target)
@@ -285,6 +288,23 @@ def announce(args: Any, loop: Any, model: torch.nn.Module) -> None:
         f"  Number of trainable parameters = {trainable:,}",
     ):
         hf_log.info(line)
+    step = resumed_step(loop)
+    if step is not None and plan is not None and plan.steps_per_epoch:
+        skip = not hf_optim.arg(args, "ignore_data_skip", False)
+        batches = step % plan.steps_per_epoch * k if skip else None
+        console.announce_resume(step // plan.steps_per_epoch, step, batches)
+
+
+def resumed_step(loop: Any) -> int | None:
+    """The step of the hookloop checkpoint the loop will resume from (None: none)."""
+    target = getattr(loop, "resume", None)
+    if not isinstance(target, (str, os.PathLike)) or target == "auto":
+        return None
+    try:
+        step = json.loads((Path(target) / MANIFEST).read_text("utf-8")).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
 
 
 def epochs_announced(plan: hf_parts.Plan | None) -> int | str:
