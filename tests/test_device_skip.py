@@ -98,3 +98,25 @@ def test_an_unfused_optimizer_keeps_the_host_verdict():
                       config=Config(train=TrainConfig(max_steps=2, device="cpu")))  # fmt: skip
     trainer.train()
     assert trainer.stepper.device_skip is None
+
+
+def test_a_resume_follows_the_restored_groups_fused_or_not(tmp_path):
+    """A checkpoint of an unfused AdamW resumed by a Trainer given a fused one: the
+    restored groups say unfused, so the host verdict steps it (the device's would hand
+    an unfused step the scaler's tensors, which torch refuses)."""
+    from hookloop.config import CheckpointConfig
+
+    def trainer(fused: bool, steps: int, resume: str | None) -> Trainer:
+        model, opt = model_and_optimizer(fused)
+        cfg = Config(train=TrainConfig(max_steps=steps, device="cpu", clip_grad_norm=None),
+                     checkpoint=CheckpointConfig(every=2))  # fmt: skip
+        return Trainer(model, opt, train_data=batches(), loss_fn=nn.functional.mse_loss,
+                       config=cfg, out_dir=tmp_path, resume=resume,
+                       default_callbacks=False)  # fmt: skip
+
+    trainer(False, 4, None).train()
+    resumed = trainer(True, 8, "auto")
+    with pytest.warns(UserWarning, match="cannot be positioned mid-epoch"):
+        assert resumed.train().step == 8
+    assert resumed.optimizer.param_groups[0]["fused"] is False
+    assert resumed.stepper.device_skip is None

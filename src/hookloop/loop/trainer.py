@@ -208,6 +208,8 @@ class Trainer:
                     self.checkpointer.resume(self.resume)
                 finally:
                     rng.hold = False
+                self.stepper.bind()  # the optimizer's groups as restored (fused or not)
+                self.logbook.device_skip = self.stepper.device_skip
             # live changes past the restored step, or those of the run --replay names
             p.live.plan_replays(p.live.replay_from, fresh=self.resume is None)
             p.fire("on_data_init_start")  # model, optimizer, checkpoint ready; no data read
