@@ -9,6 +9,7 @@ which catches waits torch does not flag (a copy from pageable host memory)."""
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import torch
 from _cuda import Phase, SleepProbe, flagged_syncs, gpt_trainer
@@ -20,15 +21,22 @@ SLEEP_MS = 100.0  # far above a step's host time (~5-20 ms here): a step that wa
 LOG_STEPS = set(range(LOG_EVERY, STEPS + 1, LOG_EVERY))
 
 
-def test_no_sync_inside_a_step_and_one_read_back_per_log():
+def syncs_of_a_run(**train: Any) -> tuple[Any, list[tuple[int, bool, str]]]:
+    """Train the small GPT; assert no sync inside a step and one at each log boundary.
+    Returns the result and the flagged syncs."""
     phase = Phase()
-    trainer = gpt_trainer(STEPS, [phase], log_every=LOG_EVERY)
+    trainer = gpt_trainer(STEPS, [phase], log_every=LOG_EVERY, **train)
     with flagged_syncs(trainer, phase) as syncs:
         result = trainer.train()
     inside = [(step, at) for step, is_inside, at in syncs if is_inside]
     assert inside == [], f"syncs inside training steps: {inside}"
     at_boundaries = Counter(step for step, is_inside, _ in syncs if not is_inside and step)
     assert at_boundaries == dict.fromkeys(LOG_STEPS, 1), f"syncs per step boundary: {syncs}"
+    return result, syncs
+
+
+def test_no_sync_inside_a_step_and_one_read_back_per_log():
+    result, syncs = syncs_of_a_run()
     places = {at for _, _, at in syncs}
     assert len(places) == 1, f"not the same read-back at each log: {syncs}"
     assert "_log < _act_at_boundary" in places.pop(), f"not read back in _log: {syncs}"
@@ -59,14 +67,7 @@ def test_skip_nonfinite_is_one_host_read_per_step():
 def test_a_fused_optimizer_skips_nonfinite_without_a_sync_inside_a_step():
     """With a fused optimizer the non-finite verdict is the device's: no read in a step,
     one read-back per log (the skips are counted with the losses)."""
-    phase = Phase()
-    trainer = gpt_trainer(STEPS, [phase], log_every=LOG_EVERY, skip_nonfinite=True, fused=True)
-    with flagged_syncs(trainer, phase) as syncs:
-        result = trainer.train()
-    inside = [(step, at) for step, is_inside, at in syncs if is_inside]
-    assert inside == [], f"syncs inside training steps: {inside}"
-    at_boundaries = Counter(step for step, is_inside, _ in syncs if not is_inside and step)
-    assert at_boundaries == dict.fromkeys(LOG_STEPS, 1), f"syncs per step boundary: {syncs}"
+    result, _ = syncs_of_a_run(skip_nonfinite=True, fused=True)
     assert result.logs["skipped_steps"] == 0
     probe = SleepProbe(ms=SLEEP_MS, every=LOG_EVERY)
     gpt_trainer(STEPS, [probe], log_every=LOG_EVERY, skip_nonfinite=True, fused=True).train()
