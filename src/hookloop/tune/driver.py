@@ -8,6 +8,7 @@ machines; :mod:`hookloop.tune.claims` keeps them from losing or repeating a tria
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -30,7 +31,7 @@ from hookloop.tune.claims import (
 from hookloop.tune.interrupts import Interrupts, StudyInterrupted
 from hookloop.tune.space import SearchSpace
 from hookloop.tune.spec import TuneError, TuneSpec, optuna, trial_dir
-from hookloop.tune.storage import open_study, open_study_on_storage
+from hookloop.tune.storage import open_study, open_study_on_storage, retry_locked
 from hookloop.tune.trial import run_trial, train_trial
 
 
@@ -178,10 +179,11 @@ def _claim(
         warnings.filterwarnings("ignore", "Heartbeat of storage", UserWarning)
         trial = study.ask()
     if spec.heartbeat_seconds():  # at once: a trial never heard from is never stale
-        beat_once(study, storage, trial)
-    trial.set_user_attr("pid", os.getpid())
-    trial.set_user_attr("host", host_name())
-    trial.set_user_attr("run_dir", str(trial_dir(study_dir, trial.number)))
+        retry_locked(lambda: beat_once(study, storage, trial))
+    claimed_by = {"pid": os.getpid(), "host": host_name(),
+                  "run_dir": str(trial_dir(study_dir, trial.number))}  # fmt: skip
+    for key, value in claimed_by.items():
+        retry_locked(functools.partial(trial.set_user_attr, key, value))
     if surplus(study, trial, spec.trials):
         return None
     return trial, space.suggest(trial)

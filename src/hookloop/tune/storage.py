@@ -5,6 +5,12 @@ Opening is retried when drivers starting together race to create one fresh datab
 and any other failure is one ``ValueError`` naming the storage with its password masked.
 On an RDB storage with a heartbeat, a trial whose machine went silent is failed by any
 driver and retried (:func:`hookloop.tune.claims.requeue`).
+
+SQLite serialises writers with file locks: a connection waits up to
+:data:`SQLITE_BUSY_SECONDS` for one, and may be told "database is locked" at once where
+waiting could deadlock. hookloop's own records of a trial (who claims it, why it was cut)
+go through :func:`retry_locked`, so a busy machine delays them instead of killing the
+worker that writes them.
 """
 
 from __future__ import annotations
@@ -12,8 +18,9 @@ from __future__ import annotations
 import random
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from hookloop.tune import credentials
 from hookloop.tune.claims import requeue
@@ -81,6 +88,38 @@ def open_study_on_storage(
     raise AssertionError("unreachable")
 
 
+#: How long a SQLite connection waits for another's lock before "database is locked".
+SQLITE_BUSY_SECONDS = 60.0
+#: How long :func:`retry_locked` goes on trying one write.
+LOCKED_PATIENCE_SECONDS = 300.0
+T = TypeVar("T")
+
+
+def retry_locked(write: Callable[[], T]) -> T:
+    """``write()``, tried again while the storage says its database is locked (SQLite under
+    load), for up to :data:`LOCKED_PATIENCE_SECONDS`. Each ``write`` must be one storage
+    call (a transaction that failed changed nothing). Any other error passes through."""
+    deadline, pause = time.monotonic() + LOCKED_PATIENCE_SECONDS, 0.05
+    while True:
+        try:
+            return write()
+        except Exception as err:
+            if not _locked(err) or time.monotonic() > deadline:
+                raise
+        time.sleep(pause * (1 + random.random()))
+        pause = min(pause * 2, 2.0)
+
+
+def _locked(err: BaseException | None) -> bool:
+    """Whether ``err`` (or an error it was raised from) is SQLite's "database is locked"."""
+    seen = 0
+    while err is not None and seen < 8:
+        if "database is locked" in str(err):
+            return True
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return False
+
+
 #: Errors of drivers creating one fresh database's schema or study at once (retried).
 _RACES = ("IntegrityError", "OperationalError", "ProgrammingError", "DuplicatedStudyError")
 
@@ -98,7 +137,8 @@ def _optuna_storage(spec: TuneSpec, study_dir: Path) -> Any:
         return opt.storages.JournalStorage(opt.storages.journal.JournalFileBackend(path))
     if url.startswith(("redis://", "rediss://")):
         return opt.storages.JournalStorage(opt.storages.journal.JournalRedisBackend(url))
-    engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None
+    sqlite = url.startswith("sqlite")
+    engine_kwargs = {"connect_args": {"timeout": SQLITE_BUSY_SECONDS}} if sqlite else None
     beat = spec.heartbeat_seconds()
     with warnings.catch_warnings():  # Optuna marks its heartbeat experimental
         warnings.simplefilter("ignore", opt.exceptions.ExperimentalWarning)

@@ -41,6 +41,7 @@ from hookloop.tune.spec import (
     trial_dir,
     trials_set_constraints,
 )
+from hookloop.tune.storage import retry_locked
 
 
 def take_over_run_dir(study_dir: Path, trial: Any) -> bool:
@@ -346,9 +347,11 @@ def record_constraints(spec: TuneSpec, trial: Any, best: BestMetric) -> None:
 
 
 def interrupted(trial: Any, reason: str) -> None:
-    """Record ``trial`` as cut short by a signal (FAIL, not counted) and queue it again."""
-    trial.set_user_attr("fail_reason", reason)
-    trial.set_user_attr("interrupted", True)
-    trial.study.tell(trial, state=optuna().trial.TrialState.FAIL)
-    requeue(trial.study, trial.study.trials[trial.number])
+    """Record ``trial`` as cut short by a signal (FAIL, not counted) and queue it again
+    (each write waits out a locked SQLite database: :func:`retry_locked`)."""
+    study = trial.study
+    retry_locked(lambda: trial.set_user_attr("fail_reason", reason))
+    retry_locked(lambda: trial.set_user_attr("interrupted", True))
+    retry_locked(lambda: study.tell(trial, state=optuna().trial.TrialState.FAIL))
+    retry_locked(lambda: requeue(study, study.trials[trial.number]))
     print(f"hookloop tune: trial {trial.number} {reason}; it resumes on a restart", file=sys.stderr)
