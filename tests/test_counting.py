@@ -148,10 +148,18 @@ TWO_RANK_JOB = textwrap.dedent(
     out = {"known": [known.collectives, known.host_reads, known.payload_bytes],
            "steps": per_step(counts)}
     fused = build("optimizer.kwargs={fused: true}")
+    poisoned = {"on": False}  # rank 1's loss is NaN at step 4: DDP makes every gradient NaN
+    fused.model.register_forward_hook(
+        lambda module, args, output: output * float("nan") if poisoned["on"] else output)
+    fused.callbacks.register(
+        "on_train_step_start",
+        lambda ctx: poisoned.update(on=rank == 1 and ctx.state.step == 3))
     with count_sync_points() as counts:
         fused.callbacks.add(counts.marker)
         fused.train()
     out["fused"] = per_step(counts)
+    out["fused_skipped"] = fused.progress.skipped_steps
+    out["fused_weights"] = [p.detach().double().sum().item() for p in fused.model.parameters()]
     with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     leave_process_group()
@@ -186,8 +194,10 @@ def test_two_gloo_ranks_count_the_same_known_collectives_and_the_agreement_each_
         fused = {s: v for s, v in result["fused"].items() if v[0]}
         assert sorted(fused, key=int) == ["2", "3", "4", "5"]
         assert all(v[1:] == [{"all_reduce": 1}, {}] for v in fused.values()), fused
+        assert result["fused_skipped"] == 1  # the NaN step, skipped on both ranks
     assert ranks[0]["steps"] == ranks[1]["steps"]  # both ranks did the same, step by step
     assert ranks[0]["fused"] == ranks[1]["fused"]
+    assert ranks[0]["fused_weights"] == ranks[1]["fused_weights"]
 
 
 @pytest.mark.slow
