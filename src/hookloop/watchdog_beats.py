@@ -271,10 +271,11 @@ def _fit(name: str, value: Any) -> Any:
 
 
 def _innermost(stack: str, keep: int) -> str:
-    """The last ``keep`` characters of ``stack`` from a line's start, after a line saying
-    how much was cut (the innermost frames say where a thread is)."""
+    """The last ``keep`` characters of ``stack`` from a frame's first line (``  File``),
+    after a line saying how much was cut (the innermost frames say where a thread is)."""
     if len(stack) <= keep:
         return stack
     tail = stack[len(stack) - max(keep, 0) :]
-    tail = tail[tail.find("\n") + 1 :] if "\n" in tail else ""
+    start = tail.find("\n  File ")
+    tail = tail[start + 1 :] if start >= 0 else ""
     return f"[{len(stack) - len(tail)} characters of outer frames cut]\n{tail}"
