@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
 import torch
 
+from _resign import resign
 from hookloop import Callback
 from hookloop.callbacks import EMA, default_callbacks
 from hookloop.config import apply_overrides
@@ -148,7 +150,11 @@ def main() -> None:
         records["run"] = fsdp_run("run", Path(out), stop, resume=False, ema=True)
         plain = [*overrides, "train.max_steps=4"]
         records["plain"] = fsdp_run("plain", Path(out), plain, resume=False, ema=False)
-    else:  # resume
+        if rank == 0:  # what the 3-rank resume starts from; plain as an older hookloop wrote it
+            shutil.copytree(Path(out) / "run", Path(out) / "three" / "run")
+            resign(Path(out) / "plain" / "checkpoints" / "step-00000004", fmt=3)
+        torch.distributed.barrier()
+    if mode in ("fsdp", "resume"):  # resumed in the same launch: one process group fewer
         for leg in ("run", "plain"):
             if (Path(out) / leg).is_dir():
                 records[f"{leg}-resumed"] = fsdp_run(

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -12,7 +11,6 @@ import pytest
 import torch
 
 from _dist_launch import torchrun
-from _resign import resign
 from hookloop import Callback, Trainer
 from hookloop.callbacks import EMA, default_callbacks
 from hookloop.errors import ConfigError
@@ -290,10 +288,7 @@ def legs(out: Path, leg: str, ranks: int = 2) -> list[dict]:
 @pytest.fixture(scope="module")
 def fsdp(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("ema-fsdp")
-    launch("fsdp", root)
-    shutil.copytree(root / "run", root / "three" / "run")
-    resign(root / "plain" / "checkpoints" / "step-00000004", fmt=3)
-    stderr = launch("resume", root)
+    stderr = launch("fsdp", root)  # the runs, then run and plain resumed (see the job)
     launch("resume", root / "three", "data.batch_size=4", ranks=3)  # the same 12 a step
     return {
         "root": root,
