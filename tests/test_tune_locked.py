@@ -79,3 +79,14 @@ def test_other_errors_are_not_retried(monkeypatch):
     with pytest.raises(sqlite3.OperationalError):  # past its patience, the error stands
         retry_locked(locked)
     assert len(calls) == 2
+
+
+def test_asking_for_a_trial_waits_out_the_lock_too(study):
+    """The other write that killed a worker: Optuna's ``ask`` (the driver's claim)."""
+    study, db = study
+    locked_for(db, 1.0)
+    with pytest.raises(optuna.exceptions.StorageInternalError):
+        study.ask()
+    locked_for(db, 1.0)
+    trial = retry_locked(study.ask)
+    assert study.trials[trial.number].state.name == "RUNNING"

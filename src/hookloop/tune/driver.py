@@ -177,7 +177,9 @@ def _claim(
     when other drivers claimed the last trials at the same moment (see :func:`surplus`)."""
     with warnings.catch_warnings():  # hookloop records the heartbeats itself
         warnings.filterwarnings("ignore", "Heartbeat of storage", UserWarning)
-        trial = study.ask()
+        # A lock error after Optuna made the trial leaves it RUNNING with no claimer: it is
+        # failed and queued again once UNCLAIMED_AFTER_S have passed (recover_interrupted).
+        trial = retry_locked(study.ask)
     if spec.heartbeat_seconds():  # at once: a trial never heard from is never stale
         retry_locked(lambda: beat_once(study, storage, trial))
     claimed_by = {"pid": os.getpid(), "host": host_name(),
