@@ -78,7 +78,18 @@ def bars_drawn_when_forced(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tqdm.std.tqdm, "__init__", init)
 
 
-def trainer_of(kind: str, out: Path, **overrides: Any) -> Any:
+def rows(n: int, seed: int, note: bool) -> Any:
+    """Token rows as a list of samples, or (``note``) a ``datasets.Dataset`` with a column
+    ``note`` the model does not take."""
+    samples = [{"input_ids": r} for r in token_rows(n, seed=seed)]
+    if not note:
+        return samples
+    import datasets
+
+    return datasets.Dataset.from_list([{**sample, "note": "x"} for sample in samples])
+
+
+def trainer_of(kind: str, out: Path, note: bool = False, **overrides: Any) -> Any:
     """``kind``'s Trainer of the tiny GPT-2 writing to ``out``."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -86,16 +97,17 @@ def trainer_of(kind: str, out: Path, **overrides: Any) -> Any:
         return FACTORIES[kind](
             gpt2(),
             args,
-            train_dataset=[{"input_ids": r} for r in token_rows(24, seed=1)],
-            eval_dataset=[{"input_ids": r} for r in token_rows(6, seed=2)],
+            train_dataset=rows(24, 1, note),
+            eval_dataset=rows(6, 2, note),
             data_collator=transformers.DataCollatorForLanguageModeling(tokenizer(), mlm=False),
             processing_class=tokenizer(),
         )
 
 
 def run(
-    kind: str, out: Path, capsys: Any, resume: str | None = None, **overrides: Any
-) -> tuple[list[str], list[tuple]]:
+    kind: str, out: Path, capsys: Any, resume: str | None = None, note: bool = False,
+    **overrides: Any,
+) -> tuple[list[str], list[tuple]]:  # fmt: skip
     """Train (from ``out/resume`` when given), evaluate, predict and save the model with
     ``kind``'s Trainer: the console's lines (stdout, then stderr) and transformers' log
     records, the output folder named ``OUT``."""
@@ -104,12 +116,12 @@ def run(
     library.addHandler(records)
     capsys.readouterr()
     try:
-        trainer = trainer_of(kind, out, **overrides)
+        trainer = trainer_of(kind, out, note, **overrides)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer.train(resume_from_checkpoint=str(out / resume) if resume else None)
             trainer.evaluate()
-            trainer.predict([{"input_ids": r} for r in token_rows(5, seed=3)])
+            trainer.predict(rows(5, 3, note))
             trainer.save_model()  # as the example scripts end
     finally:
         library.removeHandler(records)
@@ -185,6 +197,19 @@ def test_info_level_shows_transformers_bars_logs_and_lines(tmp_path, capsys, ver
     assert messages.count("\n***** Running Prediction *****") == 1
     assert "  Num examples = 5" in messages
     assert messages[-1] == "Saving model checkpoint to OUT"
+
+
+def test_columns_the_model_does_not_take_are_named_as_transformers_names_them(
+    tmp_path, capsys, verbosity
+):
+    verbosity(logging.INFO)
+    runs = both(tmp_path, capsys, note=True)
+    assert_same_console(runs)
+    messages = trainer_lines(runs["hookloop"][1])
+    named = [m.split(" don't")[0] for m in messages if m.startswith("The following columns")]
+    sets = ["Training", "Evaluation", "Evaluation", "Evaluation", "test"]
+    assert named == [f"The following columns in the {s} set" for s in sets]
+    assert "ignored: note. If note are not expected by `GPT2LMHeadModel.forward`" in messages[1]
 
 
 def test_a_saved_checkpoint_is_announced_under_its_final_name(tmp_path, capsys, verbosity):

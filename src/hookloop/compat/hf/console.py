@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from hookloop.compat.hf.data import ignored_columns
 from hookloop.compat.hf.handler import PrinterCallback
 
 #: transformers' Trainer logger: the dialect's lines of transformers' console go there.
@@ -106,7 +107,25 @@ def start_pass(session: Any, ctx: Any, loader: Any, kind: str) -> None:
         batch_size = int(getattr(args, "eval_batch_size", None) or per_device_eval)
         per_device_train = getattr(args, "per_device_train_batch_size", 8)
         description = "Evaluation" if kind == "eval" else "Prediction"
+        announce_ignored(
+            loader, getattr(ctx, "model", None), "Evaluation" if kind == "eval" else "test"
+        )
         announce_pass(description, examples_in(loader, per_device_train), batch_size)
+
+
+def announce_ignored(loader: Any, model: Any, description: str) -> None:
+    """transformers' line as it builds a loader whose dataset lost columns ``model.forward``
+    does not take (``remove_unused_columns``); ``description``: ``"Training"``,
+    ``"Evaluation"`` or ``"test"``, as transformers names the set."""
+    ignored = ignored_columns(loader)
+    if not ignored or not hf_log.isEnabledFor(logging.INFO):
+        return
+    name, columns = type(getattr(model, "module", model)).__name__, ", ".join(ignored)
+    hf_log.info(
+        f"The following columns in the {description} set don't have a corresponding argument "
+        f"in `{name}.forward` and have been ignored: {columns}. If {columns} are not expected "
+        f"by `{name}.forward`,  you can safely ignore this message."
+    )
 
 
 def examples_in(loader: Any, per_device_train: int) -> int | None:

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -159,6 +160,7 @@ def make_loader(
     train: bool,
 ) -> DataLoader:
     """The DataLoader ``transformers.Trainer`` builds for ``data``."""
+    ignored: list[str] = []
     if arg(args, "remove_unused_columns", True):
         keep = signature_columns(model, args)
         if _is_hf_dataset(data):
@@ -187,7 +189,7 @@ def make_loader(
         common["prefetch_factor"] = arg(args, "dataloader_prefetch_factor", None)
         common["multiprocessing_context"] = arg(args, "dataloader_multiprocessing_context", None)
     if isinstance(data, IterableDataset):
-        return _with_total(DataLoader(data, **common), batch_size)
+        return _remember(_with_total(DataLoader(data, **common), batch_size), ignored)
     sampling = str(arg(args, "train_sampling_strategy", "random")) if train else "sequential"
     if sampling not in SAMPLING:
         raise ValueError(
@@ -209,7 +211,26 @@ def make_loader(
     loader = DataLoader(
         data, sampler=sampler, drop_last=bool(arg(args, "dataloader_drop_last", False)), **common
     )
-    return _with_total(loader, batch_size)
+    return _remember(_with_total(loader, batch_size), ignored)
+
+
+#: The columns each loader's dataset lost to ``remove_unused_columns`` (what transformers
+#: names each time it builds a loader: :func:`hookloop.compat.hf.console.announce_ignored`).
+_IGNORED: weakref.WeakKeyDictionary[DataLoader, list[str]] = weakref.WeakKeyDictionary()
+
+
+def _remember(loader: DataLoader, ignored: list[str]) -> DataLoader:
+    if ignored:
+        _IGNORED[loader] = ignored
+    return loader
+
+
+def ignored_columns(loader: Any) -> list[str]:
+    """The dataset columns :func:`make_loader` removed for ``loader`` (none: ``[]``)."""
+    try:
+        return _IGNORED.get(loader, [])
+    except TypeError:  # not weakly referable: no loader of ours
+        return []
 
 
 def _with_total(loader: DataLoader, batch_size: int) -> DataLoader:

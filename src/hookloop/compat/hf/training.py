@@ -275,6 +275,7 @@ def announce(args: Any, loop: Any, model: torch.nn.Module) -> None:
     plan = hf_parts.plan_of(args, loader, k) if loader is not None else None
     examples = len(loader.dataset) if hasattr(getattr(loader, "dataset", None), "__len__") else "?"
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    console.announce_ignored(loader, model, "Training")
     for line in (
         "***** Running training *****",
         f"  Num examples = {examples:,}" if examples != "?" else "  Num examples = ?",
