@@ -151,6 +151,26 @@ def collator_for(data_collator: Any, processing_class: Any) -> Callable[[list[An
     return default_data_collator
 
 
+def _without_unused_columns(
+    data: Any, args: Any, model: torch.nn.Module, collator: Callable[[list[Any]], Any]
+) -> tuple[Any, Callable[[list[Any]], Any], list[str]]:
+    """``remove_unused_columns``: a ``datasets.Dataset`` without the columns ``forward``
+    does not take (and their names), or a collator that drops such keys."""
+    if not arg(args, "remove_unused_columns", True):
+        return data, collator, []
+    keep = signature_columns(model, args)
+    if not _is_hf_dataset(data):
+        return data, _RemoveColumns(collator, keep), []
+    ignored = [c for c in data.column_names if c not in keep]
+    if len(ignored) == len(data.column_names):
+        raise ValueError(
+            f"no column of the dataset ({', '.join(data.column_names)}) is an argument of "
+            f"{type(model).__name__}.forward ({', '.join(keep)}); set "
+            "remove_unused_columns=False or rename the columns"
+        )
+    return data.remove_columns(ignored), collator, ignored
+
+
 def make_loader(
     data: Any,
     *,
@@ -160,20 +180,7 @@ def make_loader(
     train: bool,
 ) -> DataLoader:
     """The DataLoader ``transformers.Trainer`` builds for ``data``."""
-    ignored: list[str] = []
-    if arg(args, "remove_unused_columns", True):
-        keep = signature_columns(model, args)
-        if _is_hf_dataset(data):
-            ignored = [c for c in data.column_names if c not in keep]
-            if len(ignored) == len(data.column_names):
-                raise ValueError(
-                    f"no column of the dataset ({', '.join(data.column_names)}) is an argument of "
-                    f"{type(model).__name__}.forward ({', '.join(keep)}); set "
-                    "remove_unused_columns=False or rename the columns"
-                )
-            data = data.remove_columns(ignored)
-        else:
-            collator = _RemoveColumns(collator, keep)
+    data, collator, ignored = _without_unused_columns(data, args, model, collator)
     batch_size = arg(
         args, "per_device_train_batch_size" if train else "per_device_eval_batch_size", 8
     )
