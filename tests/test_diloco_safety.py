@@ -44,6 +44,7 @@ from hookloop.diloco.worker import DiLoCoWorker
 from hookloop.recipes import default_config, get_recipe
 from hookloop.testing import TinyModel
 from test_diloco_membership import ForgatherPeer
+from test_diloco_server import _free_port
 
 OPEN = {"disable_auth": True, "allow_unbound_workers": True}
 
@@ -129,12 +130,6 @@ def _reference(start: Path, tmp_path: Path, rounds: int) -> list[dict[str, torch
         return [fleet.round(r) for r in range(rounds)]
     finally:
         srv.stop()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _serve(out: Path, port: int, start: Path, log: Path, *extra: str):

@@ -99,15 +99,23 @@ def _nonfinite_flag(
         total = grad_norm
     elif not gradients:
         return torch.zeros(())
-    elif on_cpu:
-        f32 = torch.float32
-        total = torch.stack(
-            [g.sum(dtype=f32) if g.dtype is not f32 else g.sum() for g in gradients]
-        )
-        total = total.sum()
     else:
-        total = torch.nn.utils.get_total_norm(gradients, math.inf, foreach=True)
+        total = finiteness_probe(gradients, on_cpu)
     return torch.isfinite(total).logical_not().float()
+
+
+def finiteness_probe(tensors: list[torch.Tensor], on_cpu: bool) -> torch.Tensor:
+    """One scalar, on the device, that is NaN or Inf exactly when an element of ``tensors``
+    (non-empty) is. On a GPU their largest magnitude (``get_total_norm`` with the infinity
+    norm, a few foreach kernels); on the CPU, where those cost ~45 us a step on a small
+    model, each tensor summed in float32 and the sums added (~12 us), which is also
+    non-finite when finite elements add up past float32's range (~3.4e38): no gradient
+    worth applying."""
+    if on_cpu:
+        f32 = torch.float32
+        sums = [t.sum(dtype=f32) if t.dtype is not f32 else t.sum() for t in tensors]
+        return torch.stack(sums).sum()
+    return torch.nn.utils.get_total_norm(tensors, math.inf, foreach=True)
 
 
 def masked_row_means(values: list[float], n: int, flags: list[float]) -> list[float]:

@@ -32,7 +32,7 @@ import torch
 
 from hookloop.config import TrainConfig
 from hookloop.distributed import agree_flags, full_tensor, local_shards, no_gradient_sync
-from hookloop.loop.device_skip import DeviceSkip, fused_optimizer
+from hookloop.loop.device_skip import DeviceSkip, finiteness_probe, fused_optimizer
 from hookloop.loop.records import Compute, Events, LoopTiming, Trained
 from hookloop.precision import Precision
 from hookloop.state import Progress
@@ -344,15 +344,8 @@ def gradient_clearer(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
 
 
 class FiniteCheck:
-    """Is any element of these tensors NaN or Inf? One host read, however many tensors.
-
-    On a GPU their largest magnitude is taken on the device (``torch.nn.utils.get_total_norm``
-    with the infinity norm, a few foreach kernels) and read once: it is NaN or Inf exactly
-    when an element is. On the CPU, where those kernels cost ~45 us a step on a small
-    model, each tensor is summed in float32 and the sums added (~12 us): a sum is NaN or
-    Inf exactly when an element is, or when finite elements add up past float32's range
-    (about 3.4e38), which is no finite gradient worth applying.
-    """
+    """Is any element of these tensors NaN or Inf? One host read of one scalar, however
+    many tensors (:func:`~hookloop.loop.device_skip.finiteness_probe` says how)."""
 
     def __init__(self, device: torch.device) -> None:
         self.on_cpu = device.type == "cpu"
@@ -380,11 +373,4 @@ class FiniteCheck:
         tensors = [t for t in tensors if t.numel()]  # a rank may hold an empty slice
         if not tensors:
             return False
-        if self.on_cpu:
-            f32 = torch.float32
-            total = torch.stack(
-                [t.sum(dtype=f32) if t.dtype is not f32 else t.sum() for t in tensors]
-            )
-            return not math.isfinite(total.sum().item())
-        largest = torch.nn.utils.get_total_norm(tensors, math.inf, foreach=True)
-        return not math.isfinite(largest.item())
+        return not math.isfinite(finiteness_probe(tensors, self.on_cpu).item())

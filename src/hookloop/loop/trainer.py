@@ -196,8 +196,6 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
         st.start_training()
         self.schedule.begin()
-        self.stepper.bind()  # to the optimizer trained with now
-        self.logbook.device_skip = self.stepper.device_skip  # its skips counted at each log
         restore_signals = p.signals.install() if cfg.handle_signals else None
         try:
             p.watchdog.start()  # several ranks: one that hangs is named, not waited for
@@ -208,8 +206,9 @@ class Trainer:
                     self.checkpointer.resume(self.resume)
                 finally:
                     rng.hold = False
-                self.stepper.bind()  # the optimizer's groups as restored (fused or not)
-                self.logbook.device_skip = self.stepper.device_skip
+            # to the optimizer trained with now, its groups as restored (fused or not)
+            self.stepper.bind()
+            self.logbook.device_skip = self.stepper.device_skip  # its skips counted at each log
             # live changes past the restored step, or those of the run --replay names
             p.live.plan_replays(p.live.replay_from, fresh=self.resume is None)
             p.fire("on_data_init_start")  # model, optimizer, checkpoint ready; no data read
