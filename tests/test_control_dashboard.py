@@ -110,6 +110,8 @@ def _opened(context, job: Job) -> tuple:
     job.ready()
     page.goto(job.record.url, timeout=MS)
     page.wait_for_selector("#token", state="visible", timeout=MS)
+    # no command can go anywhere before the first status names the job
+    assert page.eval_on_selector_all("button[data-command]", "bs => bs.every(b => b.disabled)")
     _connect(page, job)
     return page, problems, urls
 

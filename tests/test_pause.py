@@ -168,6 +168,29 @@ def test_ctl_status_shows_a_pause_and_the_scheduled_changes():
     assert "scheduled   step 50: lr=0.0001   (id 0042)" in lines
 
 
+def test_a_pause_refused_before_training_leaves_none_asked():
+    """A pause the server refuses after checking it (the job was not training) asks nothing:
+    the next pause, once the job trains again, is filed, not refused as a second one."""
+    from types import SimpleNamespace
+
+    from hookloop.control.commands import CommandError
+    from hookloop.control.job import LiveJob
+    from hookloop.loop.pause import Pauses
+    from hookloop.requests import Control
+    from hookloop.state import Progress, TrainState
+
+    control = Control()
+    job = LiveJob("j", TrainState(Progress()), control, settings=SimpleNamespace(pauses=Pauses()))
+    assert job.snapshot.phase == "starting"
+    with pytest.raises(CommandError, match=r"the job is not training \(it is starting\)"):
+        job.file("pause", {}, "me")
+    assert not control.pending
+    job.snapshot.phase = "training"
+    assert job.file("pause", {}, "me") == 0 and control.pending
+    with pytest.raises(CommandError, match="already paused"):
+        job.file("pause", {}, "me")
+
+
 # -- over HTTP, one rank ----------------------------------------------------------------
 def test_pause_and_resume_over_http_hold_the_step_and_show_in_the_status(tmp_path):
     from _control_support import Job

@@ -380,6 +380,8 @@ async function connect() {
 }
 
 async function send(command, question) {
+  // (the buttons stay disabled until the first status names the job)
+  if (state.job === null) { return; }
   if (question && !window.confirm(question)) { return; }
   $("message").textContent = "sending " + command + "\u2026";
   try {

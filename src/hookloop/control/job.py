@@ -131,7 +131,13 @@ class LiveJob:
         """File ``command`` on the loop's Control; returns the step it was filed at."""
         spec = SERVER_COMMANDS[command]
         if command in ("pause", "resume", "unset"):
-            return self._file(command, self.checked_step_command(command, values or {}, client))
+            checked = self.checked_step_command(command, values or {}, client)
+            try:
+                return self._file(command, checked)
+            except CommandError:
+                if command == "pause":  # refused after its check: no pause is asked
+                    self.settings.pauses.withdraw()
+                raise
         if spec.needs == "live settings":
             values = self.checked_settings(values or {}, client)
         return self._file(command, values or {})

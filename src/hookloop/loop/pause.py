@@ -83,6 +83,12 @@ class Pauses:
                 raise ValueError("pause: the job is already paused (resume it first)")
             self.state.asked = True
 
+    def withdraw(self) -> None:
+        """A pause checked, then refused before it was filed (the job was evaluating, say),
+        is not asked: a later one is not refused as a second."""
+        with self.lock:
+            self.state.asked = False
+
     def check_resume(self) -> None:
         with self.lock:
             if not self.state.paused and not self.state.asked:
