@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
+import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -267,6 +268,27 @@ def test_a_resumed_run_says_where_it_resumes_as_transformers(tmp_path, capsys, v
     assert (
         "  Fast-forwarding the dataloader past 0 epochs and 2 batches to resume from the exact "
         "training state." in messages
+    )
+
+
+def test_a_run_resumed_from_transformers_own_checkpoint_says_so_as_transformers(
+    tmp_path, capsys, verbosity
+):
+    """Both Trainers resume from the same ``checkpoint-2`` that transformers' Trainer
+    wrote: the dialect announces the epoch, step and batches skipped as transformers does."""
+    verbosity(logging.WARNING)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer_of("hf", tmp_path / "hf", max_steps=2, save_strategy="steps", save_steps=2).train()
+    shutil.copytree(tmp_path / "hf", tmp_path / "hookloop")
+    verbosity(logging.INFO)
+    saving = {"save_strategy": "steps", "save_steps": 2, "max_steps": 6}
+    runs = {
+        kind: run(kind, tmp_path / kind, capsys, "checkpoint-2", **saving) for kind in FACTORIES
+    }
+    assert_same_console_but_the_tied_warning(runs)
+    assert "  Resuming training from checkpoint with epoch 0 and global step 2" in (
+        trainer_lines(runs["hookloop"][1])
     )
 
 

@@ -119,6 +119,7 @@ class HFSession:
         self.evaluating_at_start = False  # that evaluation sets no best metric
         #: the per-device batch auto_find_batch_size settled on (None: the arguments')
         self.train_batch_size: int | None = None
+        self.foreign_step: int | None = None  # resumed from transformers' own checkpoint-N
         # HF's compute_metrics(EvalPrediction): predictions and labels of one evaluation
         self.compute_metrics: Callable[[Any], dict[str, Any]] | None = None
         self._predictions: list[Any] = []

@@ -256,7 +256,7 @@ class Trainer(construction.BuiltAttributes, ScriptMethods):
         """The loop's ``train()``, announced as transformers announces its own."""
         self._view.show_training_objects()
         if self.hf.drives_loop:
-            training.announce(self.args, self.loop, self.model)
+            training.announce(self.args, self.loop, self.model, self.hf.foreign_step)
         self._memory.start("train")
         return self.loop.train()
 

@@ -226,12 +226,14 @@ def prepare(
         arguments.seed_everything(int(hf_optim.arg(trainer.args, "seed", 42)))
         trainer.model.load_state_dict(trainer.call_model_init(trial).state_dict())
     seed_sampler(loop)
+    trainer.hf.foreign_step = None
     if foreign_folder is not None:
         step = resume_from_transformers(
             foreign_folder, args=trainer.args, loop=loop, drives_loop=drives_loop
         )
         log.info("resumed from %s (written by transformers' Trainer) at step %d",
                  foreign_folder, step)  # fmt: skip
+        trainer.hf.foreign_step = step  # announced as transformers announces a resume
     trainer.hf.summary = {}
     if isinstance(loop.evaluation, hf_parts.HFEvaluation):
         loop.evaluation.ignore_keys_in_training = ignore_keys
@@ -264,8 +266,9 @@ def resume_from_transformers(folder: Path, *, args: Any, loop: Any, drives_loop:
     )
 
 
-def announce(args: Any, loop: Any, model: torch.nn.Module) -> None:
-    """transformers' start-of-training summary, at info level on its logger."""
+def announce(args: Any, loop: Any, model: torch.nn.Module, foreign_step: int | None) -> None:
+    """transformers' start-of-training summary, at info level on its logger
+    (``foreign_step``: the step of a folder transformers' Trainer wrote, resumed from)."""
     if not hf_log.isEnabledFor(logging.INFO):
         return
     loader = loop.train_loader
@@ -289,7 +292,7 @@ def announce(args: Any, loop: Any, model: torch.nn.Module) -> None:
         f"  Number of trainable parameters = {trainable:,}",
     ):
         hf_log.info(line)
-    step = resumed_step(loop)
+    step = resumed_step(loop) if foreign_step is None else foreign_step
     if step is not None and plan is not None and plan.steps_per_epoch:
         skip = not hf_optim.arg(args, "ignore_data_skip", False)
         batches = step % plan.steps_per_epoch * k if skip else None
