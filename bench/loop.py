@@ -65,7 +65,7 @@ from _timing import (
     verdict,
 )
 from hookloop import Callback, Config, TrainConfig, Trainer
-from hookloop.callbacks import InfoCallback, JsonLogger, ProgressBar
+from hookloop.callbacks import InfoCallback, JsonLogger, ModelSummary, ProgressBar
 
 TARGETS = {"hookloop-bare": 1.03, "hookloop-default": 1.10}
 CONTENDERS = ("hookloop-bare", "hookloop-default", "hookloop-clip", "raw-lean")
@@ -92,7 +92,7 @@ def default_callbacks(run_dir: Path, sink: TextIO) -> tuple[list[Callback], str]
     for cb in callbacks:
         if isinstance(cb, ProgressBar):  # keep the terminal quiet and the mode non-TTY
             cb.stream, cb.use_tqdm = sink, False
-        elif isinstance(cb, InfoCallback):  # its run summary, too
+        elif isinstance(cb, (InfoCallback, ModelSummary)):  # their summaries, too
             cb.stream = sink
     return callbacks, "hookloop.callbacks.default_callbacks()"
 

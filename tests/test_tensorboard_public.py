@@ -83,3 +83,40 @@ def test_every_logged_number_reaches_tensorboard_at_its_step_as_json_logs_it(tmp
         for (_, got), (_, want) in zip(shown, expected, strict=True):
             # TensorBoard keeps a float32; NaN and Inf would be written as they are.
             assert math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-30), (key, got, want)
+
+
+def _events(log_dir) -> list:
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    (path,) = log_dir.glob("events.out.tfevents.*")
+    return [e for e in EventFileLoader(str(path)).Load() if e.HasField("summary")]
+
+
+def test_a_logs_scalars_are_one_event_that_reads_back_as_add_scalars_values(tmp_path):
+    """Several values at a step go into one event (one checksum, not one per value);
+    TensorBoard reads back what ``add_scalar`` per value gives, at one wall time."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from hookloop.callbacks.tensorboard import ResumableSummaryWriter
+
+    logs = {
+        2: {"train/loss": 0.5, "train/lr": 1e-3, "train/grad_norm": 7.0},
+        4: {"train/loss": 0.25},
+    }
+    ours = ResumableSummaryWriter(tmp_path / "ours")
+    plain = SummaryWriter(str(tmp_path / "plain"))
+    for step, values in logs.items():
+        ours.add_scalars_at(values, step)
+        for tag, value in values.items():
+            plain.add_scalar(tag, value, global_step=step)
+    ours.close()
+    plain.close()
+    assert _scalars(tmp_path / "ours") == _scalars(tmp_path / "plain")
+    events = _events(tmp_path / "ours")
+    assert [(e.step, [v.tag for v in e.summary.value]) for e in events] == [
+        (2, ["train/loss", "train/lr", "train/grad_norm"]),
+        (4, ["train/loss"]),
+    ]
+    # each value carries the scalars plugin's metadata, as add_scalar's do
+    plain_meta = {v.tag: v.metadata for e in _events(tmp_path / "plain") for v in e.summary.value}
+    assert all(v.metadata == plain_meta[v.tag] for e in events for v in e.summary.value)
