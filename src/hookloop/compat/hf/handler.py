@@ -186,6 +186,17 @@ class CallbackHandler:
                 control = result
         return control
 
+    # The events whose value transformers' handler takes as a fourth positional argument
+    # (its Trainer calls ``on_log(args, state, control, logs)``, as do subclasses).
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any, **kwargs: Any) -> Any:
+        return self._event("on_log", args, state, control, {"logs": logs, **kwargs})
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, metrics: Any, **kwargs: Any) -> Any:
+        return self._event("on_evaluate", args, state, control, {"metrics": metrics, **kwargs})
+
+    def on_predict(self, args: Any, state: Any, control: Any, metrics: Any, **kwargs: Any) -> Any:
+        return self._event("on_predict", args, state, control, {"metrics": metrics, **kwargs})
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("on_"):  # on_push_begin, on_log, ...: HF's resets, then the call
             return lambda args, state, control, **kw: self._event(name, args, state, control, kw)
