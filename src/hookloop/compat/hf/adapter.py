@@ -122,6 +122,7 @@ class HFSession:
         self.foreign_step: int | None = None  # resumed from transformers' own checkpoint-N
         # HF's compute_metrics(EvalPrediction): predictions and labels of one evaluation
         self.compute_metrics: Callable[[Any], dict[str, Any]] | None = None
+        self.metrics_of: Callable[[], Any] | None = None  # read at each evaluation's start
         self._predictions: list[Any] = []
         self._labels: list[Any] = []
 
@@ -442,6 +443,8 @@ class _SessionFirst(_SessionPart):
         session = self.session
         session._eval_start = time.monotonic()
         session._predictions, session._labels = [], []
+        if session.metrics_of is not None:  # the Trainer's, as it is now (as transformers)
+            session.compute_metrics = session.metrics_of()
 
     def on_eval_step_end(self, ctx: CallbackContext) -> None:
         session = self.session

@@ -187,7 +187,7 @@ def build(
     # Arguments decide the run: HF's parts decide each boundary (hookloop.compat.hf.parts).
     session.drives_loop = given["config"] is None and args is not None
     hf_loss = hf_step(trainer, model, args, native, overridden)
-    session.compute_metrics = None if hf_loss is not None else trainer.compute_metrics
+    session.metrics_of = None if hf_loss is not None else lambda: trainer.compute_metrics
     datasets = [given["train_dataset"], given["eval_dataset"], given["test_dataset"]]
     run = Run(given["config"], datasets, *given["optimizers"])
     settings = hf_accelerator.DEFAULTS

@@ -76,6 +76,17 @@ class HFEvaluation(Evaluation):
         #: (keys ``eval_<name>_*``), as transformers does.
         self.eval_sets: dict[str, Any] = {}
 
+    @property
+    def compute_metrics(self) -> Any:
+        """The Trainer's ``compute_metrics`` as it is now: transformers reads the attribute
+        at each evaluation, so one set (or cleared) after construction applies."""
+        trainer = self.session.trainer
+        return self._compute_metrics if trainer is None else trainer.compute_metrics
+
+    @compute_metrics.setter
+    def compute_metrics(self, value: Any) -> None:
+        self._compute_metrics = value
+
     def default_prediction_step(
         self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None
     ) -> tuple[Any, Any, Any]:
