@@ -207,10 +207,9 @@ def build(
     session.before_summary = functools.partial(memory.stop_and_update, "train")
     if session.drives_loop:
         switches.connect(trainer.loop, session, args, trainer.processing_class)
-    connect_hooks(
-        trainer, trainer.loop, overridden, preprocess_logits=preprocess_logits,
-        eval_sets=loaders.eval_sets,
-    )  # fmt: skip
+    connect_hooks(trainer, trainer.loop, overridden, preprocess_logits=preprocess_logits,
+                  eval_sets=loaders.eval_sets)  # fmt: skip
+    loaders.built_from = (trainer.eval_dataset, loaders.collator())  # the loop's eval loader's
     return Built(memory, hf_loss, settings)
 
 
@@ -241,6 +240,7 @@ def _decided_by_args(
     collator = hf_data.collator_for(trainer.data_collator, trainer.processing_class)
     loaders.spec = {"args": args, "model": model, "collator": collator}
     trainer.data_collator = trainer.hf.data_collator = collator
+    loaders.collator_of = lambda: trainer.data_collator  # as transformers reads it
     config, settings = run_config(args, trains=run.datasets[0] is not None)
     arguments.seed_everything(int(hf_optim.arg(args, "seed", 42)))  # as HF's Trainer does
     datasets = hf_loaders(trainer, loaders, run.datasets, overridden)

@@ -257,6 +257,11 @@ class Loaders:
         self.spec: dict[str, Any] | None = None
         self.eval_sets: dict[str, Any] = {}
         self.kept: dict[str, Any] = {}
+        #: The Trainer's ``data_collator`` as it is now (transformers reads the attribute
+        #: each time it builds a loader); None: ``spec``'s.
+        self.collator_of: Callable[[], Any] | None = None
+        #: The evaluation dataset and collator the loop's evaluation loader was built from.
+        self.built_from: tuple[Any, Any] = (None, None)
 
     def load(self, data: Any, *, train: bool) -> Any:
         """HF's DataLoader for a dataset when ``args`` decide the run; loaders, other data
@@ -264,7 +269,18 @@ class Loaders:
         hf_dataset = is_map_dataset(data) or isinstance(data, IterableDataset)
         if self.spec is None or data is None or not hf_dataset:
             return data
-        return make_loader(data, train=train, **self.spec)
+        return make_loader(data, train=train, **{**self.spec, "collator": self.collator()})
+
+    def collator(self) -> Any:
+        """The collator a loader built now takes."""
+        if self.collator_of is not None:
+            return self.collator_of()
+        return self.spec["collator"] if self.spec is not None else None
+
+    def built_for(self, dataset: Any) -> bool:
+        """Whether the loop's evaluation loader is ``dataset``'s with today's collator."""
+        made_of, collated_by = self.built_from
+        return made_of is dataset and collated_by is self.collator()
 
     def evaluation(self, eval_dataset: Any, *, default: Any, built: Any, persistent: bool) -> Any:
         """The evaluation loader of ``eval_dataset``: a dataset, the name of one of the
@@ -283,7 +299,7 @@ class Loaders:
         elif eval_dataset is not None:
             data = eval_dataset
         else:
-            if built is not None and not self.eval_sets:
+            if built is not None and not self.eval_sets and self.built_for(default):
                 return built
             if default is None:
                 raise ValueError("Trainer: evaluation requires an eval_dataset")

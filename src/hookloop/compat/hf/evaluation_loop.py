@@ -66,7 +66,7 @@ class HFEvaluation(Evaluation):
         #: ``(model, inputs, prediction_loss_only, ignore_keys) -> (loss, logits, labels)``:
         #: the Trainer's ``prediction_step`` (a subclass's override included).
         self.prediction_step: Any = self.default_prediction_step
-        self.preprocess_logits: Any = None  # preprocess_logits_for_metrics(logits, labels)
+        self.preprocess_logits = None  # preprocess_logits_for_metrics(logits, labels)
         self.log_hook: Any = None  # a subclass's Trainer.log: it sees evaluate()'s metrics
         #: A subclass's ``Trainer.evaluate``: training's evaluations go through it (its
         #: ``super().evaluate()`` runs the pass), as transformers' loop calls it.
@@ -86,6 +86,16 @@ class HFEvaluation(Evaluation):
     @compute_metrics.setter
     def compute_metrics(self, value: Any) -> None:
         self._compute_metrics = value
+
+    @property
+    def preprocess_logits(self) -> Any:
+        """The Trainer's ``preprocess_logits_for_metrics`` as it is now (as transformers)."""
+        trainer = self.session.trainer
+        return self._preprocess if trainer is None else trainer.preprocess_logits_for_metrics
+
+    @preprocess_logits.setter
+    def preprocess_logits(self, value: Any) -> None:
+        self._preprocess = value
 
     def default_prediction_step(
         self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None

@@ -131,7 +131,7 @@ class Trainer(construction.BuiltAttributes, ScriptMethods):
         """Build the loop again, as transformers builds its parts at each train() from the
         arguments as they are then (same model and callbacks, a fresh optimizer unless one
         was given, a fresh TrainerState); ``batch_size``: auto_find_batch_size's."""
-        log.info("TrainingArguments changed since the Trainer was built (%s)", changed)
+        log.info("what the loop was built from changed since (%s)", changed)
         model = None if self.model_init is not None else self.model
         kept = list(self.callback_handler.callbacks)
         built = arguments.with_batch_size(self.args_built, batch_size)
