@@ -1,8 +1,9 @@
 """What a script sets on a transformers Trainer after building it applies, as in
 transformers, which reads these attributes each time it uses them: ``compute_metrics``
 (scripts swap it between evaluations, one function per task),
-``preprocess_logits_for_metrics``, ``train_dataset``, ``eval_dataset`` and
-``data_collator``. Both Trainers run side by side on a tiny GPT-2 and agree."""
+``preprocess_logits_for_metrics``, ``train_dataset``, ``eval_dataset``,
+``data_collator`` and the arguments an evaluation's loader is built from. Both
+Trainers run side by side on a tiny GPT-2 and agree."""
 
 from __future__ import annotations
 
@@ -94,6 +95,9 @@ def set_later(kind: str, out: Path, name: str) -> Any:
         if name == "eval_dataset":
             trainer.eval_dataset = [{"input_ids": r} for r in token_rows(12, seed=6)]
             return trainer.evaluate()["eval_loss"]
+        if name == "args.per_device_eval_batch_size":  # batches of 2: another mean loss
+            trainer.args.per_device_eval_batch_size = 2
+            return trainer.evaluate()["eval_loss"]
         if name == "preprocess_logits_for_metrics":
             trainer.preprocess_logits_for_metrics = lambda logits, labels: logits[..., :5]
             return trainer.evaluate()["eval_accuracy"]
@@ -104,7 +108,14 @@ def set_later(kind: str, out: Path, name: str) -> Any:
 
 
 @pytest.mark.parametrize(
-    "name", ["train_dataset", "eval_dataset", "preprocess_logits_for_metrics", "data_collator"]
+    "name",
+    [
+        "train_dataset",
+        "eval_dataset",
+        "preprocess_logits_for_metrics",
+        "data_collator",
+        "args.per_device_eval_batch_size",
+    ],
 )
 def test_a_dataset_collator_or_logits_hook_set_after_construction_is_used(tmp_path, name):
     theirs = set_later("hf", tmp_path / "hf", name)

@@ -575,7 +575,7 @@ class Trainer(construction.BuiltAttributes, ScriptMethods):
         return self._loaders.evaluation(
             eval_dataset,
             default=self.eval_dataset,
-            built=loop.eval_loader if loop is not None else None,
+            built=training.reusable_eval_loader(self, loop),
             persistent=bool(hf_optim.arg(self.args, "dataloader_persistent_workers", False)),
         )
 

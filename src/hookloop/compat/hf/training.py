@@ -121,6 +121,14 @@ def compare_with_checkpoint(args: Any, folder: Path) -> None:
         )
 
 
+def reusable_eval_loader(trainer: Any, loop: Any) -> Any:
+    """The loop's evaluation loader, unless the arguments changed since it was built
+    (transformers builds a loader from them at each evaluation): None then."""
+    if loop is None or arguments.changed_fields(trainer.args_built, trainer.args):
+        return None
+    return loop.eval_loader
+
+
 #: What transformers' Trainer reads from its attributes at each ``train()``.
 READ_AT_TRAIN = ("train_dataset", "eval_dataset", "data_collator")
 
