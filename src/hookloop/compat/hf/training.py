@@ -129,19 +129,17 @@ def reusable_eval_loader(trainer: Any, loop: Any) -> Any:
     return loop.eval_loader
 
 
-#: What transformers' Trainer reads from its attributes at each ``train()``.
-READ_AT_TRAIN = ("train_dataset", "eval_dataset", "data_collator")
-
-
 def changed_since_build(trainer: Any) -> list[str]:
     """Why the loop must be built again before this ``train()``: the arguments' fields
     that changed since it was built, a dataset or the collator set since (taken into
     ``trainer.given`` for the build), or ``model_init`` after a first ``train()``."""
     changed = arguments.changed_fields(trainer.args_built, trainer.args)
     built = {**trainer.given, "data_collator": trainer.hf.data_collator}
-    for name in READ_AT_TRAIN:
-        if getattr(trainer, name) is not built[name]:
-            trainer.given[name] = getattr(trainer, name)
+    now = {"train_dataset": trainer.train_dataset, "eval_dataset": trainer.eval_dataset,
+           "data_collator": trainer.data_collator}  # fmt: skip
+    for name, value in now.items():
+        if value is not built[name]:
+            trainer.given[name] = value
             changed.append(f"{name}: set since the Trainer was built")
     if not changed and trainer.model_init is not None and trainer.hf.trained:
         changed = ["model_init: a new model, optimizer and schedule at each train()"]
