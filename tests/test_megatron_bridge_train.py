@@ -670,6 +670,7 @@ from hookloop.compat.megatron_bridge.recipes import tiny_gpt_pretrain_config
 from hookloop.compat.megatron_bridge.training import train as mb_train
 from hookloop.compat.megatron_bridge.training.callbacks import CallbackManager
 from hookloop.compat.megatron_bridge.training.state import GlobalState
+from hookloop.distributed import leave_process_group
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -712,7 +713,9 @@ mb_train.train(
 seen["params"] = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
 with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
     json.dump(seen, f)
-dist.destroy_process_group()
+# every rank at a barrier before the group goes: a rank that destroys it while its peer's
+# gloo threads still talk to it can make that peer abort at exit (SIGABRT)
+leave_process_group()
 """
 
 
